@@ -1,0 +1,5 @@
+import sys
+
+from lorasync.cli import main
+
+sys.exit(main())

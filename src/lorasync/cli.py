@@ -1,0 +1,74 @@
+"""``lorasync`` command line: subcommands -> functions.
+
+This is the only place where errors become exit codes: a ``LorasyncError``
+(anything the user can fix) prints one line and exits 2; anything else is a
+bug and keeps its traceback.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)``
+and ``run(args) -> int``.  Those modules import heavy libraries (torch,
+transformers) only inside ``run`` so that ``--help`` and argument errors stay
+fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from lorasync import __version__
+from lorasync.errors import LorasyncError
+
+__all__ = ["main"]
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("lorasync.train.cli", "LoRA fine-tuning on torchrun (the main job)"),
+    "cluster": ("lorasync.net.cluster_cli", "emulated multi-node cluster in network namespaces"),
+    "probe": ("lorasync.net.probe_cli", "measure the links training will use"),
+    "doctor": ("lorasync.net.doctor_cli", "find host and network problems, with fixes"),
+    "tune": ("lorasync.net.tune_cli", "check, emit, apply or revert TCP tuning"),
+    "plan": ("lorasync.plan.cli", "predict and rank sync strategies for a network"),
+    "bench": ("lorasync.bench_cli", "progressive-optimization benchmark"),
+    "report": ("lorasync.monitor.report_cli", "HTML report of one or more runs"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: usage + exit 2, one line
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lorasync", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"lorasync {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (modname, help_text) in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name == modname:
+                continue  # subcommand not built yet
+            raise
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text))
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except LorasyncError as exc:
+        print(f"lorasync {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"lorasync {args.command}: interrupted", file=sys.stderr)
+        return 130

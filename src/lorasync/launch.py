@@ -1,0 +1,64 @@
+"""Starting workers through torch's own elastic launcher (torchrun).
+
+Every distributed subcommand (train, probe, doctor --live, bench rows) runs
+the same way: when the process is not yet a torchrun worker, it re-runs
+``python -m lorasync <same argv>`` under ``torch.distributed.run``; inside a
+worker (``LOCAL_RANK``/``WORLD_SIZE`` set by torchrun), it does the work.  A
+user on several machines skips the first half and calls torchrun directly::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m lorasync train ...
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+__all__ = ["in_worker", "run_torchrun", "worker_env"]
+
+
+def in_worker() -> bool:
+    """True inside a process started by torchrun (or any env:// launcher)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def worker_env() -> dict[str, int]:
+    """rank, world_size, local_rank, local_world_size of this worker."""
+    e = os.environ
+    return {
+        "rank": int(e.get("RANK", 0)),
+        "world_size": int(e.get("WORLD_SIZE", 1)),
+        "local_rank": int(e.get("LOCAL_RANK", 0)),
+        "local_world_size": int(e.get("LOCAL_WORLD_SIZE", e.get("WORLD_SIZE", 1))),
+    }
+
+
+def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 0,
+                 rdzv_endpoint: str | None = None, rdzv_id: str = "lorasync",
+                 max_restarts: int = 0) -> int:
+    """Run ``python -m lorasync ARGV`` in ``nproc`` local workers via torchrun.
+
+    Single node: ``--standalone`` (a free local port, rendezvous on loopback).
+    Several nodes: c10d rendezvous at ``rdzv_endpoint``.  Returns the exit
+    code of the first failed worker (2 for a user error), 0 on success.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    if nnodes == 1 and rdzv_endpoint is None:
+        args.append("--standalone")
+    else:
+        args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
+                 "--rdzv-id", rdzv_id]
+    args += ["-m", "lorasync", *argv]
+    # one thread per worker unless the user said otherwise: ranks share cores
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        run(get_args_parser().parse_args(args))
+    except ChildFailedError as exc:
+        codes = [f.exitcode for f in exc.failures.values()]
+        return next((c for c in codes if c == 2), codes[0] if codes else 1) or 1
+    return 0
