@@ -1,5 +1,8 @@
 """The reference strategy (fp32 all-reduce) and the no-sync baseline.
 
+No ``from __future__ import annotations`` in hook modules: DDP checks that a
+hook's bucket annotation is the real ``dist.GradBucket`` class.
+
 ``allreduce`` must give the same result as DDP without any hook: every other
 strategy is tested against it.  ``none`` does no communication at all; the
 bench uses it to measure the compute ceiling (scaling efficiency = samples/s
@@ -7,7 +10,6 @@ of a run / samples/s of the same ranks with ``none``).  Replicas diverge under
 ``none``, so it is never a training strategy.
 """
 
-from __future__ import annotations
 
 import torch
 import torch.distributed as dist
