@@ -25,7 +25,7 @@ class AllReduce(Sync):
         self.ddp.register_comm_hook(self, _allreduce_hook)
 
 
-def _allreduce_hook(sync: AllReduce, bucket: dist.GradBucket) -> torch.futures.Future:
+def _allreduce_hook(sync: AllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     sync._ready()
     buf = bucket.buffer()
     # Pre-divide like torch's default reducer, so results match plain DDP.
@@ -47,7 +47,7 @@ class NoSync(Sync):
         self.ddp.register_comm_hook(self, _nosync_hook)
 
 
-def _nosync_hook(sync: NoSync, bucket: dist.GradBucket) -> torch.futures.Future:
+def _nosync_hook(sync: NoSync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     sync._ready()
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
