@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(argv)  # subcommands that relaunch themselves under torchrun need it
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -53,11 +53,15 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank:
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
                  "--rdzv-id", rdzv_id]
-    args += ["-m", "lorasync", *argv]
+    args += ["-m", "lorasync"]
+    parsed = get_args_parser().parse_args(args)
+    # Set the worker's arguments after parsing: argparse would otherwise match
+    # our flags against torchrun's abbreviations (--nproc vs --nproc-per-node).
+    parsed.training_script_args = list(argv)
     # one thread per worker unless the user said otherwise: ranks share cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:
-        run(get_args_parser().parse_args(args))
+        run(parsed)
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
         return next((c for c in codes if c == 2), codes[0] if codes else 1) or 1

@@ -1,0 +1,329 @@
+"""Typed, validated configuration of a training run.
+
+One dataclass per component; every field carries its help text and CLI flag
+in ``metadata``, so the CLI and the YAML loader are generated from these
+classes (one source of truth).  Each class validates itself in
+``__post_init__``; errors name the field, the value and the fix.
+
+YAML layout (every section and key optional)::
+
+    model: {name: smollm2-135m}
+    lora:  {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj]}
+    data:  {path: demo, seq_len: 128}
+    train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 60, seed: 0}
+    comm:  {strategy: allreduce, bucket_mb: 1.0, options: {period: 8}}
+    run:   {output_dir: runs/..., nproc: 2}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lorasync.errors import ConfigError, LorasyncError
+
+__all__ = [
+    "ModelConfig", "LoraSettings", "DataConfig", "TrainConfig", "CommConfig", "RunConfig",
+    "Config", "load_config", "config_to_dict", "iter_fields",
+]
+
+
+def _f(default, help: str, flag: str | None = None, **kw):
+    """A dataclass field with help text and an optional CLI flag name."""
+    meta = {"help": help}
+    if flag:
+        meta["flag"] = flag
+    if callable(default) and not isinstance(default, (str, int, float, bool)):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def _check(cond: bool, name: str, value, fix: str) -> None:
+    if not cond:
+        raise ConfigError(name, value, fix)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("smollm2-135m", "model: 'smollm2-135m' (embedded default), 'tiny' "
+                   "(small random-init model for tests) or a local Hugging Face causal-LM directory",
+                   flag="--model")
+    dtype: str = _f("float32", "parameter dtype of the base model (float32, bfloat16)",
+                    flag="--dtype")
+
+    def __post_init__(self):
+        _check(isinstance(self.name, str) and self.name != "", "model.name", self.name,
+               "give 'smollm2-135m', 'tiny' or a path to a local model directory")
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype,
+               "use float32 or bfloat16")
+
+
+@dataclass
+class LoraSettings:
+    r: int = _f(8, "LoRA rank", flag="--lora-r")
+    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r)", flag="--lora-alpha")
+    dropout: float = _f(0.0, "LoRA dropout probability", flag="--lora-dropout")
+    targets: list = _f(lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                       "module names that get adapters", flag="--lora-targets")
+    freeze_a: bool = _f(False, "FFA-LoRA: freeze the A matrices, train and sync only B "
+                        "(half the traffic; averaging becomes exact)", flag="--freeze-a")
+
+    def __post_init__(self):
+        _check(isinstance(self.r, int) and self.r >= 1, "lora.r", self.r, "use an integer >= 1")
+        _check(_num(self.alpha) and self.alpha > 0, "lora.alpha", self.alpha, "use a number > 0")
+        _check(_num(self.dropout) and 0 <= self.dropout < 1, "lora.dropout", self.dropout,
+               "use a number in [0, 1)")
+        if isinstance(self.targets, str):
+            self.targets = [t.strip() for t in self.targets.split(",") if t.strip()]
+        _check(isinstance(self.targets, list) and len(self.targets) > 0
+               and all(isinstance(t, str) and t for t in self.targets),
+               "lora.targets", self.targets, "give a non-empty list of module names, e.g. q_proj,v_proj")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("demo", "'demo' (bundled generated task) or a JSONL file with "
+                   "{prompt, completion}, {text} or {messages} rows", flag="--data")
+    seq_len: int = _f(128, "maximum tokens per example (longer ones are truncated)",
+                      flag="--seq-len")
+    eval_path: str = _f("", "JSONL file for evaluation; default: the demo's held-out split, "
+                        "or the last eval_size rows of --data", flag="--eval-data")
+    eval_size: int = _f(48, "examples used for eval loss and exact-match", flag="--eval-size")
+    demo_size: int = _f(4000, "training examples the demo task generates", flag="--demo-size")
+
+    def __post_init__(self):
+        _check(isinstance(self.path, str) and self.path != "", "data.path", self.path,
+               "give 'demo' or a path to a JSONL file")
+        _check(isinstance(self.seq_len, int) and 8 <= self.seq_len <= 32768, "data.seq_len",
+               self.seq_len, "use an integer between 8 and 32768")
+        _check(isinstance(self.eval_size, int) and self.eval_size >= 0, "data.eval_size",
+               self.eval_size, "use an integer >= 0 (0 disables evaluation)")
+        _check(isinstance(self.demo_size, int) and self.demo_size >= 16, "data.demo_size",
+               self.demo_size, "use an integer >= 16")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = _f(4, "examples per rank per micro-batch", flag="--batch-size")
+    grad_accum: int = _f(1, "micro-batches per optimizer step (gradient accumulation)",
+                         flag="--grad-accum")
+    lr: float = _f(2e-3, "peak learning rate (AdamW)", flag="--lr")
+    weight_decay: float = _f(0.0, "AdamW weight decay", flag="--weight-decay")
+    schedule: str = _f("cosine", "learning-rate schedule: constant, linear or cosine",
+                       flag="--schedule")
+    warmup_steps: int = _f(5, "linear warm-up steps of the schedule", flag="--warmup-steps")
+    max_steps: int = _f(60, "optimizer steps to run (0: use --epochs)", flag="--max-steps")
+    epochs: float = _f(0.0, "passes over the training data when --max-steps is 0",
+                       flag="--epochs")
+    seed: int = _f(0, "seed of data order, adapter init and dropout", flag="--seed")
+    eval_interval: int = _f(0, "evaluate every N steps (0: only before and after training)",
+                            flag="--eval-interval")
+    ckpt_interval: int = _f(20, "write a checkpoint every N steps (0: only at the end)",
+                            flag="--ckpt-interval")
+    keep_ckpts: int = _f(2, "checkpoints kept (older ones are deleted)", flag="--keep-ckpts")
+    stop_after: int = _f(0, "end this session after step N, checkpointed, keeping the schedule "
+                         "of max_steps (a time-boxed run; continue it with --resume)",
+                         flag="--stop-after")
+    max_new_tokens: int = _f(24, "tokens generated per example for exact-match",
+                             flag="--max-new-tokens")
+
+    def __post_init__(self):
+        for name, lo in (("batch_size", 1), ("grad_accum", 1), ("warmup_steps", 0),
+                         ("max_steps", 0), ("eval_interval", 0), ("ckpt_interval", 0),
+                         ("keep_ckpts", 1), ("max_new_tokens", 1), ("stop_after", 0)):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"train.{name}",
+                   v, f"use an integer >= {lo}")
+        _check(isinstance(self.seed, int) and self.seed >= 0, "train.seed", self.seed,
+               "use an integer >= 0")
+        _check(_num(self.lr) and 0 < self.lr < 1, "train.lr", self.lr, "use a number in (0, 1)")
+        _check(_num(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay",
+               self.weight_decay, "use a number >= 0")
+        _check(self.schedule in ("constant", "linear", "cosine"), "train.schedule",
+               self.schedule, "use constant, linear or cosine")
+        _check(_num(self.epochs) and self.epochs >= 0, "train.epochs", self.epochs,
+               "use a number >= 0")
+        _check(self.max_steps > 0 or self.epochs > 0, "train.max_steps", self.max_steps,
+               "set --max-steps > 0 or --epochs > 0")
+
+
+@dataclass
+class CommConfig:
+    strategy: str = _f("allreduce", "gradient-sync strategy (allreduce, fp16, bf16, int8, "
+                       "onebit, topk, powersgd, local, diloco, auto; none = no sync)",
+                       flag="--comm")
+    options: dict = _f(dict, "strategy options as key=value pairs, e.g. period=8",
+                       flag="--comm-opt")
+    bucket_mb: float = _f(1.0, "DDP bucket size in MB: the 3.7 MB default adapter in 1 MB "
+                          "buckets overlaps most of its sync with the backward pass; larger "
+                          "buckets cost fewer round trips but expose more sync",
+                          flag="--bucket-mb")
+
+    def __post_init__(self):
+        _check(isinstance(self.strategy, str) and self.strategy, "comm.strategy",
+               self.strategy, "name a strategy, e.g. allreduce")
+        _check(isinstance(self.options, dict), "comm.options", self.options,
+               "give a mapping of option names to values")
+        _check(_num(self.bucket_mb) and 0 < self.bucket_mb <= 1024, "comm.bucket_mb",
+               self.bucket_mb, "use a number of MB in (0, 1024]")
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = _f("", "run directory (default: runs/<date>-<time>)", flag="--output-dir")
+    nproc: int = _f(2, "worker processes started on this node", flag="--nproc")
+    backend: str = _f("auto", "torch.distributed backend: auto (nccl with CUDA, else gloo), "
+                      "gloo or nccl", flag="--backend")
+    threads: int = _f(0, "torch threads per worker (0: cores / local workers)", flag="--threads")
+    progress: bool = _f(True, "live progress bar on rank 0", flag="--progress")
+
+    def __post_init__(self):
+        _check(isinstance(self.nproc, int) and 1 <= self.nproc <= 256, "run.nproc", self.nproc,
+               "use an integer between 1 and 256")
+        _check(self.backend in ("auto", "gloo", "nccl"), "run.backend", self.backend,
+               "use auto, gloo or nccl")
+        _check(isinstance(self.threads, int) and self.threads >= 0, "run.threads",
+               self.threads, "use an integer >= 0")
+
+
+SECTIONS = {"model": ModelConfig, "lora": LoraSettings, "data": DataConfig,
+            "train": TrainConfig, "comm": CommConfig, "run": RunConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def iter_fields():
+    """(section, field) for every option, in declaration order."""
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            yield section, f
+
+
+class UnknownKey(ConfigError):
+    def __init__(self, where: str, key: str, known):
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        self.field, self.value, self.fix = where, key, hint
+        LorasyncError.__init__(self, f"{where}: unknown key {key!r}; {hint}")
+
+
+def _unknown(where: str, key: str, known) -> ConfigError:
+    return UnknownKey(where, key, known)
+
+
+def _coerce(section: str, f: dataclasses.Field, value):
+    """YAML/CLI value -> the field's type, or a ConfigError naming it."""
+    name = f"{section}.{f.name}"
+    default = getattr(SECTIONS[section](), f.name)
+    if value is None:
+        raise ConfigError(name, value, "give a value (null is not allowed)")
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, value, "use true or false")
+    if isinstance(default, int):
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(name, value, "use an integer") from None
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(name, value, "use an integer")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(name, value, "use a number") from None
+        if not _num(value):
+            raise ConfigError(name, value, "use a number")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(name, value, "use a string")
+        return str(value)
+    return value
+
+
+def parse_options(pairs) -> dict[str, Any]:
+    """['period=8', 'ratio=0.01'] -> {'period': 8, 'ratio': 0.01} (YAML scalars)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for p in pairs:
+        if "=" not in p:
+            raise ConfigError("comm.options", p, "write options as key=value, e.g. period=8")
+        k, v = p.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None
+                ) -> Config:
+    """Defaults <- YAML file <- CLI overrides ({section: {key: value}}), validated."""
+    import yaml
+
+    raw: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    if yaml_path:
+        if not os.path.isfile(yaml_path):
+            raise ConfigError("--config", yaml_path, "file not found; give a path to a YAML file")
+        try:
+            with open(yaml_path) as fh:
+                data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{yaml_path}:{mark.line + 1}" if mark else yaml_path
+            raise LorasyncError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)}); "
+                                "fix the syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError(yaml_path, type(data).__name__,
+                              "the file must be a mapping of sections (model, lora, data, ...)")
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise _unknown(f"{yaml_path}", section, SECTIONS)
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{yaml_path}: {section}", values,
+                                  "a section must be a mapping of keys to values")
+            known = [f.name for f in fields(SECTIONS[section])]
+            for k, v in values.items():
+                if k not in known:
+                    raise _unknown(f"{yaml_path}: {section}", k, known)
+                raw[section][k] = v
+    for section, values in (overrides or {}).items():
+        raw[section].update(values)
+    built = {}
+    for section, cls in SECTIONS.items():
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in raw[section]:
+                kwargs[f.name] = _coerce(section, f, raw[section][f.name])
+        built[section] = cls(**kwargs)
+    return Config(**built)
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)

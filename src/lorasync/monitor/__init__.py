@@ -1,0 +1,1 @@
+"""Metrics records, their sinks, and reports."""

@@ -1,0 +1,1 @@
+"""Training: model loading, data, the run loop, checkpoints and the train CLI."""

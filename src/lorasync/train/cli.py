@@ -1,0 +1,190 @@
+"""LoRA fine-tuning across processes and machines (the main job).
+
+One node, the embedded default (SmolLM2-135M + LoRA r=8, demo task, 2 workers):
+
+    lorasync train
+    lorasync train --nproc 4 --comm fp16 --max-steps 200 --output-dir runs/fp16
+
+Several machines: run the same command as a torchrun worker on every node
+(HOST:PORT is node 0's address, reachable from all nodes)::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m lorasync train --output-dir runs/x
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m lorasync train --output-dir runs/x
+
+Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches the
+other nodes (``lorasync doctor`` checks this).  Options come from the
+defaults, then ``--config FILE.yaml``, then the flags below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from lorasync.config import iter_fields, load_config, parse_options
+from lorasync.errors import ConfigError, LorasyncError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML file with model/lora/data/train/comm/"
+                   "run sections; flags override it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir from its latest checkpoint")
+    p.add_argument("--emulate", metavar="SPEC",
+                   help="run on an emulated cluster, e.g. nodes=2,rate=10mbit[,delay=40ms]: one "
+                        "worker per network namespace, torchrun c10d rendezvous across them "
+                        "(needs root)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, f in iter_fields():
+        flag = f.metadata.get("flag")
+        if not flag:
+            continue
+        g = groups.setdefault(section, p.add_argument_group(f"{section} options"))
+        dest = f"{section}__{f.name}"
+        default = f.default if f.default is not f.default_factory else None
+        help_text = f.metadata["help"]
+        if f.type in ("bool", bool):
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                           help=help_text)
+        elif f.name == "options":
+            g.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE", default=None,
+                           help=help_text)
+        else:
+            shown = "" if default in (None, "") or not isinstance(default, (int, float, str)) \
+                else f" (default: {default})"
+            g.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(),
+                           help=help_text + shown)
+
+
+def _overrides(args) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "__" not in key or value is None:
+            continue
+        section, name = key.split("__", 1)
+        if name == "options":
+            value = parse_options(value)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _resolve(args):
+    """Config from defaults <- run dir (on --resume) <- YAML <- flags."""
+    overrides = _overrides(args)
+    if args.resume:
+        out = overrides.get("run", {}).get("output_dir")
+        if not out:
+            raise ConfigError("--resume", True, "also give --output-dir of the run to continue")
+        saved = os.path.join(out, "config.yaml")
+        if not os.path.isfile(saved):
+            raise ConfigError("--output-dir", out, "no run to resume here (config.yaml missing)")
+        base = load_config(saved)
+        import dataclasses
+        merged = {s: dict(dataclasses.asdict(getattr(base, s))) for s in
+                  ("model", "lora", "data", "train", "comm", "run")}
+        for s, vals in overrides.items():
+            merged[s].update(vals)
+        return load_config(args.config, merged)
+    return load_config(args.config, overrides)
+
+
+def _preflight(cfg) -> None:
+    """Check everything a user can get wrong before any worker starts or any file is written."""
+    from lorasync.comm import strategy_names
+    from lorasync.train.data import load_datasets
+    from lorasync.train.model import EMBEDDED, ensure_embedded, load_base
+
+    names = strategy_names()
+    if cfg.comm.strategy not in names:
+        raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")
+    if cfg.model.name == EMBEDDED:
+        ensure_embedded(log=lambda m: print(m, file=sys.stderr))
+    _, tok = _load_tokenizer(cfg.model.name, load_base)
+    train, _ = load_datasets(cfg.data, tok)
+    world = cfg.run.nproc
+    g = world * cfg.train.batch_size * cfg.train.grad_accum
+    if len(train) < g:
+        raise LorasyncError(
+            f"data.path: {len(train)} training examples is fewer than one global batch "
+            f"({world} ranks x batch_size {cfg.train.batch_size} x grad_accum "
+            f"{cfg.train.grad_accum} = {g}); add data or lower --batch-size")
+
+
+def _load_tokenizer(name, load_base):
+    if name in ("tiny",):
+        return load_base(name)
+    from lorasync.train.model import EMBEDDED, _embedded_dir
+
+    path = _embedded_dir() if name == EMBEDDED else os.path.expanduser(name)
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        return load_base(name)  # raises the ModelError with the fix
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise LorasyncError(f"model.name: cannot load the tokenizer of {path}: "
+                            f"{str(exc).splitlines()[0]}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return None, tok
+
+
+def _worker_argv(argv: list[str], output_dir: str) -> list[str]:
+    """The launcher's argv for the workers, with the run directory fixed."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in ("--output-dir", "--emulate"):
+            skip = True
+            continue
+        if a.startswith("--output-dir=") or a.startswith("--emulate="):
+            continue
+        out.append(a)
+    return ["train", *out, "--output-dir", output_dir]
+
+
+def run(args) -> int:
+    from lorasync.launch import in_worker, run_torchrun
+
+    cfg = _resolve(args)
+    if in_worker():
+        from lorasync.train.loop import train_worker
+
+        if not cfg.run.output_dir:
+            raise ConfigError("--output-dir", "", "under torchrun give every node the same "
+                              "--output-dir")
+        try:
+            return train_worker(cfg, resume=args.resume)
+        except LorasyncError:
+            if int(os.environ.get("RANK", "0")) != 0:
+                # only rank 0 reports a user error; the others exit with the same code
+                raise SystemExit(2) from None
+            raise
+
+    if not cfg.run.output_dir:
+        cfg.run.output_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    out = os.path.abspath(cfg.run.output_dir)
+    if not args.resume and os.path.isdir(out) and os.listdir(out):
+        raise ConfigError("--output-dir", cfg.run.output_dir,
+                          "already holds a run; pass --resume to continue it or choose another "
+                          "directory")
+    _preflight(cfg)
+    raw = args._argv
+    argv = _worker_argv(raw[raw.index("train") + 1:] if "train" in raw else [], out)
+    if args.emulate:
+        from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
+
+        spec = parse_emulate(args.emulate)
+        with emulated(spec) as cluster:
+            return launch_on_cluster(cluster, ["-m", "lorasync", *argv, "--nproc", "1"])
+    print(f"lorasync train: {cfg.run.nproc} worker(s) via torchrun, run directory {out}",
+          file=sys.stderr)
+    return run_torchrun(argv, cfg.run.nproc)

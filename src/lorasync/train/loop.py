@@ -1,0 +1,452 @@
+"""The training worker: one process per rank, started by torchrun.
+
+DDP settings chosen for LoRA (and why):
+
+* ``init_sync=False``: by default DDP broadcasts the whole module state from
+  rank 0 when it is built, frozen base weights included (540 MB for
+  SmolLM2-135M: ~45 s at 100 Mbit/s, over 7 minutes at 10 Mbit/s before the
+  first step).  Every rank loads the same base weights itself, so only the
+  adapter must be made identical: we broadcast just the adapter tensors
+  (3.7 MB), and start-up traffic is the adapter's size, not the model's.
+* ``broadcast_buffers=False``: the model's buffers (rotary tables) never
+  change, so re-broadcasting them before every forward is wasted traffic.
+* ``bucket_cap_mb`` from the config (default 1 MB): DDP hands a bucket to the
+  sync strategy as soon as all its gradients are ready; the 3.7 MB adapter in
+  1 MB buckets lets the sync of the last layers' gradients run while the
+  backward pass is still computing the first layers' (overlap), at the cost
+  of one collective per bucket.  One big bucket would expose the whole sync.
+* ``find_unused_parameters=False``: every adapter parameter is used in every
+  forward, and the search costs a graph traversal per step.
+
+Exposed sync time (``comm_s``): the strategy stamps the moment the last bucket
+became ready (local compute done); whatever the backward pass still waits
+after that, plus the time spent in ``sync.after_step()``, is sync the step
+waited on.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+
+from lorasync.config import Config, config_to_dict
+from lorasync.errors import DataError, LorasyncError
+from lorasync.launch import worker_env
+
+__all__ = ["train_worker", "resolve_backend"]
+
+
+def resolve_backend(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise LorasyncError("run.backend: 'nccl' needs CUDA GPUs, none found; use "
+                            "--backend gloo (or auto)")
+    return name
+
+
+def _lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:  # step counts optimizer steps done, from 0
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return f
+
+
+def _rng_state():
+    import numpy as np
+    import torch
+
+    st = {"torch": torch.random.get_rng_state(), "python": random.getstate(),
+          "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st) -> None:
+    import numpy as np
+    import torch
+
+    torch.random.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+class _Log:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __call__(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+
+def _evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batch=16):
+    """(eval loss per token, exact-match count, examples checked): sharded over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from lorasync.train.data import collate
+
+    mine = examples[rank::world]
+    was_training = model.training
+    model.eval()
+    loss_sum = tok_count = correct = checked = 0.0
+    with torch.no_grad():
+        for i in range(0, len(mine), batch):
+            chunk = mine[i:i + batch]
+            b = {k: v.to(device) for k, v in collate(chunk, tok.pad_token_id).items()}
+            out = model(**b)
+            # out.loss is a mean over the label tokens of the batch: weight it back
+            n = int((b["labels"][:, 1:] != -100).sum())
+            loss_sum += float(out.loss) * n
+            tok_count += n
+            gen = [e for e in chunk if e.gen_prompt_ids is not None]
+            if not gen:
+                continue
+            width = max(len(e.gen_prompt_ids) for e in gen)
+            ids = torch.full((len(gen), width), tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, e in enumerate(gen):  # left padding for generation
+                ids[j, width - len(e.gen_prompt_ids):] = torch.tensor(e.gen_prompt_ids)
+                mask[j, width - len(e.gen_prompt_ids):] = 1
+            outs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            for j, e in enumerate(gen):
+                text = tok.decode(outs[j, width:], skip_special_tokens=True).strip()
+                correct += float(text == e.answer)
+                checked += 1
+    t = torch.tensor([loss_sum, tok_count, correct, checked], dtype=torch.float64)
+    dist.all_reduce(t)  # 32 bytes, once per evaluation
+    if was_training:
+        model.train()
+    loss_sum, tok_count, correct, checked = t.tolist()
+    return (loss_sum / tok_count if tok_count else float("nan")), int(correct), int(checked)
+
+
+def prepare_run_dir(cfg: Config, resume: bool) -> None:
+    """Rank 0: create the run directory (after validation) and write config.yaml."""
+    import yaml
+
+    out = cfg.run.output_dir
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "config.yaml")
+    tmp = path + ".part"
+    with open(tmp, "w") as fh:
+        yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def train_worker(cfg: Config, resume: bool = False) -> int:
+    import torch
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    env = worker_env()
+    rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
+    log = _Log(rank)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    threads = cfg.run.threads or max(1, (os.cpu_count() or 1) // env["local_world_size"])
+    torch.set_num_threads(threads)
+    backend = resolve_backend(cfg.run.backend)
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10),
+                            device_id=device if backend == "nccl" else None)
+    try:
+        return _train(cfg, resume, env, device, backend, log)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lorasync.comm import attach
+    from lorasync.monitor.metrics import RankStream, write_merged
+    from lorasync.train import checkpoint as ckpt
+    from lorasync.train.data import collate, load_datasets, step_batches, steps_per_epoch
+    from lorasync.train.model import adapter_param_count, add_lora, load_base
+
+    rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
+    tc = cfg.train
+    barrier = (lambda: dist.barrier(device_ids=[device.index])) if backend == "nccl" \
+        else dist.barrier
+
+    t_load = time.time()
+    base, tok = load_base(cfg.model.name, cfg.model.dtype, log=log)
+    train_set, eval_set = load_datasets(cfg.data, tok)
+    global_batch = world * tc.batch_size * tc.grad_accum
+    if len(train_set) < global_batch:
+        raise DataError(f"data.path: {len(train_set)} training examples is fewer than one global "
+                        f"batch ({world} ranks x batch_size {tc.batch_size} x grad_accum "
+                        f"{tc.grad_accum} = {global_batch}); add data or lower --batch-size")
+    spe = steps_per_epoch(len(train_set), global_batch)
+    total_steps = tc.max_steps or max(1, int(tc.epochs * spe))
+    run_dir = cfg.run.output_dir
+
+    resume_from = ckpt.latest(run_dir) if resume else None
+    if resume and resume_from is None:
+        raise LorasyncError(f"--resume: {run_dir} has no complete checkpoint; start a new run "
+                            "without --resume")
+    start_step = 0
+    meta: dict = {}
+    if resume_from:
+        meta = ckpt.read_meta(resume_from)
+        if meta["world_size"] != world:
+            raise LorasyncError(f"--resume: {resume_from} was written by {meta['world_size']} "
+                                f"ranks, this job has {world}; resume with --nproc "
+                                f"{meta['world_size']} (nodes x workers)")
+        start_step = meta["step"]
+    model = add_lora(base, cfg.lora, tc.seed).to(device)
+    model.train()
+    # Make the adapter identical on every rank: rank 0's init is the truth.
+    # This (a few MB) replaces DDP's start-up broadcast of the whole model.
+    startup_bytes = 0
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                dist.broadcast(p.data, src=0)
+                startup_bytes += p.numel() * p.element_size()
+    n_adapter = adapter_param_count(model)
+    log(f"lorasync: {world} rank(s), backend {backend}, model {cfg.model.name}, "
+        f"{n_adapter:,} trainable adapter parameters, strategy {cfg.comm.strategy}, "
+        f"{len(train_set)} train / {len(eval_set)} eval examples, loaded in "
+        f"{time.time() - t_load:.1f} s")
+
+    ddp = DDP(model, device_ids=[device.index] if backend == "nccl" else None,
+              init_sync=False, forward_sync_buffers=False, bucket_cap_mb=cfg.comm.bucket_mb,
+              find_unused_parameters=False)
+    try:
+        sync = attach(ddp, cfg.comm.strategy, **cfg.comm.options)
+    except ValueError as exc:
+        raise LorasyncError(f"comm: {exc}") from None
+    # Everything the user could get wrong has been checked: only now write.
+    if rank == 0:
+        prepare_run_dir(cfg, resume)
+    barrier()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, _lr_lambda(tc.schedule, tc.warmup_steps, total_steps))
+
+    eval_before = meta.get("eval_before")
+    if resume_from:
+        st = ckpt.load_rank(resume_from, rank)
+        with torch.no_grad():
+            named = dict(model.named_parameters())
+            for n, v in st["adapter"].items():
+                named[n].copy_(v)
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        sync.load_state_dict(st["sync"])
+        _set_rng_state(st["rng"])
+        log(f"resumed from {resume_from} at step {start_step}")
+
+    stream = RankStream(run_dir, rank, keep_until_step=start_step)
+    evals_path = os.path.join(run_dir, "evals.jsonl")
+
+    def run_eval(step: int):
+        loss, correct, n = _evaluate(model, eval_set, tok, device, rank=rank, world=world,
+                                     max_new_tokens=tc.max_new_tokens)
+        rec = {"step": step, "eval_loss": loss, "exact_match": correct / n if n else None,
+               "correct": correct, "n": n, "time": time.time()}
+        if rank == 0:
+            with open(evals_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        return rec
+
+    if eval_before is None and cfg.data.eval_size and eval_set:
+        log("evaluating the base adapter ...")
+        eval_before = run_eval(0)
+
+    def checkpoint(step: int):
+        state = {"adapter": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                             if "lora_" in n},
+                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "sync": sync.state_dict(), "rng": _rng_state(), "step": step}
+        ckpt.save(run_dir, step, state, {"eval_before": eval_before, "total_steps": total_steps},
+                  rank=rank, local_rank=local_rank, world_size=world, barrier=barrier,
+                  keep=tc.keep_ckpts)
+
+    bar = None
+    if rank == 0 and cfg.run.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+    last_stats = sync.stats()
+    end_step = min(total_steps, tc.stop_after) if tc.stop_after else total_steps
+    ema_sps = None
+    try:
+        for step in range(start_step + 1, end_step + 1):
+            t0 = time.perf_counter()
+            micro = step_batches(step, n=len(train_set), seed=tc.seed, rank=rank, world=world,
+                                 batch_size=tc.batch_size, grad_accum=tc.grad_accum)
+            losses, samples, tokens, data_s, exposed = [], 0, 0, 0.0, 0.0
+            for i, idx in enumerate(micro):
+                td = time.perf_counter()
+                batch = collate([train_set[j] for j in idx], tok.pad_token_id)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                data_s += time.perf_counter() - td
+                last = i == len(micro) - 1
+                sync.last_ready_time = None
+                if last:
+                    loss = ddp(**batch).loss
+                    (loss / len(micro)).backward()
+                else:
+                    with ddp.no_sync():  # accumulate locally; sync once per step
+                        loss = ddp(**batch).loss
+                        (loss / len(micro)).backward()
+                if last and sync.last_ready_time is not None:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    exposed += max(0.0, time.perf_counter() - sync.last_ready_time)
+                losses.append(float(loss.detach()))
+                samples += len(idx)
+                tokens += int(batch["attention_mask"].sum())
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            ta = time.perf_counter()
+            sync.after_step()
+            exposed += time.perf_counter() - ta
+            step_s = time.perf_counter() - t0
+            stats = sync.stats()
+            rec = {"step": step, "rank": rank, "world_size": world,
+                   "strategy": stats.get("strategy", cfg.comm.strategy),
+                   "loss": sum(losses) / len(losses), "lr": sched.get_last_lr()[0],
+                   "samples": samples, "tokens": tokens, "grad_accum": len(micro),
+                   "compute_s": max(0.0, step_s - exposed - data_s), "comm_s": exposed,
+                   "step_s": step_s,
+                   "wire_bytes": stats["wire_bytes"] - last_stats["wire_bytes"],
+                   "fp32_bytes": stats["fp32_bytes"] - last_stats["fp32_bytes"],
+                   "encode_s": stats["encode_s"] - last_stats["encode_s"],
+                   "time": time.time()}
+            last_stats = stats
+            stream.write(rec)
+            if bar is not None:
+                sps = world * samples / step_s
+                ema_sps = sps if ema_sps is None else 0.8 * ema_sps + 0.2 * sps
+                bar.set_postfix_str(f"loss {rec['loss']:.3f} | {ema_sps:.2f} samples/s | "
+                                    f"sync {100 * exposed / step_s:.0f}% | {rec['strategy']}",
+                                    refresh=False)
+                bar.update(1)
+            if tc.eval_interval and step % tc.eval_interval == 0 and step < total_steps:
+                r = run_eval(step)
+                log(f"step {step}: eval loss {r['eval_loss']:.4f}, exact-match "
+                    f"{r['correct']}/{r['n']}")
+            if step == end_step or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
+                checkpoint(step)
+    finally:
+        if bar is not None:
+            bar.close()
+        stream.close()
+
+    if end_step < total_steps:
+        log(f"stopped after step {end_step} of {total_steps} (--stop-after); continue with "
+            f"--resume --output-dir {run_dir}")
+        return 0
+
+    sync.finish()
+    eval_after = run_eval(total_steps) if cfg.data.eval_size and eval_set else None
+    if rank == 0:
+        model.save_pretrained(os.path.join(run_dir, "adapter"))
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(stream.records, gathered, dst=0)
+    if rank == 0:
+        write_merged(os.path.join(run_dir, "metrics.jsonl"), gathered)
+        summary = _summarize(gathered, cfg, world, n_adapter, startup_bytes, eval_before,
+                             eval_after)
+        with open(os.path.join(run_dir, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
+        print(format_summary(summary, run_dir))
+    barrier()
+    return 0
+
+
+def _summarize(per_rank, cfg, world, n_adapter, startup_bytes, eval_before, eval_after) -> dict:
+    import statistics
+
+    r0 = sorted(per_rank[0], key=lambda r: r["step"])
+    # the first step includes DDP's bucket rebuild and allocator warm-up
+    steady = r0[1:] if len(r0) > 1 else r0
+    by_step: dict[int, list[dict]] = {}
+    for recs in per_rank:
+        for r in recs:
+            by_step.setdefault(r["step"], []).append(r)
+    steady_steps = [s for s in sorted(by_step) if s != r0[0]["step"]] or sorted(by_step)
+    # a step is as slow as its slowest rank; samples are summed over ranks
+    wall = sum(max(r["step_s"] for r in by_step[s]) for s in steady_steps)
+    samples = sum(sum(r["samples"] for r in by_step[s]) for s in steady_steps)
+    return {
+        "world_size": world, "strategy": cfg.comm.strategy, "model": cfg.model.name,
+        "adapter_params": n_adapter, "steps": len(r0), "startup_broadcast_bytes": startup_bytes,
+        "samples_per_s": samples / wall if wall else None,
+        "step_s_median": statistics.median(r["step_s"] for r in steady),
+        "compute_s_mean": statistics.fmean(r["compute_s"] for r in steady),
+        "comm_s_mean": statistics.fmean(r["comm_s"] for r in steady),
+        "sync_share": (sum(r["comm_s"] for r in steady) / sum(r["step_s"] for r in steady)),
+        "wire_bytes_per_step": statistics.fmean(r["wire_bytes"] for r in steady),
+        "fp32_bytes_per_step": statistics.fmean(r["fp32_bytes"] for r in steady),
+        "final_loss": r0[-1]["loss"],
+        "eval_before": eval_before, "eval_after": eval_after,
+    }
+
+
+def _em(e) -> str:
+    if not e or not e.get("n"):
+        return "n/a"
+    p = e["correct"] / e["n"]
+    se = math.sqrt(p * (1 - p) / e["n"])
+    return f"{100 * p:.1f}% +- {100 * se:.1f} ({e['correct']}/{e['n']})"
+
+
+def format_summary(s: dict, run_dir: str) -> str:
+    eb, ea = s["eval_before"], s["eval_after"]
+    rows = [
+        ("ranks x strategy", f"{s['world_size']} x {s['strategy']}"),
+        ("adapter parameters", f"{s['adapter_params']:,}"),
+        ("eval exact-match before", _em(eb)),
+        ("eval exact-match after", _em(ea)),
+        ("eval loss before -> after",
+         f"{eb['eval_loss']:.4f} -> {ea['eval_loss']:.4f}" if eb and ea else "n/a"),
+        ("train loss (last step)", f"{s['final_loss']:.4f}"),
+        ("samples/s (all ranks)", f"{s['samples_per_s']:.2f}"),
+        ("step time median", f"{s['step_s_median']:.3f} s"),
+        ("compute vs sync per step",
+         f"{s['compute_s_mean']:.3f} s vs {s['comm_s_mean']:.3f} s "
+         f"({100 * s['sync_share']:.1f}% waiting on sync)"),
+        ("sent per step per rank",
+         f"{s['wire_bytes_per_step'] / 1e6:.3f} MB (fp32 all-reduce: "
+         f"{s['fp32_bytes_per_step'] / 1e6:.3f} MB)"),
+        ("start-up broadcast", f"{s['startup_broadcast_bytes'] / 1e6:.2f} MB (adapter only)"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    lines = [f"\nlorasync run summary ({run_dir})", "-" * (w + 40)]
+    lines += [f"{k.ljust(w)}  {v}" for k, v in rows]
+    lines += ["-" * (w + 40),
+              f"adapter: {os.path.join(run_dir, 'adapter')}   metrics: "
+              f"{os.path.join(run_dir, 'metrics.jsonl')}"]
+    return "\n".join(lines)
