@@ -1,0 +1,541 @@
+"""Host and network checks for distributed training, each with its fix.
+
+A :class:`Finding` says what was found, why it matters for training and the
+exact fix (a command or an environment variable), at one of four
+severities: ok, info, warn, error. ``doctor`` exits 1 when any finding is
+an error.
+
+Static checks (:func:`static_checks`) look at one host through
+:class:`~lorasync.net.hostinfo.HostInfo`, so tests run them on fake trees.
+Live checks (:func:`live_checks`) run on every rank of a process group:
+ranks exchange what they see (versions, config hash, interface, MTU) and a
+short pair probe names the slowest link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from dataclasses import asdict, dataclass, field
+
+from lorasync.net.hostinfo import HostInfo, is_loopback_address, is_public_address
+from lorasync.net.tune import Link, default_link, recommend, tc_rate
+
+__all__ = [
+    "SEVERITIES",
+    "Finding",
+    "static_checks",
+    "live_checks",
+    "rank_facts",
+    "merge_findings",
+    "worst",
+    "exit_code",
+    "format_findings",
+    "nccl_ifname_matches",
+]
+
+SEVERITIES = ("ok", "info", "warn", "error")
+_SOCKET_THREADS_MIN_MBPS = 25000  # NCCL's socket defaults (1 thread x 1 socket) cap out around here
+
+
+@dataclass
+class Finding:
+    check: str  # stable id, e.g. "hostname-loopback"
+    severity: str  # ok | info | warn | error
+    found: str  # what was found
+    why: str = ""  # why it matters for training
+    fix: str = ""  # the exact command or variable
+    ranks: list[int] = field(default_factory=list)  # live: which ranks saw it
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity: {self.severity!r} is not one of {SEVERITIES}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def worst(findings: list[Finding]) -> str:
+    return max((f.severity for f in findings), key=SEVERITIES.index, default="ok")
+
+
+def exit_code(findings: list[Finding]) -> int:
+    """0 when nothing is worse than a warning, 1 otherwise."""
+    return 1 if worst(findings) == "error" else 0
+
+
+# -- interface selection ----------------------------------------------------------
+def _best_candidate(host: HostInfo):
+    cands = host.candidate_interfaces()
+    if not cands:
+        return None
+    # fastest link first, then physical over virtual, then biggest MTU
+    return max(cands, key=lambda i: (i.speed_mbps or 0, i.physical, i.mtu or 0))
+
+
+def _ifname_fix(host: HostInfo) -> str:
+    best = _best_candidate(host)
+    name = best.name if best else "IFACE"
+    return f"export GLOO_SOCKET_IFNAME={name} NCCL_SOCKET_IFNAME={name}"
+
+
+def _check_hostname(host: HostInfo, nnodes: int | None) -> list[Finding]:
+    name = host.hostname()
+    addrs = host.resolve()
+    gloo_if = host.env.get("GLOO_SOCKET_IFNAME")
+    if not addrs:
+        return [Finding("hostname-resolves", "warn" if nnodes != 1 else "info",
+                        f"hostname {name!r} does not resolve",
+                        "gloo binds to the address the hostname resolves to; without one, "
+                        "process group start-up fails unless GLOO_SOCKET_IFNAME is set",
+                        _ifname_fix(host) + f"   # or add '<this host's address> {name}' to /etc/hosts")]
+    first = addrs[0]
+    if not is_loopback_address(first):
+        return [Finding("hostname-loopback", "ok", f"hostname {name!r} resolves to {first}")]
+    if gloo_if and all((i := host.interface(n)) is not None and not i.loopback
+                       for n in gloo_if.split(",") if n):
+        return [Finding("hostname-loopback", "ok",
+                        f"hostname {name!r} resolves to loopback {first}, but GLOO_SOCKET_IFNAME={gloo_if} "
+                        f"overrides it")]
+    sev = {1: "info"}.get(nnodes, "error" if nnodes and nnodes > 1 else "warn")
+    span = {"info": "fine while all ranks are on this host",
+            "warn": "an error as soon as the job spans nodes (pass --nnodes to say)",
+            "error": f"this job spans {nnodes} nodes"}[sev]
+    return [Finding(
+        "hostname-loopback", sev, f"hostname {name!r} resolves to loopback {first} ({span})",
+        "gloo (and NCCL's bootstrap) bind to the hostname's address, so they listen on loopback and "
+        "announce it to the other ranks; remote ranks then get 'Connection refused' and start-up "
+        "times out",
+        _ifname_fix(host) + f"   # or map {name} to that interface's address in /etc/hosts "
+        f"instead of {first}")]
+
+
+def nccl_ifname_matches(spec: str, names: list[str]) -> list[str]:
+    """Interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes; ``^``
+    excludes, ``=`` asks for exact names (NCCL's own syntax)."""
+    spec = spec.strip()
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = spec.startswith("=")
+    spec = spec.lstrip("=")
+    pats = [p for p in spec.split(",") if p]
+
+    def hit(n):
+        return any(n == p if exact else n.startswith(p) for p in pats)
+    return [n for n in names if hit(n) != exclude]
+
+
+def _check_ifname_env(host: HostInfo, nnodes: int | None) -> list[Finding]:
+    out = []
+    names = [i.name for i in host.interfaces()]
+    gloo = host.env.get("GLOO_SOCKET_IFNAME")
+    if gloo is not None:
+        for n in [x for x in gloo.split(",") if x] or [""]:
+            i = host.interface(n)
+            if i is None:
+                out.append(Finding(
+                    "gloo-ifname", "error", f"GLOO_SOCKET_IFNAME names {n!r}, which does not exist here "
+                    f"(interfaces: {', '.join(names) or 'none'})",
+                    "gloo fails at init_process_group with 'no such device' on this rank",
+                    _ifname_fix(host)))
+            elif not i.up or not i.addresses:
+                out.append(Finding(
+                    "gloo-ifname", "error", f"GLOO_SOCKET_IFNAME={n} is {'down' if not i.up else 'without an address'}",
+                    "gloo cannot bind to it; the process group does not start",
+                    f"ip link set dev {n} up; ip addr add ADDR/PREFIX dev {n}   # or pick another: "
+                    + _ifname_fix(host)))
+            elif i.loopback and nnodes != 1:
+                out.append(Finding(
+                    "gloo-ifname", "error" if nnodes else "warn", f"GLOO_SOCKET_IFNAME={n} is loopback",
+                    "other nodes cannot reach a rank listening on loopback", _ifname_fix(host)))
+            else:
+                out.append(Finding("gloo-ifname", "ok", f"GLOO_SOCKET_IFNAME={n} ({', '.join(i.addresses)}, "
+                                                        f"mtu {i.mtu})"))
+    nccl = host.env.get("NCCL_SOCKET_IFNAME")
+    if nccl is not None:
+        hits = nccl_ifname_matches(nccl, names)
+        if not hits:
+            out.append(Finding(
+                "nccl-ifname", "error", f"NCCL_SOCKET_IFNAME={nccl} matches no interface here "
+                f"(interfaces: {', '.join(names) or 'none'})",
+                "NCCL's bootstrap finds no interface and fails ('no socket interface found')",
+                _ifname_fix(host)))
+        else:
+            out.append(Finding("nccl-ifname", "ok", f"NCCL_SOCKET_IFNAME={nccl} selects {', '.join(hits)}"))
+    return out
+
+
+def _check_candidates(host: HostInfo, nnodes: int | None) -> list[Finding]:
+    cands = host.candidate_interfaces()
+    if not cands:
+        sev = "error" if nnodes and nnodes > 1 else ("info" if nnodes == 1 else "warn")
+        return [Finding("interfaces", sev, "no interface other than loopback is up with an address",
+                        "ranks on other nodes cannot reach this one",
+                        "ip link set dev IFACE up && ip addr add ADDR/PREFIX dev IFACE")]
+    desc = ", ".join(f"{i.name} ({i.addresses[0]}, mtu {i.mtu}"
+                     + (f", {i.speed_mbps} Mb/s" if i.speed_mbps else "") + ")" for i in cands)
+    if len(cands) == 1:
+        return [Finding("interfaces", "ok", f"one candidate interface: {desc}")]
+    pinned = "GLOO_SOCKET_IFNAME" in host.env and "NCCL_SOCKET_IFNAME" in host.env
+    if pinned:
+        return [Finding("interfaces", "ok", f"{len(cands)} candidate interfaces ({desc}); "
+                        f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME choose")]
+    return [Finding(
+        "interfaces", "warn" if nnodes != 1 else "info",
+        f"{len(cands)} candidate interfaces: {desc}; no GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME",
+        "gloo takes the hostname's address and NCCL the first interface in its own order, so "
+        "training can run over a slower or management network, or ranks can disagree",
+        _ifname_fix(host) + "   # the fastest; the same name on every node")]
+
+
+def _check_mtu(host: HostInfo) -> list[Finding]:
+    out = []
+    for i in host.candidate_interfaces():
+        if (i.mtu or 0) <= 1500 and (i.max_mtu or 0) >= 9000 and (i.speed_mbps or 0) >= 10000:
+            out.append(Finding(
+                "jumbo-frames", "info",
+                f"{i.name}: mtu {i.mtu} on a {i.speed_mbps} Mb/s link that allows up to {i.max_mtu}",
+                "jumbo frames carry 6x the payload per packet: less per-packet CPU and higher "
+                "throughput for the large gradient messages (only if every switch on the path allows them)",
+                f"ip link set dev {i.name} mtu 9000   # on every node; test with "
+                f"ping -M do -s 8972 PEER"))
+    return out
+
+
+# -- TCP ------------------------------------------------------------------------------
+def _check_tcp(host: HostInfo, link: Link) -> list[Finding]:
+    recs = recommend(host, link)
+    out = []
+    for r in recs:
+        if not r.change:
+            continue
+        where = ("per network namespace" if r.scope == "netns" else
+                 "host-global (from a namespace: set it on the host)")
+        cur = r.current if r.current is not None else "not visible here"
+        fix = f"sysctl -w {r.key}={r.recommended!r}" if " " in r.recommended else \
+            f"sysctl -w {r.key}={r.recommended}"
+        out.append(Finding(
+            f"sysctl:{r.key}", r.severity, f"{r.key} = {cur}, recommended {r.recommended} [{where}]",
+            r.reason + (f"; {r.note}" if r.note and not r.applicable else ""),
+            f"{fix}   # or all at once: lorasync tune --apply --rate {tc_rate(link.rate_bps)} "
+            f"--rtt {link.rtt_s * 1e3:.3g}ms"))
+    if not out:
+        out.append(Finding("sysctl", "ok", f"TCP settings meet the targets for {link.describe()}"))
+    else:
+        out.append(Finding("sysctl", "info", f"TCP targets sized for {link.describe()}"))
+    ns = host.netns()
+    if ns.initial is False:
+        out.append(Finding("netns", "info", f"running in a non-initial network namespace ({ns.how})",
+                           "net.core.* buffer limits are the host's; only tcp_* settings are this "
+                           "namespace's own"))
+    return out
+
+
+# -- RDMA ------------------------------------------------------------------------------
+def _check_rdma(host: HostInfo) -> list[Finding]:
+    env = host.env
+    ports = host.ib_ports()
+    out: list[Finding] = []
+    hca = env.get("NCCL_IB_HCA")
+    if not ports:
+        if hca:
+            out.append(Finding("rdma", "warn", f"NCCL_IB_HCA={hca} but no RDMA devices in /sys/class/infiniband",
+                               "NCCL will use sockets", "unset NCCL_IB_HCA"))
+        fast = [i for i in host.candidate_interfaces() if (i.speed_mbps or 0) >= _SOCKET_THREADS_MIN_MBPS]
+        if fast and not (env.get("NCCL_SOCKET_NTHREADS") or env.get("NCCL_NSOCKS_PERTHREAD")):
+            out.append(Finding(
+                "nccl-sockets", "info",
+                f"no RDMA; {fast[0].name} runs at {fast[0].speed_mbps} Mb/s over TCP",
+                "NCCL's socket transport uses one thread and one socket per peer by default, which "
+                "does not fill a 25 Gbit/s+ link", "export NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4"))
+        if not out:
+            out.append(Finding("rdma", "ok", "no RDMA devices: NCCL and gloo use TCP sockets"))
+        return out
+    active = [p for p in ports if p.active]
+    for p in ports:
+        if not p.active:
+            out.append(Finding(
+                "rdma-port", "warn", f"{p.device} port {p.port} is {p.state} ({p.phys_state})",
+                "NCCL skips ports that are not ACTIVE",
+                "check the cable and switch port (ibstat); on InfiniBand a subnet manager must run: "
+                "systemctl start opensm" if not p.roce else
+                f"ip link set dev {(p.netdevs or ['NETDEV'])[0]} up   # RoCE follows its Ethernet port"))
+    if not active:
+        out.append(Finding("rdma", "warn", "RDMA devices present but no port is ACTIVE",
+                           "NCCL falls back to TCP sockets, several times slower", "see rdma-port"))
+        return out
+    desc = ", ".join(f"{p.device}:{p.port} {p.link_layer}{' (RoCE)' if p.roce else ''} {p.rate}"
+                     for p in active)
+    if env.get("NCCL_IB_DISABLE", "0").strip() not in ("", "0"):
+        out.append(Finding(
+            "rdma-disabled", "warn", f"RDMA active ({desc}) but NCCL_IB_DISABLE={env['NCCL_IB_DISABLE']}",
+            "NCCL ignores the HCAs and falls back to TCP sockets over the same wire: several times "
+            "the latency and a fraction of the bandwidth", "unset NCCL_IB_DISABLE"))
+    elif not host.has_ibverbs():
+        out.append(Finding(
+            "rdma-verbs", "warn", f"RDMA active ({desc}) but libibverbs is not installed",
+            "NCCL dlopen()s libibverbs.so.1; without it it falls back to TCP sockets",
+            "apt-get install libibverbs1 ibverbs-providers   # or: dnf install rdma-core libibverbs"))
+    else:
+        out.append(Finding("rdma", "ok", f"RDMA active: {desc}; NCCL will use it"))
+    if hca:
+        wanted = [h.split(":")[0] for h in hca.lstrip("^").lstrip("=").split(",") if h]
+        have = sorted({p.device for p in ports})
+        missing = [h for h in wanted if not any(d.startswith(h) for d in have)]
+        if missing and not hca.startswith("^"):
+            out.append(Finding("nccl-ib-hca", "error",
+                               f"NCCL_IB_HCA={hca} names {', '.join(missing)}, not present (have {', '.join(have)})",
+                               "NCCL finds no matching HCA and falls back to sockets or fails",
+                               f"export NCCL_IB_HCA={','.join(sorted({p.device for p in active}))}"))
+    elif len({p.device for p in active}) > 1:
+        out.append(Finding("nccl-ib-hca", "info", f"{len({p.device for p in active})} active HCAs, "
+                           "NCCL_IB_HCA unset", "NCCL uses every HCA it finds, including ones on "
+                           "another network or NUMA node",
+                           f"export NCCL_IB_HCA={','.join(sorted({p.device for p in active}))}   "
+                           f"# the ones on the training fabric"))
+    gid_env = env.get("NCCL_IB_GID_INDEX")
+    for p in [p for p in active if p.roce]:
+        idx = p.roce_v2_ipv4_gid_index()
+        gids = {g[0]: g for g in p.gids}
+        if gid_env is None:
+            out.append(Finding(
+                "roce-gid", "warn", f"{p.device} port {p.port} is RoCE and NCCL_IB_GID_INDEX is unset"
+                + (f" (RoCE v2 IPv4 GID is index {idx})" if idx is not None else ""),
+                "older NCCL uses GID 0, a RoCE v1 link-local GID that does not route across subnets; "
+                "connections then fail or hang (NCCL >= 2.21 picks by NCCL_IB_ROCE_VERSION_NUM)",
+                f"export NCCL_IB_GID_INDEX={idx if idx is not None else 'N'}"
+                + ("" if idx is not None else "   # the 'RoCE v2' index: show_gids")))
+        elif not gid_env.strip().isdigit() or int(gid_env) not in gids:
+            out.append(Finding("roce-gid", "error",
+                               f"NCCL_IB_GID_INDEX={gid_env} is not a populated GID on {p.device} port {p.port}",
+                               "NCCL cannot create its queue pairs on that GID",
+                               f"export NCCL_IB_GID_INDEX={idx if idx is not None else 'N'}"))
+        elif "v2" not in gids[int(gid_env)][2].lower():
+            out.append(Finding("roce-gid", "warn",
+                               f"NCCL_IB_GID_INDEX={gid_env} is a {gids[int(gid_env)][2]} GID on {p.device}",
+                               "RoCE v1 does not route across IP subnets",
+                               f"export NCCL_IB_GID_INDEX={idx if idx is not None else 'N'}"))
+        else:
+            out.append(Finding("roce-gid", "ok", f"NCCL_IB_GID_INDEX={gid_env} is RoCE v2 on {p.device}"))
+    return out
+
+
+# -- rendezvous ----------------------------------------------------------------------------
+def _split_endpoint(ep: str) -> tuple[str, str]:
+    if ep.startswith("["):
+        host, _, port = ep[1:].partition("]")
+        return host, port.lstrip(":")
+    if ep.count(":") == 1:
+        host, port = ep.split(":")
+        return host, port
+    return ep, ""
+
+
+def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) -> list[Finding]:
+    env = host.env
+    if endpoint is None and env.get("MASTER_ADDR"):
+        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    if not endpoint:
+        return [Finding("rendezvous", "info", "no rendezvous endpoint to check",
+                        "pass --rdzv-endpoint HOST:PORT (or set MASTER_ADDR/MASTER_PORT) to check "
+                        "whether the c10d store is exposed")]
+    name, port = _split_endpoint(endpoint)
+    port = port or "29400"
+    addrs = host.resolve(name)
+    best = _best_candidate(host)
+    cands = ([best] if best else []) + [i for i in host.candidate_interfaces() if i is not best]
+    subnet = next((net for i in cands for net in i.networks
+                   if not is_public_address(net.split("/")[0])), "TRAINING_SUBNET")
+    tunnel = (f"firewall the port from everything but the training subnet: iptables -I INPUT -p tcp "
+              f"--dport {port} ! -s {subnet} -j DROP; across untrusted networks tunnel it instead: "
+              f"ssh -N -L {port}:127.0.0.1:{port} USER@{name} on each other node and use "
+              f"--rdzv-endpoint 127.0.0.1:{port}")
+    if not addrs:
+        return [Finding("rendezvous", "error", f"rendezvous host {name!r} does not resolve",
+                        "no rank can join", f"use an IP address: --rdzv-endpoint ADDR:{port}")]
+    out = []
+    public = [a for a in addrs if is_public_address(a)]
+    if public:
+        out.append(Finding(
+            "rendezvous-exposed", "warn", f"rendezvous {endpoint} is on public address {public[0]}",
+            "the c10d TCPStore has no authentication: anyone who reaches the port can join the job, "
+            "read or overwrite its keys, or stall start-up", tunnel))
+    elif all(is_loopback_address(a) for a in addrs):
+        if nnodes and nnodes > 1:
+            out.append(Finding(
+                "rendezvous", "warn", f"rendezvous {endpoint} is on loopback but the job spans {nnodes} nodes",
+                "other nodes reach it only through a tunnel (ssh -L); otherwise they cannot join",
+                f"use an address of the training network: --rdzv-endpoint ADDR:{port}"))
+        else:
+            out.append(Finding("rendezvous", "ok", f"rendezvous {endpoint} is on loopback (local only)"))
+    else:
+        out.append(Finding("rendezvous", "ok", f"rendezvous {endpoint} is on private address {addrs[0]}"))
+    local = host.local_addresses()
+    my_public = sorted(a for a in local if is_public_address(a))
+    if (set(addrs) & local or name in ("localhost", host.hostname())) and my_public:
+        out.append(Finding(
+            "rendezvous-bind", "warn",
+            f"this host serves the rendezvous and has public address(es) {', '.join(my_public)}",
+            "the store listens on every interface whatever address the endpoint names, so port "
+            f"{port} is reachable on {my_public[0]} too, without authentication", tunnel))
+    return out
+
+
+def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | None = None,
+                  rdzv_endpoint: str | None = None) -> list[Finding]:
+    """Every check that needs only this host. ``nnodes``: how many nodes the
+    job spans (None: unknown), which decides how bad a loopback address is."""
+    link = link or default_link(host)
+    return (_check_hostname(host, nnodes) + _check_ifname_env(host, nnodes) + _check_candidates(host, nnodes)
+            + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host)
+            + _check_rendezvous(host, rdzv_endpoint, nnodes))
+
+
+# -- live ------------------------------------------------------------------------------------
+def _node_id(host: HostInfo) -> str:
+    """Ranks on one network stack share it: boot id plus network namespace."""
+    boot = ""
+    try:
+        with open(host.path("proc/sys/kernel/random/boot_id"), encoding="utf-8") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = host.hostname()
+    return f"{boot}/{host.netns().inode}"
+
+
+def rank_facts(host: HostInfo, config_path: str | None = None) -> dict:
+    """What one rank tells the others in a live check."""
+    import lorasync
+    try:
+        import torch
+        torch_v = torch.__version__
+    except ImportError:
+        torch_v = None
+    cfg = None
+    if config_path:
+        try:
+            with open(config_path, "rb") as f:
+                cfg = hashlib.sha256(f.read()).hexdigest()[:16]
+        except OSError as exc:
+            cfg = f"unreadable: {exc.strerror}"
+    ifname, addr = host.endpoint()
+    iface = host.interface(ifname) if ifname else None
+    gloo = host.env.get("GLOO_SOCKET_IFNAME")
+    return {
+        "hostname": host.hostname(), "node": _node_id(host), "lorasync": lorasync.__version__,
+        "torch": torch_v, "python": platform.python_version(), "config_hash": cfg,
+        "ifname": ifname, "addr": addr, "mtu": iface.mtu if iface else None,
+        "gloo_ifnames": len([n for n in gloo.split(",") if n]) if gloo else 0,
+        "nccl_ifname": host.env.get("NCCL_SOCKET_IFNAME"),
+    }
+
+
+def _same(facts: list[dict], key: str) -> dict:
+    groups: dict = {}
+    for r, f in enumerate(facts):
+        groups.setdefault(f.get(key), []).append(r)
+    return groups
+
+
+def _ranks_text(groups: dict) -> str:
+    return "; ".join(f"{v!r} on rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
+                     for v, rs in groups.items())
+
+
+def live_checks(facts: list[dict], probe: dict | None = None) -> list[Finding]:
+    """Cross-rank checks from every rank's :func:`rank_facts` (index = rank)
+    and, when given, a probe result (slowest pair)."""
+    n = len(facts)
+    out = [Finding("reachable", "ok", f"all {n} ranks joined the process group and exchanged data")]
+    for key, what, sev, why in (
+            ("lorasync", "lorasync version", "error", "ranks running different code can disagree on "
+             "the wire format of compressed gradients and hang"),
+            ("torch", "torch version", "error", "collectives of different torch builds may not match"),
+            ("config_hash", "config file", "error", "ranks would train with different settings"),
+            ("python", "Python version", "info", "usually harmless, but pickled objects may differ")):
+        g = _same(facts, key)
+        if len(g) > 1:
+            out.append(Finding(f"same-{key}", sev, f"{what} differs across ranks: {_ranks_text(g)}", why,
+                               "install the same version on every node (pip install -e . from one commit)"
+                               if key != "config_hash" else "copy one config file to every node"))
+        elif key != "python" and next(iter(g)) is not None:
+            out.append(Finding(f"same-{key}", "ok", f"same {what} on all ranks: {next(iter(g))}"))
+    g = _same(facts, "gloo_ifnames")
+    if len(g) > 1:
+        out.append(Finding("gloo-ifname-count", "error",
+                           f"GLOO_SOCKET_IFNAME lists different numbers of interfaces: {_ranks_text(g)}",
+                           "gloo pairs the i-th device of every rank; ranks with different counts "
+                           "fail to connect", "give every node the same number of names in GLOO_SOCKET_IFNAME"))
+    g = _same(facts, "mtu")
+    if len(g) > 1:
+        per = ", ".join(f"rank {r}: {facts[r].get('ifname')} mtu {facts[r].get('mtu')}" for r in range(n))
+        out.append(Finding(
+            "mtu-mismatch", "warn", f"MTU differs across ranks ({per})",
+            "frames larger than the smallest MTU are dropped on the way; TCP stalls until path-MTU "
+            "discovery (often blocked) or tcp_mtu_probing recovers, RDMA fails outright",
+            f"ip link set dev IFACE mtu {min(m for m in g if m)}   # the same on every node; and "
+            f"sysctl -w net.ipv4.tcp_mtu_probing=1"))
+    elif n > 1:
+        out.append(Finding("mtu", "ok", f"same MTU on all ranks: {next(iter(g))}"))
+    if probe and probe.get("pairs"):
+        pairs = probe["pairs"]
+        bws = sorted(p["bandwidth_Bps"] for p in pairs)
+        median = bws[len(bws) // 2]
+        sp = min(pairs, key=lambda p: p["bandwidth_Bps"])
+
+        def who(r):
+            f = facts[r] if r < n else {}
+            return f"rank {r} ({f.get('hostname')} {f.get('addr')})"
+        text = (f"slowest link {who(sp['src'])} -> {who(sp['dst'])}: {sp['bandwidth_Bps'] / 1e6:.3g} MB/s, "
+                f"median of all pairs {median / 1e6:.3g} MB/s")
+        # a rank in every slow pair is the slow node, not the link
+        slow = [p for p in pairs if p["bandwidth_Bps"] < 0.5 * median]
+        if slow:
+            common = set.intersection(*({p["src"], p["dst"]} for p in slow))
+            where = (f"; rank {sorted(common)[0]} is in every slow pair: its NIC, cable or shaping"
+                     if len(common) == 1 and len(slow) > 1 else "")
+            out.append(Finding(
+                "slow-link", "warn", text + where,
+                "synchronous all-reduce runs at the speed of its slowest link: every rank waits for it",
+                "check that link (ethtool IFACE for speed/duplex, tc qdisc show, cabling); or exclude "
+                "that node; lorasync plan can pick a strategy sending fewer bytes"))
+        else:
+            out.append(Finding("slow-link", "ok", text))
+    return out
+
+
+def merge_findings(per_rank: list[list[Finding]]) -> list[Finding]:
+    """One finding per (check, severity, found), with the ranks that saw it."""
+    merged: dict = {}
+    for rank, fs in enumerate(per_rank):
+        for f in fs:
+            key = (f.check, f.severity, f.found)
+            if key not in merged:
+                merged[key] = Finding(f.check, f.severity, f.found, f.why, f.fix, [])
+            merged[key].ranks.append(rank)
+    return list(merged.values())
+
+
+# -- text ---------------------------------------------------------------------------------------
+_MARK = {"ok": "ok", "info": "info", "warn": "WARN", "error": "ERROR"}
+
+
+def format_findings(findings: list[Finding], *, verbose: bool = False, world: int | None = None) -> str:
+    """A table: severity, check, what was found; why and fix under each non-ok row."""
+    order = sorted(findings, key=lambda f: -SEVERITIES.index(f.severity))
+    w = max([len(f.check) for f in findings] + [5])
+    lines = [f"{'severity':<8} {'check':<{w}} found"]
+    for f in order:
+        found = f.found
+        if f.ranks and world and len(f.ranks) < world:
+            found += f"  [rank{'s' if len(f.ranks) > 1 else ''} {','.join(map(str, f.ranks))}]"
+        lines.append(f"{_MARK[f.severity]:<8} {f.check:<{w}} {found}")
+        if f.severity != "ok" or verbose:
+            if f.why:
+                lines.append(f"{'':<9}  why: {f.why}")
+            if f.fix:
+                lines.append(f"{'':<9}  fix: {f.fix}")
+    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
+    lines.append(f"{counts['error']} error(s), {counts['warn']} warning(s), {counts['info']} note(s), "
+                 f"{counts['ok']} ok")
+    return "\n".join(lines)

@@ -1,0 +1,434 @@
+"""TCP settings for a training link: recommend, emit, apply (all or none), revert.
+
+Recommendations are sized for the link's bandwidth-delay product (BDP =
+rate x RTT): a TCP flow cannot carry more than one window per round trip,
+and Linux allots roughly half of a socket buffer to the window, so the
+buffer maximum must reach about 2 x BDP or a long link is never filled.
+Nothing is ever lowered: a value already at or above its target is left
+alone.
+
+Which sysctls belong to a network namespace and which are host-global
+matters twice: ``tune --apply`` run with ``ip netns exec`` must change only
+what is per namespace (a global write would change the host), and ``doctor``
+must say where a fix has to be made. :data:`SYSCTL_SCOPE` is that table.
+It was verified on Linux 6.18 by writing each key in a fresh namespace and
+reading it back in the initial one; at run time :func:`recommend` also
+checks writability, so a kernel that differs shows up as "read-only here".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from lorasync.errors import ConfigError, EnvironmentProblem
+from lorasync.net.hostinfo import HostInfo
+
+__all__ = [
+    "SYSCTL_SCOPE",
+    "Link",
+    "Recommendation",
+    "parse_rate",
+    "parse_duration",
+    "format_rate",
+    "format_bytes",
+    "tc_rate",
+    "link_from_probe",
+    "default_link",
+    "recommend",
+    "emit_script",
+    "apply",
+    "revert",
+    "default_backup_path",
+]
+
+# key -> (scope, what we saw / why). "netns": each network namespace has its
+# own value (a new namespace starts from the kernel default or a copy of
+# init_net's). "global": one value for the host; a non-initial namespace sees
+# it read-only (rmem/wmem_*) or not at all (netdev_max_backlog).
+SYSCTL_SCOPE: dict[str, tuple[str, str]] = {
+    "net.core.rmem_max": ("global", "one kernel variable; read-only inside a netns (6.x)"),
+    "net.core.wmem_max": ("global", "one kernel variable; read-only inside a netns (6.x)"),
+    "net.core.rmem_default": ("global", "read-only inside a netns (6.x)"),
+    "net.core.wmem_default": ("global", "read-only inside a netns (6.x)"),
+    "net.core.netdev_max_backlog": ("global", "exists in the initial netns only"),
+    "net.ipv4.tcp_rmem": ("netns", "per netns since 4.15"),
+    "net.ipv4.tcp_wmem": ("netns", "per netns since 4.15"),
+    "net.ipv4.tcp_congestion_control": (
+        "netns", "per netns since 4.15; a non-initial netns may only pick "
+                 "net.ipv4.tcp_allowed_congestion_control"),
+    "net.ipv4.tcp_slow_start_after_idle": ("netns", "per netns since 4.15"),
+    "net.ipv4.tcp_mtu_probing": ("netns", "per netns since 4.10"),
+}
+
+_MIB = 1 << 20
+_MIN_BUF = 4 * _MIB  # below this, autotuning defaults are already enough
+_MAX_BUF = 1 << 30  # beyond this, memory pressure hurts more than the window helps
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link settings are sized for."""
+
+    rate_bps: float  # bits per second
+    rtt_s: float
+    source: str  # "given", "probe FILE", "assumed (...)"
+
+    @property
+    def bdp_bytes(self) -> float:
+        return self.rate_bps / 8 * self.rtt_s
+
+    def describe(self) -> str:
+        return (f"{format_rate(self.rate_bps)}, RTT {self.rtt_s * 1e3:g} ms, "
+                f"BDP {format_bytes(self.bdp_bytes)} ({self.source})")
+
+
+@dataclass
+class Recommendation:
+    key: str
+    current: str | None  # None: not visible here
+    recommended: str
+    reason: str
+    severity: str  # how doctor rates a mismatch: "warn" or "info"
+    scope: str  # "netns" or "global"
+    change: bool  # recommended differs from current
+    applicable: bool  # tune --apply may change it here
+    note: str = ""  # why it cannot be applied here, or what else to know
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- units -------------------------------------------------------------------
+_RATE_UNITS = {  # tc(8) spelling: "bit" units are bits, "bps" units are BYTES per second
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9,  # lower-cased "Mb/s": bits
+}
+
+
+def parse_rate(text: str, field: str = "--rate") -> float:
+    """A link rate in bits per second: ``100mbit``, ``10gbit``, ``1Gb/s``,
+    ``12.5MB/s`` (bytes), or tc's ``mbps`` (= megaBYTES per second)."""
+    s = str(text).strip()
+    m = re.fullmatch(r"([\d.]+(?:e[+-]?\d+)?)\s*([A-Za-z/]*)", s)
+    if m:
+        num, unit = float(m.group(1)), m.group(2)
+        if re.fullmatch(r"[kKmMgGtT]?B/s", unit):  # capital B: bytes
+            mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit[:-3].lower()] * 8
+        else:
+            mult = _RATE_UNITS.get(unit.lower())
+        if mult and num > 0:
+            return num * mult
+    raise ConfigError(field, text, "give a rate with a unit, e.g. 100mbit, 10gbit, 1Gb/s or 125MB/s")
+
+
+def parse_duration(text: str, field: str = "--rtt") -> float:
+    """A duration in seconds: ``40ms``, ``0.5s``, ``250us``."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e[+-]?\d+)?)\s*(s|ms|us|µs|ns)\s*", str(text))
+    if not m or float(m.group(1)) < 0:
+        raise ConfigError(field, text, "give a duration with a unit, e.g. 40ms, 0.2s or 500us")
+    return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}[m.group(2)]
+
+
+def format_rate(bps: float) -> str:
+    for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= div:
+            return f"{bps / div:.4g} {unit}"
+    return f"{bps:.4g} bit/s"
+
+
+def tc_rate(bps: float) -> str:
+    """A rate as --rate accepts it: 10gbit, 100mbit, 1500kbit."""
+    for unit, div in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= div and abs(bps / div - round(bps / div)) < 1e-9:
+            return f"{round(bps / div)}{unit}"
+    return f"{bps / 1e6:.4g}mbit"
+
+
+def format_bytes(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# -- which link --------------------------------------------------------------
+def link_from_probe(path: str) -> Link:
+    """Rate and RTT from ``lorasync probe --output FILE``: the group's fitted
+    bandwidth, and twice the median one-way pair latency (or the fitted
+    per-message latency when the probe had no pairs)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        model = data["model"]
+        bw = float(model["bandwidth_Bps"])
+        lats = sorted(p["latency_s"] for p in data.get("pairs") or [] if p.get("latency_s"))
+        one_way = lats[len(lats) // 2] if lats else float(model["latency_s"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError("--from-probe", path, f"need the JSON written by `lorasync probe --output` ({exc})") from exc
+    return Link(bw * 8, max(2 * one_way, 1e-6), f"probe {path}")
+
+
+def default_link(host: HostInfo) -> Link:
+    """What to size for when nothing was given or measured: the fastest
+    candidate interface's speed (1 Gbit/s if no driver says) and a LAN RTT."""
+    speeds = [i.speed_mbps for i in host.candidate_interfaces() if i.speed_mbps]
+    rate = max(speeds) * 1e6 if speeds else 1e9
+    return Link(rate, 1e-3, "assumed: interface speed and 1 ms RTT; pass --rate/--rtt or --from-probe")
+
+
+# -- recommendations -----------------------------------------------------------
+def _pow2_at_least(n: float) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+def buffer_target(link: Link) -> int:
+    return int(min(max(_pow2_at_least(2 * link.bdp_bytes), _MIN_BUF), _MAX_BUF))
+
+
+def recommend(host: HostInfo, link: Link) -> list[Recommendation]:
+    """Current vs recommended value and the reason, for every setting we tune."""
+    ns = host.netns()
+    in_child_ns = ns.initial is not True  # unknown counts as child: never touch the host
+    target = buffer_target(link)
+    bdp = format_bytes(link.bdp_bytes)
+    recs: list[Recommendation] = []
+
+    def add(key: str, recommended: str, reason: str, severity: str, note: str = ""):
+        current = host.sysctl(key)
+        scope = SYSCTL_SCOPE[key][0]
+        change = current is None or current.split() != recommended.split()
+        applicable, why = True, note
+        if scope == "global" and in_child_ns:
+            applicable = False
+            why = (f"global setting: from inside a network namespace this would change the host; "
+                   f"run `sysctl -w {key}={_shell_value(recommended)}` on the host")
+        elif not host.sysctl_writable(key):
+            applicable = False
+            why = "not writable here" if current is not None else "not present here"
+            if scope == "netns" and in_child_ns and current is not None:
+                why += " (expected per-namespace on this kernel; check SYSCTL_SCOPE)"
+        recs.append(Recommendation(key, current, recommended, reason, severity, scope,
+                                   change, applicable and change, why if change else ""))
+
+    for key, what in (("net.core.rmem_max", "receive"), ("net.core.wmem_max", "send")):
+        cur = _int(host.sysctl(key))
+        add(key, str(max(cur or 0, target)),
+            f"caps the {what} buffer a program sets with SO_{'RCV' if what == 'receive' else 'SND'}BUF; "
+            f"{format_bytes(target)} covers 2 x BDP ({bdp})", "info")
+    for key, what in (("net.ipv4.tcp_rmem", "receive"), ("net.ipv4.tcp_wmem", "send")):
+        cur = (host.sysctl(key) or "4096 131072 6291456").split()
+        lo, mid, hi = (int(x) for x in cur[:3])
+        add(key, f"{lo} {mid} {max(hi, target)}",
+            f"autotuning grows the {what} window up to the third value; below 2 x BDP ({bdp}) "
+            f"a single flow cannot fill the link", "warn")
+    add("net.ipv4.tcp_slow_start_after_idle", "0",
+        "gradient syncs come in bursts separated by compute; with 1 the window collapses after "
+        "every idle gap longer than the retransmit timeout and each sync restarts slow start", "warn")
+    add("net.ipv4.tcp_mtu_probing", "1",
+        "finds a smaller path MTU when large packets are silently dropped (tunnels, MTU mismatch) "
+        "instead of stalling the connection", "info")
+    avail = (host.sysctl("net.ipv4.tcp_available_congestion_control") or "").split()
+    allowed = (host.sysctl("net.ipv4.tcp_allowed_congestion_control") or "").split()
+    cur_cc = host.sysctl("net.ipv4.tcp_congestion_control")
+    if "bbr" in avail:
+        note = ""
+        if in_child_ns and allowed and "bbr" not in allowed:
+            note = "bbr is not in tcp_allowed_congestion_control, so a namespace cannot select it"
+        add("net.ipv4.tcp_congestion_control", "bbr",
+            "model-based: keeps a long or lossy link full where cubic halves its window on every "
+            "drop (policers and tbf shapers drop)", "info", note)
+        if note and recs[-1].change:
+            recs[-1].applicable = False
+            recs[-1].note = note
+    elif cur_cc:
+        add("net.ipv4.tcp_congestion_control", cur_cc,
+            "bbr is not loaded (`modprobe tcp_bbr` to offer it); keeping the current one", "info")
+    if link.rate_bps >= 10e9:
+        cur = _int(host.sysctl("net.core.netdev_max_backlog"))
+        add("net.core.netdev_max_backlog", str(max(cur or 0, 30000)),
+            "at 10 Gbit/s and above bursts overflow the default 1000-packet input backlog", "info")
+    return recs
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _shell_value(v: str) -> str:
+    return f"'{v}'" if " " in v else v
+
+
+# -- emit ------------------------------------------------------------------------
+def emit_script(recs: list[Recommendation], link: Link) -> str:
+    """A sh script of ``sysctl -w`` lines making exactly the changes ``apply``
+    would make here; changes that cannot be made here are comments."""
+    lines = ["#!/bin/sh",
+             f"# lorasync tune --emit: sized for {link.describe()}",
+             "# Run as root. To keep across reboots, put the KEY=VALUE parts in "
+             "/etc/sysctl.d/90-lorasync.conf.",
+             "set -e"]
+    todo = [r for r in recs if r.change]
+    if not todo:
+        lines.append("# nothing to change: every setting already meets its target")
+    for scope, title in (("netns", "per network namespace: changes the namespace this runs in"),
+                         ("global", "host-global: from inside a namespace, run these on the host")):
+        part = [r for r in todo if r.scope == scope]
+        if part:
+            lines.append(f"# {title}")
+            for r in part:
+                was = r.current if r.current is not None else "not visible here"
+                if r.applicable:
+                    lines.append(f"sysctl -w {r.key}={_shell_value(r.recommended)}  # was {was}")
+                else:  # what --apply would skip here; left for the user to run where it belongs
+                    why = "host-global, run it on the host" if r.scope == "global" else r.note
+                    lines.append(f"# sysctl -w {r.key}={_shell_value(r.recommended)}  # was {was}; "
+                                 f"not here: {why}")
+    return "\n".join(lines) + "\n"
+
+
+# -- apply / revert ------------------------------------------------------------------
+Writer = Callable[[str, str], None]
+
+
+def _write_file(path: str, value: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:  # /proc/sys wants one write
+        f.write(value + "\n")
+
+
+def default_backup_path(host: HostInfo) -> str:
+    """One backup per network namespace, so a namespace run never clobbers the host's."""
+    ns = host.netns()
+    tag = f"netns-{ns.inode}" if ns.inode is not None else "netns-unknown"
+    return host.path(f"var/lib/lorasync/tune-backup-{tag}.json")
+
+
+def _require_root(host: HostInfo, what: str) -> None:
+    if not host.fake and os.geteuid() != 0:
+        raise EnvironmentProblem(f"tune {what} writes /proc/sys and needs root: run it with sudo "
+                                 f"(or use --emit and apply the script yourself)")
+
+
+def _save_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tune-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _write_all(host: HostInfo, changes: list[tuple[str, str, str]], writer: Writer) -> None:
+    """Write (key, old, new) in order; on any failure put back what was
+    written and raise, so either every change is made or none is."""
+    done: list[tuple[str, str, str]] = []
+    try:
+        for key, old, new in changes:
+            writer(host.sysctl_path(key), new)
+            done.append((key, old, new))
+            got = host.sysctl(key)
+            if got is None or got.split() != new.split():
+                raise OSError(f"read back {got!r}")
+    except OSError as exc:
+        failed = [f"{k}: {e}" for k, o, _n in reversed(done) if o is not None
+                  for e in _try_write(host, k, o, writer)]
+        msg = (f"writing {key}={new!r} failed ({exc}); put back the {len(done)} value(s) already "
+               f"written, so nothing changed")
+        if failed:
+            msg += "; could NOT restore: " + "; ".join(failed)
+        raise EnvironmentProblem(msg) from exc
+
+
+def _try_write(host: HostInfo, key: str, value: str, writer: Writer) -> list[str]:
+    try:
+        writer(host.sysctl_path(key), value)
+        return []
+    except OSError as exc:
+        return [str(exc)]
+
+
+def apply(host: HostInfo, recs: list[Recommendation], backup: str | None = None, *,
+          writer: Writer = _write_file) -> dict:
+    """Make every applicable recommended change, or none.
+
+    The previous values go to the backup file *before* the first write, so a
+    crash midway can still be reverted; a second ``apply`` keeps the values
+    first saved, so ``revert`` always goes back to the state before tuning.
+    Returns {"changed": [...], "skipped": [...], "backup": path}.
+    """
+    _require_root(host, "--apply")
+    backup = backup or default_backup_path(host)
+    todo = [r for r in recs if r.change and r.applicable]
+    skipped = [{"key": r.key, "recommended": r.recommended, "why": r.note}
+               for r in recs if r.change and not r.applicable]
+    if not todo:
+        return {"changed": [], "skipped": skipped, "backup": None}
+    ns = host.netns()
+    old_backup = None
+    data = {"created": time.time(), "netns_inode": ns.inode, "netns_initial": ns.initial,
+            "root": host.root, "values": {}}
+    if os.path.exists(backup):
+        with open(backup, encoding="utf-8") as f:
+            old_backup = json.load(f)
+        _check_same_netns(host, old_backup, backup)
+        data = dict(old_backup, values=dict(old_backup.get("values", {})))
+    for r in todo:
+        data["values"].setdefault(r.key, r.current)
+    _save_json(backup, data)
+    try:
+        _write_all(host, [(r.key, r.current, r.recommended) for r in todo], writer)
+    except EnvironmentProblem:
+        if old_backup is None:
+            os.unlink(backup)
+        else:
+            _save_json(backup, old_backup)
+        raise
+    return {"changed": [{"key": r.key, "from": r.current, "to": r.recommended} for r in todo],
+            "skipped": skipped, "backup": backup}
+
+
+def _check_same_netns(host: HostInfo, data: dict, path: str) -> None:
+    here = host.netns().inode
+    there = data.get("netns_inode")
+    if here is not None and there is not None and here != there:
+        raise EnvironmentProblem(
+            f"backup {path} was taken in network namespace {there}, this is {here}: run inside "
+            f"that namespace (ip netns exec NAME lorasync tune ...) or pass that namespace's --backup")
+
+
+def revert(host: HostInfo, backup: str | None = None, *, writer: Writer = _write_file) -> dict:
+    """Restore every value saved by :func:`apply` (all or none), then delete the backup."""
+    _require_root(host, "--revert")
+    backup = backup or default_backup_path(host)
+    try:
+        with open(backup, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise EnvironmentProblem(f"no backup at {backup}: nothing was applied here "
+                                 f"(or pass --backup PATH used with --apply)") from None
+    except ValueError as exc:
+        raise EnvironmentProblem(f"backup {backup} is not valid JSON ({exc})") from exc
+    _check_same_netns(host, data, backup)
+    changes = []
+    for key, old in data.get("values", {}).items():
+        if old is None:
+            continue
+        cur = host.sysctl(key)
+        if cur is None:
+            raise EnvironmentProblem(f"cannot restore {key}={old!r}: it does not exist here")
+        if cur.split() != old.split():
+            changes.append((key, cur, old))
+    _write_all(host, changes, writer)
+    os.unlink(backup)
+    return {"restored": [{"key": k, "from": c, "to": o} for k, c, o in changes], "backup": backup}
