@@ -1,0 +1,543 @@
+"""Cost model of gradient sync: pure functions, no I/O, no torch.
+
+Predicts the time of one optimizer step under each sync strategy from a few
+numbers that can be measured by ``lorasync probe`` or calibrated from a run's
+``metrics.jsonl`` (every one is a plain dataclass field):
+
+    Net       alpha_s (latency per message), bandwidth_Bps (1/beta), world_size
+    Workload  adapter_params, compute_s, batch_size, backward_share,
+              bucket_bytes, encode_ns (per strategy), strategy options
+
+The model
+---------
+* Collectives follow the alpha-beta (Hockney) model: time = messages * alpha
+  + bytes on the critical path * beta.  Ring all-reduce of P bytes:
+  2(n-1) alpha + 2(n-1)/n P beta; all-gather of p bytes per rank:
+  (n-1) alpha + (n-1) p beta, i.e. (n-1)/n of the gathered total; all-to-all of
+  a C-byte send buffer: (n-1) alpha + (n-1)/n C beta.
+* What each strategy hands to which collective is one table,
+  ``_COLLECTIVES`` (it must agree with ``lorasync.comm.wire_bytes_formula``).
+* Per-step (DDP hook) strategies sync every bucket as soon as its gradients
+  are ready.  Buckets fill in gradient-ready order (fp32 gradient bytes; the
+  first bucket may be smaller); LoRA parameters are spread evenly over the
+  layers, so bucket k is ready after the fraction of the backward pass that
+  produced its bytes.  Collectives of one process group run one after
+  another, so bucket k's sync starts at max(ready_k, end of bucket k-1).
+  Exposed communication is what is left after the backward pass ends; only
+  buckets other than the last can hide behind it.  With a single bucket (the
+  3.7 MB default adapter under the trainer's 4 MiB ``bucket_mb``) nothing
+  overlaps.
+* Periodic strategies (local SGD, DiLoCo) sync once every ``period`` steps
+  after the optimizer step; nothing overlaps; costs are amortized per step.
+* Encode/decode (casting, quantizing, top-k, PowerSGD matmuls) runs on the
+  training thread: ``encode_ns`` per element per sync, added to the step.
+
+    step_s = compute_s + encode_s + exposed_comm_s
+    efficiency = compute_s / step_s          (the no-sync ceiling's step is compute_s)
+    samples_per_s = world_size * batch_size / step_s
+
+Not modelled: contention between compute and the comm threads for CPU cores,
+TCP slow start and loss, stragglers (all ranks are assumed equally fast),
+DDP's first iteration (one bucket before it rebuilds by ready order), the
+quality cost of lossy or periodic strategies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+from lorasync.errors import ConfigError
+
+__all__ = [
+    "MiB", "STRATEGIES", "NONE", "LOSSLESS", "PERIODIC", "DEFAULT_OPTIONS", "ENCODE_NS",
+    "ALLREDUCE_ALGOS", "Net", "Workload", "Prediction", "Collective", "ModelShape", "MODELS",
+    "lora_matrices", "strategy_options", "collectives", "wire_bytes", "collective_time",
+    "ring_allreduce_s", "recursive_doubling_allreduce_s", "reduce_broadcast_s",
+    "allgather_s", "alltoall_s", "bucket_layout", "powersgd_floats", "predict",
+]
+
+MiB = 1 << 20
+
+#: strategies the planner ranks ('auto' is the planner itself)
+STRATEGIES = ("allreduce", "fp16", "bf16", "int8", "onebit", "topk", "powersgd", "local", "diloco")
+#: no sync at all: the compute ceiling that efficiencies are measured against
+NONE = "none"
+#: same update every step up to rounding of the summed gradient: no error
+#: feedback, no skipped syncs (fp16/bf16 only round the values they send)
+LOSSLESS = frozenset({"allreduce", "fp16", "bf16"})
+#: sync weights (or deltas) every ``period`` steps instead of gradients every step
+PERIODIC = frozenset({"local", "diloco"})
+
+# Default options per strategy.  MUST AGREE with the defaults of the strategies
+# in lorasync.comm (tests/unit/test_costmodel.py compares the byte formulas at
+# these defaults when lorasync.comm.wire_bytes_formula exists).
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "allreduce": {},
+    "fp16": {},
+    "bf16": {},
+    "int8": {"block": 256},
+    "onebit": {"block": 512},
+    "topk": {"ratio": 0.01},
+    "powersgd": {"rank": 2, "min_compression_rate": 2.0},
+    "local": {"period": 8, "dtype": "fp32"},
+    "diloco": {"period": 32, "dtype": "fp32"},
+}
+
+# Encode + decode cost, nanoseconds per adapter element per sync, on one CPU
+# thread.  Rough defaults (casts ~1 ns, quantize/dequantize a few ns, CPU
+# top-k ~10 ns); calibrate from metrics.jsonl's encode_s / params.  PowerSGD's
+# is per unit of rank (two small matmuls per matrix scale with rank).
+ENCODE_NS: dict[str, float] = {
+    "none": 0.0, "allreduce": 0.2, "fp16": 1.0, "bf16": 1.0, "int8": 6.0, "onebit": 8.0,
+    "topk": 12.0, "powersgd": 3.0, "local": 1.0, "diloco": 3.0,
+}
+
+#: options of lorasync.comm strategies accepted and ignored here (start-up only)
+_STEADY_STATE_OPTIONS = frozenset({"warmup_steps", "warm_start"})
+
+ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast")
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+# --------------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class Net:
+    """The network as the sync sees it (alpha-beta model of the group).
+
+    ``alpha_s`` is the latency of one message (one step of a collective
+    algorithm, software overhead included); ``bandwidth_Bps`` the bytes per
+    second one rank achieves on its slowest link (beta = 1 / bandwidth).
+    """
+
+    alpha_s: float
+    bandwidth_Bps: float
+    world_size: int
+    #: algorithm the backend uses for all-reduce (gloo and NCCL default to ring)
+    allreduce_algo: str = "ring"
+    #: False where all-to-all is replaced by an all-gather (a backend without it)
+    alltoall: bool = True
+
+    def __post_init__(self):
+        _positive_number(self.alpha_s, "alpha_s", zero_ok=True)
+        _positive_number(self.bandwidth_Bps, "bandwidth_Bps")
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) \
+                or self.world_size < 1:
+            raise ConfigError("world_size", self.world_size, "use an integer >= 1")
+        if self.allreduce_algo not in ALLREDUCE_ALGOS:
+            raise ConfigError("allreduce_algo", self.allreduce_algo,
+                              "choose one of " + ", ".join(ALLREDUCE_ALGOS))
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        return 1.0 / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank computes and syncs per optimizer step."""
+
+    #: trainable (adapter) parameters, i.e. gradient elements per step
+    adapter_params: int
+    #: forward + backward + optimizer seconds per step, not waiting on sync
+    compute_s: float
+    #: samples per rank per step
+    batch_size: int = 4
+    #: share of compute_s spent in the backward pass (when buckets become ready)
+    backward_share: float = 2 / 3
+    #: DDP bucket cap in bytes of fp32 gradients (the trainer's bucket_mb, MiB)
+    bucket_bytes: int = 4 * MiB
+    #: first (earliest ready) bucket's cap; None = bucket_bytes (DDP does that
+    #: whenever bucket_cap_mb is set explicitly, as the trainer does)
+    first_bucket_bytes: int | None = None
+    #: 2-D adapter matrices (rows, cols), for PowerSGD; None = LoRA pairs of
+    #: rank lora_r with an assumed 1024-wide other side
+    matrices: tuple[tuple[int, int], ...] | None = None
+    lora_r: int = 8
+    #: per strategy: ns per element per sync, replacing ENCODE_NS
+    encode_ns: Mapping[str, float] = field(default_factory=dict)
+    #: per strategy: option overrides, e.g. {"topk": {"ratio": 0.001}}
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _positive_int(self.adapter_params, "adapter_params")
+        _positive_number(self.compute_s, "compute_s")
+        _positive_int(self.batch_size, "batch_size")
+        if not _is_number(self.backward_share) or not 0 <= self.backward_share <= 1:
+            raise ConfigError("backward_share", self.backward_share, "use a number in [0, 1]")
+        _positive_number(self.bucket_bytes, "bucket_bytes")
+        if self.first_bucket_bytes is not None:
+            _positive_number(self.first_bucket_bytes, "first_bucket_bytes")
+        _positive_int(self.lora_r, "lora_r")
+        if self.matrices is not None:
+            for m in self.matrices:
+                if len(m) != 2 or any(not isinstance(d, int) or d < 1 for d in m):
+                    raise ConfigError("matrices", m, "give (rows, cols) pairs of positive ints")
+        for name, ns in self.encode_ns.items():
+            if name not in ENCODE_NS:
+                raise ConfigError("encode_ns", name, "name a strategy: " + ", ".join(STRATEGIES))
+            _positive_number(ns, f"encode_ns.{name}", zero_ok=True)
+        for name, opts in self.options.items():
+            strategy_options(name, opts)  # validates
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive_number(x, name: str, zero_ok: bool = False) -> None:
+    if not _is_number(x) or x < 0 or (x == 0 and not zero_ok):
+        raise ConfigError(name, x, "use a number >= 0" if zero_ok else "use a number > 0")
+
+
+def _positive_int(x, name: str) -> None:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+        raise ConfigError(name, x, "use an integer >= 1")
+
+
+# --------------------------------------------------------------------------- models
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-like decoder that LoRA sizes depend on."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    def projection(self, target: str) -> tuple[int, int]:
+        """(in_features, out_features) of one projection."""
+        t = target[:-5] if target.endswith("_proj") else target
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h),
+                  "gate": (h, self.intermediate), "up": (h, self.intermediate),
+                  "down": (self.intermediate, h)}
+        if t not in shapes:
+            raise ConfigError("lora targets", target,
+                              "use q, k, v, o, gate, up, down (with or without _proj)")
+        return shapes[t]
+
+
+MODELS: dict[str, ModelShape] = {
+    # the embedded default (SmolLM2-135M-Instruct)
+    "smollm2-135m": ModelShape("smollm2-135m", 576, 30, 9, 3, 64, 1536),
+    "smollm2-360m": ModelShape("smollm2-360m", 960, 32, 15, 5, 64, 2560),
+    "smollm2-1.7b": ModelShape("smollm2-1.7b", 2048, 24, 32, 32, 64, 8192),
+    "llama-3-8b": ModelShape("llama-3-8b", 4096, 32, 32, 8, 128, 14336),
+}
+
+
+def lora_matrices(shape: ModelShape, r: int = 8, targets=("q", "k", "v", "o"),
+                  freeze_a: bool = False) -> tuple[tuple[int, int], ...]:
+    """Trainable LoRA matrices: A (r x in) and B (out x r) per target per layer.
+
+    With ``freeze_a`` (FFA-LoRA) only B is trained and synced.
+    """
+    _positive_int(r, "lora_r")
+    per_layer: list[tuple[int, int]] = []
+    for t in targets:
+        fan_in, fan_out = shape.projection(t)
+        if not freeze_a:
+            per_layer.append((r, fan_in))
+        per_layer.append((fan_out, r))
+    return tuple(per_layer) * shape.layers
+
+
+# --------------------------------------------------------------------------- collectives
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call: its kind and the payload bytes this rank hands to it.
+
+    For all_gather the payload is this rank's contribution; for all_to_all
+    it is this rank's whole send buffer (split in n chunks).
+    """
+
+    kind: str  # all_reduce | all_gather | all_to_all | broadcast
+    payload_bytes: float
+
+
+def _log2(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def _terms(c: Collective, net: Net) -> tuple[float, float]:
+    """(messages, bytes) on the critical path of one collective."""
+    n, p = net.world_size, float(c.payload_bytes)
+    if n <= 1 or p <= 0:
+        return 0.0, 0.0
+    if c.kind == "all_reduce":
+        if net.allreduce_algo == "ring":
+            return 2.0 * (n - 1), 2.0 * (n - 1) / n * p
+        if net.allreduce_algo == "recursive_doubling":
+            return float(_log2(n)), _log2(n) * p
+        return 2.0 * _log2(n), 2.0 * _log2(n) * p  # binomial reduce, then broadcast
+    if c.kind == "all_gather":
+        return float(n - 1), (n - 1) * p
+    if c.kind == "all_to_all":
+        if net.alltoall:
+            return float(n - 1), (n - 1) / n * p
+        return float(n - 1), (n - 1) * p  # all-gather of the whole buffer instead
+    if c.kind == "broadcast":
+        return float(_log2(n)), _log2(n) * p
+    raise ValueError(f"collective kind: unknown {c.kind!r}")
+
+
+def collective_time(c: Collective, net: Net) -> float:
+    msgs, nbytes = _terms(c, net)
+    return msgs * net.alpha_s + nbytes * net.beta_s_per_byte
+
+
+def ring_allreduce_s(payload_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
+    """2(n-1) alpha + 2(n-1)/n P beta."""
+    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * payload_bytes * beta_s
+
+
+def recursive_doubling_allreduce_s(payload_bytes: float, alpha_s: float, beta_s: float,
+                                   n: int) -> float:
+    """ceil(log2 n) rounds, each exchanging the whole vector with one partner."""
+    return _log2(n) * (alpha_s + payload_bytes * beta_s)
+
+
+def reduce_broadcast_s(payload_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
+    """Binomial-tree reduce to a root, then broadcast: 2 ceil(log2 n) rounds."""
+    return 2 * _log2(n) * (alpha_s + payload_bytes * beta_s)
+
+
+def allgather_s(total_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
+    """Ring all-gather of ``total_bytes`` in all: (n-1) alpha + (n-1)/n total beta."""
+    return (n - 1) * alpha_s + (n - 1) / n * total_bytes * beta_s
+
+
+def alltoall_s(total_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
+    """Pairwise all-to-all of one rank's ``total_bytes`` send buffer."""
+    return (n - 1) * alpha_s + (n - 1) / n * total_bytes * beta_s
+
+
+# --------------------------------------------------------------------------- wire bytes
+# THE BYTE TABLE.  For each strategy: the collectives one sync of `numel`
+# gradient elements makes, with the payload bytes this rank hands to each
+# (docs/contracts.md "Wire bytes").  It MUST AGREE with
+# lorasync.comm.wire_bytes_formula(name, numel, world_size, **opts); the unit
+# test compares the two whenever the comm module provides it.
+
+def _blockwise_bytes(numel: float, bits: int, block: int) -> float:
+    """Packed values plus one fp32 scale per block."""
+    return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block)
+
+
+def _two_phase(numel: int, n: int, bits: int, block: int) -> list[Collective]:
+    # phase 1: every rank hands its whole compressed vector (n chunks) to an
+    # all-to-all and reduces the chunk it owns; phase 2: the reduced chunk,
+    # compressed again, is all-gathered.
+    shard = math.ceil(numel / n)
+    return [Collective("all_to_all", _blockwise_bytes(numel, bits, block)),
+            Collective("all_gather", _blockwise_bytes(shard, bits, block))]
+
+
+def powersgd_floats(numel: int, rank: int, matrices=None, lora_r: int = 8,
+                    min_rate: float = 2.0) -> tuple[float, float, float]:
+    """(P floats, Q floats, uncompressed floats) PowerSGD sends for ``numel`` elements.
+
+    A matrix m x k is compressed to P (m x rank) and Q (k x rank) when that
+    shrinks it by at least ``min_rate``; otherwise it is sent whole.  Elements outside the given matrices (1-D parameters) are sent
+    whole.  Without matrices: LoRA matrices lora_r x 1024.  Results scale
+    linearly when ``numel`` is a bucket's share of the matrices.
+    """
+    matrices_given = matrices is not None
+    if not matrices_given:
+        matrices = ((lora_r, 1024),)
+        total = lora_r * 1024
+    else:
+        total = sum(m * k for m, k in matrices)
+    p = q = u = 0.0
+    for m, k in matrices:
+        if m * k >= min_rate * (m + k) * rank:
+            p, q = p + m * rank, q + k * rank
+        else:
+            u += m * k
+    if matrices_given and numel >= total:  # whole adapter (+ 1-D parameters outside matrices)
+        return p, q, u + (numel - total)
+    scale = numel / total  # a bucket's share
+    return p * scale, q * scale, u * scale
+
+
+def _periodic(numel: int, opts: dict) -> list[Collective]:
+    # the average of weights (local SGD) or of the outer delta (DiLoCo)
+    return [Collective("all_reduce", _DTYPE_BYTES[opts["dtype"]] * numel)]
+
+
+_COLLECTIVES: dict[str, Callable[..., list[Collective]]] = {
+    "none": lambda numel, n, o, mx, r: [],
+    "allreduce": lambda numel, n, o, mx, r: [Collective("all_reduce", 4 * numel)],
+    "fp16": lambda numel, n, o, mx, r: [Collective("all_reduce", 2 * numel)],
+    "bf16": lambda numel, n, o, mx, r: [Collective("all_reduce", 2 * numel)],
+    "int8": lambda numel, n, o, mx, r: _two_phase(numel, n, 8, o["block"]),
+    "onebit": lambda numel, n, o, mx, r: _two_phase(numel, n, 1, o["block"]),
+    # values (fp32) and indices (int32) of the k largest, gathered from every rank
+    "topk": lambda numel, n, o, mx, r: [
+        Collective("all_gather", 8 * max(1, math.ceil(o["ratio"] * numel)))],
+    # two all-reduces per bucket: P (uncompressed tensors ride along), then Q
+    "powersgd": lambda numel, n, o, mx, r: (lambda p, q, u: [
+        Collective("all_reduce", 4 * (p + u)), Collective("all_reduce", 4 * q)])(
+            *powersgd_floats(numel, o["rank"], mx, r, o["min_compression_rate"])),
+    "local": lambda numel, n, o, mx, r: _periodic(numel, o),
+    "diloco": lambda numel, n, o, mx, r: _periodic(numel, o),
+}
+
+
+def strategy_options(name: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Defaults of ``name`` updated with ``overrides``, validated."""
+    if name not in DEFAULT_OPTIONS:
+        raise ConfigError("strategy", name, "choose one of " + ", ".join(STRATEGIES + (NONE,)))
+    opts = dict(DEFAULT_OPTIONS[name])
+    for key, value in (overrides or {}).items():
+        if key in _STEADY_STATE_OPTIONS and name != NONE:
+            continue  # the strategies take them; they do not change a steady-state step
+        if key not in opts:
+            known = ", ".join(sorted(DEFAULT_OPTIONS[name])) or "none"
+            raise ConfigError(f"{name}.{key}", value, f"{name} takes the options: {known}")
+        opts[key] = value
+    for key, value in opts.items():
+        field_name = f"{name}.{key}"
+        if key in ("block", "rank", "period"):
+            _positive_int(value, field_name)
+        elif key == "min_compression_rate":
+            _positive_number(value, field_name, zero_ok=True)
+        elif key == "ratio":
+            if not _is_number(value) or not 0 < value <= 1:
+                raise ConfigError(field_name, value, "use a fraction in (0, 1], e.g. 0.01")
+        elif key == "dtype" and value not in _DTYPE_BYTES:
+            raise ConfigError(field_name, value, "use fp32, fp16 or bf16")
+    return opts
+
+
+def collectives(name: str, numel: int, world_size: int, *, matrices=None, lora_r: int = 8,
+                **opts: Any) -> list[Collective]:
+    """The collectives one sync of ``numel`` elements makes under ``name``."""
+    o = strategy_options(name, opts)
+    return _COLLECTIVES[name](numel, world_size, o, matrices, lora_r)
+
+
+def wire_bytes(name: str, numel: int, world_size: int, *, matrices=None, lora_r: int = 8,
+               **opts: Any) -> float:
+    """Payload bytes this rank hands to collectives per step for one bucket of
+    ``numel`` elements (periodic strategies: amortized over their period)."""
+    o = strategy_options(name, opts)
+    total = sum(c.payload_bytes for c in _COLLECTIVES[name](numel, world_size, o, matrices,
+                                                            lora_r))
+    return total / o["period"] if name in PERIODIC else total
+
+
+# --------------------------------------------------------------------------- prediction
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost of one optimizer step (per rank) under one strategy."""
+
+    strategy: str
+    options: dict
+    world_size: int
+    compute_s: float
+    encode_s: float
+    #: time the collectives take, summed (amortized for periodic strategies)
+    comm_s: float
+    #: the part of comm_s the step waits on (not hidden behind backward)
+    exposed_comm_s: float
+    step_s: float
+    #: all ranks together
+    samples_per_s: float
+    #: vs the no-sync ceiling (compute only)
+    efficiency: float
+    #: payload bytes handed to collectives per rank per step (contract definition)
+    wire_bytes: float
+    #: bytes on the critical path of the link per rank per step (what beta multiplies)
+    link_bytes: float
+    #: what fp32 all-reduce would hand over per step
+    fp32_bytes: float
+    #: latency terms (messages on the critical path) per step
+    messages: float
+    #: syncs per step (1 for per-step strategies, 1/period for periodic ones)
+    syncs_per_step: float
+    buckets: int
+    lossless: bool
+    periodic: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bucket_layout(numel: int, bucket_bytes: float, first_bucket_bytes: float | None = None
+                  ) -> list[int]:
+    """Elements per DDP bucket in gradient-ready order (fp32 gradients, 4 B each)."""
+    first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
+    out: list[int] = []
+    left = numel
+    cap = first
+    while left > 0:
+        take = min(left, max(1, int(cap // 4)))
+        out.append(take)
+        left -= take
+        cap = bucket_bytes
+    return out
+
+
+def _encode_ns(name: str, opts: dict, workload: Workload) -> float:
+    if name in workload.encode_ns:
+        return float(workload.encode_ns[name])
+    ns = ENCODE_NS[name]
+    return ns * opts["rank"] if name == "powersgd" else ns
+
+
+def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
+    """Predicted step of ``strategy`` on ``net`` for ``workload``."""
+    opts = strategy_options(strategy, workload.options.get(strategy))
+    n, numel = net.world_size, workload.adapter_params
+    compute = workload.compute_s
+    make = _COLLECTIVES[strategy]
+    encode = _encode_ns(strategy, opts, workload) * numel * 1e-9
+    wire = link = msgs = comm = exposed = 0.0
+    periodic = strategy in PERIODIC
+    if periodic:
+        period = opts["period"]
+        calls = make(numel, n, opts, workload.matrices, workload.lora_r)
+        for c in calls:
+            m, b = _terms(c, net)
+            msgs, link, wire = msgs + m, link + b, wire + c.payload_bytes
+            comm += collective_time(c, net)
+        wire, link, msgs, comm, encode = (x / period for x in (wire, link, msgs, comm, encode))
+        exposed = comm  # after the optimizer step: nothing to hide behind
+        syncs, nbuckets = 1.0 / period, 1
+    else:
+        layout = bucket_layout(numel, workload.bucket_bytes, workload.first_bucket_bytes)
+        backward = compute * workload.backward_share
+        done = 0
+        end = 0.0  # time since the backward pass started
+        for b in layout:
+            done += b
+            ready = backward * done / numel
+            t = 0.0
+            for c in make(b, n, opts, workload.matrices, workload.lora_r):
+                m, nb = _terms(c, net)
+                msgs, link, wire = msgs + m, link + nb, wire + c.payload_bytes
+                t += collective_time(c, net)
+            comm += t
+            end = max(ready, end) + t
+        exposed = max(0.0, end - backward) if comm > 0 else 0.0
+        syncs, nbuckets = (0.0 if strategy == NONE else 1.0), len(layout)
+    step = compute + encode + exposed
+    return Prediction(
+        strategy=strategy, options=opts, world_size=n, compute_s=compute, encode_s=encode,
+        comm_s=comm, exposed_comm_s=exposed, step_s=step,
+        samples_per_s=n * workload.batch_size / step, efficiency=compute / step,
+        wire_bytes=wire, link_bytes=link, fp32_bytes=4.0 * numel, messages=msgs,
+        syncs_per_step=syncs, buckets=nbuckets,
+        lossless=strategy in LOSSLESS, periodic=periodic,
+    )

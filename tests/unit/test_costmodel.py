@@ -1,0 +1,318 @@
+"""The cost model: collective formulas, the wire-byte table, overlap, monotonicity."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from lorasync.errors import ConfigError
+from lorasync.plan.costmodel import (
+    MODELS, PERIODIC, STRATEGIES, Collective, MiB, Net, Workload, allgather_s, alltoall_s,
+    bucket_layout, collective_time, collectives, lora_matrices, predict,
+    recursive_doubling_allreduce_s, reduce_broadcast_s, ring_allreduce_s, strategy_options,
+    wire_bytes,
+)
+
+N = 921_600  # SmolLM2-135M, LoRA r=8 on q/k/v/o
+SMOL = lora_matrices(MODELS["smollm2-135m"], 8)
+
+
+def net(bw=1.25e6, alpha=1e-3, n=2, **kw):
+    return Net(alpha_s=alpha, bandwidth_Bps=bw, world_size=n, **kw)
+
+
+def wl(**kw):
+    base = dict(adapter_params=N, compute_s=1.25, batch_size=4, matrices=SMOL)
+    base.update(kw)
+    return Workload(**base)
+
+
+# --------------------------------------------------------------------------- adapters
+
+@pytest.mark.parametrize("r, targets, freeze_a, expected", [
+    (8, ("q", "k", "v", "o"), False, 921_600),   # 30 x 8 x (1152 + 768 + 768 + 1152)
+    (16, ("q", "k", "v", "o"), False, 1_843_200),
+    (8, ("q_proj", "v_proj"), False, 30 * 8 * (1152 + 768)),
+    (8, ("q", "k", "v", "o"), True, 30 * 8 * (576 + 192 + 192 + 576)),  # B only
+])
+def test_lora_param_count(r, targets, freeze_a, expected):
+    mx = lora_matrices(MODELS["smollm2-135m"], r, targets, freeze_a)
+    assert sum(m * k for m, k in mx) == expected
+
+
+def test_unknown_lora_target_names_the_field():
+    with pytest.raises(ConfigError, match="lora targets"):
+        lora_matrices(MODELS["smollm2-135m"], 8, ("qkv",))
+
+
+# --------------------------------------------------------------------------- collectives
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
+def test_collective_times_follow_alpha_beta_formulas(n):
+    a, bw, p = 2e-3, 1e8, 3e6
+    b = 1 / bw
+    x = net(bw=bw, alpha=a, n=n)
+    assert collective_time(Collective("all_reduce", p), x) == pytest.approx(
+        2 * (n - 1) * a + 2 * (n - 1) / n * p * b)
+    assert ring_allreduce_s(p, a, b, n) == pytest.approx(
+        collective_time(Collective("all_reduce", p), x))
+    # all-gather: p per rank, n*p in all
+    assert collective_time(Collective("all_gather", p), x) == pytest.approx(
+        allgather_s(n * p, a, b, n))
+    assert allgather_s(n * p, a, b, n) == pytest.approx((n - 1) * a + (n - 1) * p * b)
+    assert collective_time(Collective("all_to_all", p), x) == pytest.approx(alltoall_s(p, a, b, n))
+    rd = net(bw=bw, alpha=a, n=n, allreduce_algo="recursive_doubling")
+    rb = net(bw=bw, alpha=a, n=n, allreduce_algo="reduce_broadcast")
+    L = math.ceil(math.log2(n))
+    assert collective_time(Collective("all_reduce", p), rd) == pytest.approx(L * (a + p * b))
+    assert recursive_doubling_allreduce_s(p, a, b, n) == pytest.approx(L * (a + p * b))
+    assert collective_time(Collective("all_reduce", p), rb) == pytest.approx(
+        reduce_broadcast_s(p, a, b, n))
+    # without a native all-to-all the fallback all-gathers the whole buffer: slower
+    fb = net(bw=bw, alpha=a, n=n, alltoall=False)
+    assert collective_time(Collective("all_to_all", p), fb) > collective_time(
+        Collective("all_to_all", p), x)
+
+
+def test_one_rank_costs_nothing():
+    x = net(n=1)
+    for s in STRATEGIES:
+        p = predict(s, x, wl())
+        assert p.comm_s == 0 and p.exposed_comm_s == 0
+
+
+# --------------------------------------------------------------------------- wire bytes
+
+def _two_phase(numel, n, bits, block=256):
+    c = lambda e: math.ceil(e * bits / 8) + 4 * math.ceil(e / block)  # noqa: E731
+    return c(numel) + c(math.ceil(numel / n))
+
+
+@pytest.mark.parametrize("name, n, opts, expected", [
+    ("none", 2, {}, 0),
+    ("allreduce", 2, {}, 4 * N),
+    ("allreduce", 8, {}, 4 * N),
+    ("fp16", 2, {}, 2 * N),
+    ("bf16", 4, {}, 2 * N),
+    ("int8", 2, {}, _two_phase(N, 2, 8)),
+    ("int8", 4, {"block": 64}, _two_phase(N, 4, 8, 64)),
+    ("onebit", 2, {}, _two_phase(N, 2, 1, 512)),
+    ("onebit", 3, {"block": 256, "warmup_steps": 5}, _two_phase(N, 3, 1, 256)),
+    ("topk", 2, {}, 8 * math.ceil(0.01 * N)),
+    ("topk", 8, {"ratio": 0.001}, 8 * math.ceil(0.001 * N)),
+    ("local", 2, {}, 4 * N / 8),
+    ("local", 2, {"period": 4, "dtype": "fp16"}, 2 * N / 4),
+    ("diloco", 2, {}, 4 * N / 32),
+])
+def test_wire_bytes_table(name, n, opts, expected):
+    assert wire_bytes(name, N, n, **opts) == pytest.approx(expected)
+
+
+def test_powersgd_wire_bytes_from_matrix_shapes():
+    # rank 1 per layer: q (8x576, 576x8) -> 2 x 584, k/v (8x576, 192x8) -> 584 + 200, o like q
+    per_layer = 2 * 584 + 2 * (584 + 200) + 2 * 584
+    assert wire_bytes("powersgd", N, 2, matrices=SMOL, rank=1) == 4 * 30 * per_layer
+    assert wire_bytes("powersgd", N, 2, matrices=SMOL) == 2 * 4 * 30 * per_layer  # rank 2
+    # rank 4 no longer halves any r=8 LoRA matrix (4608 < 2 x 584 x 4): all sent whole
+    assert wire_bytes("powersgd", N, 2, matrices=SMOL, rank=4) == 4 * N
+    assert wire_bytes("powersgd", N, 2, matrices=SMOL, rank=4, min_compression_rate=1.5) < 4 * N
+    # without shapes: LoRA r x 1024 assumed, close to the real shapes
+    approx = wire_bytes("powersgd", N, 2, lora_r=8, rank=1)
+    assert approx == pytest.approx(4 * 30 * per_layer, rel=0.02)
+    assert [c.kind for c in collectives("powersgd", N, 2)] == ["all_reduce", "all_reduce"]
+
+
+def test_two_phase_and_topk_collectives():
+    assert [c.kind for c in collectives("int8", N, 4)] == ["all_to_all", "all_gather"]
+    assert [c.kind for c in collectives("topk", N, 4)] == ["all_gather"]
+
+
+def _comm_formula():
+    try:
+        from lorasync.comm import wire_bytes_formula
+    except ImportError:
+        return None
+    return wire_bytes_formula
+
+
+@pytest.mark.skipif(_comm_formula() is None,
+                    reason="lorasync.comm.wire_bytes_formula not available yet")
+def test_byte_table_agrees_with_comm_module():
+    """The planner's byte table and the strategies' own formula, at the defaults."""
+    formula = _comm_formula()
+    wrong = []
+    for name in STRATEGIES:
+        for numel, n in ((N, 2), (N, 3), (262_144, 4), (100_000, 8)):
+            try:
+                theirs = formula(name, numel, n)
+            except (TypeError, ValueError):
+                if name == "powersgd":  # may need matrix shapes, which numel lacks
+                    continue
+                raise
+            ours = wire_bytes(name, numel, n, lora_r=8)
+            if theirs != pytest.approx(ours, rel=0.01):
+                wrong.append((name, numel, n, theirs, ours))
+    assert not wrong, "plan/costmodel.py _COLLECTIVES disagrees with lorasync.comm: " + repr(wrong)
+
+
+# --------------------------------------------------------------------------- buckets, overlap
+
+@pytest.mark.parametrize("bucket, first, expected", [
+    (4 * MiB, None, [N]),                              # the trainer's default: one bucket
+    (1 * MiB, None, [262_144] * 3 + [N - 3 * 262_144]),
+    (25 * MiB, 1 * MiB, [262_144, N - 262_144]),       # plain DDP defaults
+])
+def test_bucket_layout(bucket, first, expected):
+    assert bucket_layout(N, bucket, first) == expected
+
+
+def test_single_bucket_hides_nothing_and_more_buckets_hide_some():
+    x = net(bw=1.25e6, alpha=1e-4)
+    one = predict("allreduce", x, wl())
+    assert one.buckets == 1 and one.exposed_comm_s == pytest.approx(one.comm_s)
+    many = predict("allreduce", x, wl(bucket_bytes=MiB // 4))
+    assert many.buckets > 1
+    assert many.exposed_comm_s < many.comm_s
+    # what the backward can hide is bounded by the backward pass
+    backward = 1.25 * 2 / 3
+    assert many.comm_s - many.exposed_comm_s <= backward + 1e-9
+    # the last bucket's sync can never hide
+    last = collective_time(Collective("all_reduce", 4 * bucket_layout(N, MiB // 4)[-1]), x)
+    assert many.exposed_comm_s >= last - 1e-12
+    # no backward share: nothing to overlap with
+    flat = predict("allreduce", x, wl(bucket_bytes=MiB // 4, backward_share=0.0))
+    assert flat.exposed_comm_s == pytest.approx(flat.comm_s)
+
+
+def test_small_comm_is_fully_hidden_but_for_the_last_bucket():
+    x = net(bw=1.25e9, alpha=1e-5)
+    p = predict("allreduce", x, wl(bucket_bytes=MiB // 4))
+    last = collective_time(Collective("all_reduce", 4 * bucket_layout(N, MiB // 4)[-1]), x)
+    assert p.exposed_comm_s == pytest.approx(last)
+
+
+def test_periodic_strategies_amortize_one_sync_over_the_period():
+    x = net()
+    ar = collective_time(Collective("all_reduce", 4 * N), x)
+    for name, period in (("local", 8), ("diloco", 32)):
+        p = predict(name, x, wl())
+        assert p.periodic and not p.lossless
+        assert p.exposed_comm_s == pytest.approx(ar / period)
+        assert p.syncs_per_step == pytest.approx(1 / period)
+    p = predict("local", x, wl(options={"local": {"period": 2}}))
+    assert p.exposed_comm_s == pytest.approx(ar / 2)
+
+
+def test_step_time_is_compute_plus_encode_plus_exposed():
+    x = net()
+    for s in STRATEGIES + ("none",):
+        p = predict(s, x, wl())
+        assert p.step_s == pytest.approx(p.compute_s + p.encode_s + p.exposed_comm_s)
+        assert p.efficiency == pytest.approx(1.25 / p.step_s)
+        assert p.samples_per_s == pytest.approx(2 * 4 / p.step_s)
+    assert predict("none", x, wl()).efficiency == 1.0
+
+
+def test_encode_cost_is_overridable():
+    x = net()
+    base = predict("int8", x, wl())
+    slow = predict("int8", x, wl(encode_ns={"int8": 100.0}))
+    assert slow.encode_s == pytest.approx(100e-9 * N)
+    assert slow.step_s > base.step_s
+
+
+# --------------------------------------------------------------------------- monotonicity
+
+BANDWIDTHS = [1.25e5, 1.25e6, 1.25e7, 1.25e8, 1.25e9, 1.25e10]
+ALPHAS = [0.0, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2]
+NODES = [1, 2, 3, 4, 8, 16, 64]
+WORKLOADS = [wl(), wl(bucket_bytes=MiB // 4), wl(bucket_bytes=25 * MiB, first_bucket_bytes=MiB)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("w", range(len(WORKLOADS)))
+def test_more_bandwidth_never_slower(strategy, w):
+    for alpha in (1e-4, 2e-2):
+        for n in (2, 8):
+            steps = [predict(strategy, net(bw=b, alpha=alpha, n=n), WORKLOADS[w]).step_s
+                     for b in BANDWIDTHS]
+            assert all(b <= a + 1e-12 for a, b in zip(steps, steps[1:])), steps
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("w", range(len(WORKLOADS)))
+def test_more_latency_never_faster(strategy, w):
+    for bw in (1.25e6, 1.25e9):
+        for n in (2, 8):
+            steps = [predict(strategy, net(bw=bw, alpha=a, n=n), WORKLOADS[w]).step_s
+                     for a in ALPHAS]
+            assert all(b >= a - 1e-12 for a, b in zip(steps, steps[1:])), steps
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_more_nodes_never_fewer_bytes_on_the_link(strategy):
+    link = [predict(strategy, net(n=n), wl()).link_bytes for n in NODES]
+    assert all(b >= a - 1e-9 for a, b in zip(link, link[1:])), link
+
+
+def test_more_nodes_never_fewer_wire_bytes_for_all_gather_strategies():
+    # topk hands the same payload to a growing all-gather
+    for opts in ({}, {"ratio": 0.1}):
+        wb = [predict("topk", net(n=n), wl(options={"topk": opts})).wire_bytes for n in NODES]
+        assert all(b >= a for a, b in zip(wb, wb[1:])), wb
+    # and what a rank receives from an all-gather grows with n
+    for name in ("topk", "int8", "onebit"):
+        t = [predict(name, net(n=n), wl()).comm_s for n in NODES[1:]]
+        assert all(b >= a for a, b in zip(t, t[1:])), (name, t)
+
+
+# --------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(alpha_s=-1, bandwidth_Bps=1, world_size=2), "alpha_s"),
+    (dict(alpha_s=0, bandwidth_Bps=0, world_size=2), "bandwidth_Bps"),
+    (dict(alpha_s=0, bandwidth_Bps=1, world_size=0), "world_size"),
+    (dict(alpha_s=0, bandwidth_Bps=1, world_size=2, allreduce_algo="bcube"), "allreduce_algo"),
+])
+def test_net_validation_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        Net(**kwargs)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(adapter_params=0), "adapter_params"),
+    (dict(compute_s=0), "compute_s"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(backward_share=1.5), "backward_share"),
+    (dict(options={"topk": {"ratio": 2}}), "topk.ratio"),
+    (dict(options={"topk": {"rank": 2}}), "topk.rank"),
+    (dict(options={"local": {"dtype": "int4"}}), "local.dtype"),
+    (dict(encode_ns={"zstd": 1.0}), "encode_ns"),
+])
+def test_workload_validation_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        wl(**kwargs)
+    assert e.value.field == field
+
+
+def test_unknown_strategy():
+    with pytest.raises(ConfigError, match="strategy"):
+        strategy_options("zip")
+    with pytest.raises(ConfigError):
+        predict("zip", net(), wl())
+
+
+def test_every_strategy_has_a_table_entry():
+    for s in STRATEGIES + ("none",):
+        assert isinstance(wire_bytes(s, 1000, 2), float | int)
+    assert PERIODIC <= set(STRATEGIES)
+
+
+def test_plan_package_does_not_import_torch():
+    code = ("import sys, lorasync.plan, lorasync.plan.cli, lorasync.plan.costmodel; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
