@@ -1,0 +1,28 @@
+"""Planning: a pure cost model of gradient sync, a planner that ranks the
+strategies for a network, and (later) the auto controller that re-plans
+during training.
+
+    from lorasync.plan import Net, Workload, predict, choose, Measurements
+    net = Net(alpha_s=1e-3, bandwidth_Bps=1.25e6, world_size=2)     # 10 Mbit/s
+    wl = Workload(adapter_params=921_600, compute_s=1.25, batch_size=4)
+    predict("fp16", net, wl).efficiency
+    choose(Measurements(net, wl)).strategy
+
+Nothing here imports torch or does I/O (the CLI reads files).
+"""
+
+from lorasync.plan.costmodel import (
+    LOSSLESS, MODELS, NONE, PERIODIC, STRATEGIES, Net, Prediction, Workload, lora_matrices,
+    predict, wire_bytes,
+)
+from lorasync.plan.planner import (
+    Link, Measurements, Plan, Recommendation, Step, choose, net_from_probe, plan, rank,
+    what_if_net,
+)
+
+__all__ = [
+    "STRATEGIES", "NONE", "LOSSLESS", "PERIODIC", "MODELS",
+    "Net", "Workload", "Prediction", "predict", "wire_bytes", "lora_matrices",
+    "Link", "Measurements", "Recommendation", "Step", "Plan",
+    "rank", "choose", "plan", "what_if_net", "net_from_probe",
+]

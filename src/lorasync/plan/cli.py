@@ -1,0 +1,350 @@
+"""lorasync plan: predict and rank the gradient-sync strategies for a network.
+
+From a measured network (the probe's JSON) or a what-if description, for the
+embedded model's adapter (or --model / --adapter-params), print every
+strategy's predicted step time, throughput, scaling efficiency and bytes, the
+recommendation, and the steps to take on that network with their gains.
+
+    lorasync plan --nodes 2 --rate 10mbit --rtt 1ms
+    lorasync plan --probe probe.json --compute-s 1.25
+    lorasync plan --probe probe.json --nodes 8 --rate 1gbit     # what-if: 8 nodes
+    lorasync plan --nodes 8 --rate 1gbit --rtt 30ms --lora-r 16 --json
+    lorasync plan --nodes 2 --rate 100mbit --metrics runs/x/metrics.jsonl
+
+Pure prediction: nothing is measured or changed.  The model is in
+lorasync/plan/costmodel.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+from lorasync.errors import ConfigError
+from lorasync.plan.costmodel import (
+    ALLREDUCE_ALGOS, DEFAULT_OPTIONS, MODELS, NONE, STRATEGIES, MiB, ModelShape, Workload,
+    lora_matrices,
+)
+from lorasync.plan.planner import (
+    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, plan, what_if_net,
+)
+from lorasync.plan.units import (
+    fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate, parse_size,
+)
+
+__all__ = ["add_arguments", "run", "build_plan", "format_plan"]
+
+#: DESIGN.md: SmolLM2-135M + LoRA r=8, 4 x 64 tokens per rank per step on one
+#: CPU thread took 1.25 s (6.4 samples/s on 2 ranks without sync)
+_DEFAULT_S_PER_SAMPLE = {"smollm2-135m": 1.25 / 4}
+_DEFAULT_RTT = "0.2ms"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network (a probe, a what-if, or a probe with what-if overrides)")
+    g.add_argument("--probe", metavar="FILE", help="JSON written by `lorasync probe --json`")
+    g.add_argument("--nodes", type=int, metavar="N",
+                   help="ranks (world size); default: the probe's, else 2")
+    g.add_argument("--rate", metavar="RATE",
+                   help="line rate, e.g. 10mbit, 1gbit, 100Mbit/s, 12.5MB/s (with --probe: "
+                        "only used to size TCP and RDMA gains)")
+    g.add_argument("--rtt", metavar="TIME",
+                   help=f"round-trip time, e.g. 30ms (what-if default {_DEFAULT_RTT})")
+    g.add_argument("--link-efficiency", type=float, default=LINK_EFFICIENCY, metavar="F",
+                   help="share of the line rate collectives achieve over TCP "
+                        "(default %(default)s)")
+    g.add_argument("--tcp-window", default=f"{DEFAULT_TCP_WINDOW // MiB}MiB", metavar="SIZE",
+                   help="default TCP window of one connection (default %(default)s)")
+    g.add_argument("--rdma", action="store_true",
+                   help="the nodes have RDMA (InfiniBand/RoCE); the probe may say so too")
+    g.add_argument("--allreduce-algo", choices=ALLREDUCE_ALGOS, default="ring",
+                   help="all-reduce algorithm of the backend (default %(default)s)")
+    g.add_argument("--alltoall-fallback", action="store_true",
+                   help="the backend has no all-to-all: int8/onebit use an all-gather")
+
+    g = p.add_argument_group("model and adapter")
+    g.add_argument("--model", default="smollm2-135m", metavar="NAME|DIR",
+                   help=f"one of {', '.join(MODELS)}, or a Hugging Face model directory "
+                        "(its config.json) (default %(default)s)")
+    g.add_argument("--lora-r", type=int, default=8, metavar="R", help="LoRA rank (default 8)")
+    g.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST",
+                   help="adapted projections (default %(default)s)")
+    g.add_argument("--freeze-a", action="store_true", help="FFA-LoRA: only B is trained and synced")
+    g.add_argument("--adapter-params", metavar="N",
+                   help="trainable parameter count, instead of deriving it from --model")
+
+    g = p.add_argument_group("compute")
+    g.add_argument("--compute-s", metavar="SECONDS",
+                   help="forward+backward+optimizer time per step per rank (measured)")
+    g.add_argument("--metrics", metavar="FILE",
+                   help="a run's metrics.jsonl: take compute time and batch size from it")
+    g.add_argument("--batch-size", type=int, metavar="B", help="samples per rank per step "
+                   "(default 4)")
+    g.add_argument("--backward-share", type=float, default=2 / 3, metavar="F",
+                   help="share of compute in the backward pass (default 0.667)")
+    g.add_argument("--bucket-mb", type=float, default=4.0, metavar="MB",
+                   help="DDP bucket size in MiB, as the trainer's --bucket-mb (default 4)")
+    g.add_argument("--first-bucket-mb", type=float, metavar="MB",
+                   help="first bucket's cap (plain DDP with default buckets: 1)")
+
+    g = p.add_argument_group("strategies")
+    g.add_argument("--strategies", metavar="LIST",
+                   help=f"comma list to rank (default all: {','.join(STRATEGIES)})")
+    g.add_argument("--opt", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
+                   help="strategy option, e.g. topk.ratio=0.001 or local.period=16; repeatable")
+    g.add_argument("--encode-ns", action="append", default=[], metavar="STRATEGY=NS",
+                   help="encode+decode ns per element for a strategy; repeatable")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+# --------------------------------------------------------------------------- inputs
+
+def _read_json(path: str, flag: str):
+    if not os.path.isfile(path):
+        raise ConfigError(flag, path, "file not found; give the path of an existing file")
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(flag, path, f"not readable JSON ({exc})") from None
+
+
+def _model_shape(name: str) -> ModelShape:
+    if name in MODELS:
+        return MODELS[name]
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not (os.path.isfile(path) and path.endswith(".json")):
+        raise ConfigError("--model", name, f"use one of {', '.join(MODELS)}, a model directory "
+                          "with config.json, or give --adapter-params")
+    cfg = _read_json(path, "--model")
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return ModelShape(
+            name=os.path.basename(os.path.dirname(os.path.abspath(path))),
+            hidden=hidden, layers=int(cfg["num_hidden_layers"]), heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError("--model", path, f"config.json lacks a Llama-like field ({exc}); "
+                          "give --adapter-params instead") from None
+
+
+def _metrics(path: str) -> tuple[float, int | None]:
+    """Median compute_s and samples per rank per step from metrics.jsonl."""
+    if not os.path.isfile(path):
+        raise ConfigError("--metrics", path, "file not found; give a run's metrics.jsonl")
+    recs = []
+    with open(path) as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                raise ConfigError("--metrics", f"{path}:{i}", "not a JSON line") from None
+    recs = [r for r in recs if isinstance(r, dict) and isinstance(r.get("compute_s"), (int, float))]
+    if not recs:
+        raise ConfigError("--metrics", path, "no records with compute_s")
+    later = [r for r in recs if r.get("step", 2) > 1] or recs  # step 1 includes warm-up
+    samples = [r["samples"] for r in later if isinstance(r.get("samples"), int)]
+    return (statistics.median(r["compute_s"] for r in later),
+            int(statistics.median(samples)) if samples else None)
+
+
+def _kv(text: str, flag: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise ConfigError(flag, text, "write KEY=VALUE")
+    k, v = text.split("=", 1)
+    return k.strip(), v.strip()
+
+
+def _scalar(v: str):
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
+def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
+    """The plan for parsed CLI arguments, and notes on the inputs assumed."""
+    notes: list[str] = []
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError("--nodes", args.nodes, "use an integer >= 1")
+    rate = parse_rate(args.rate, "--rate") if args.rate else None
+    rtt = parse_duration(args.rtt, "--rtt") if args.rtt else None
+    window = parse_size(args.tcp_window, "--tcp-window")
+    if not 0 < args.link_efficiency <= 1:
+        raise ConfigError("--link-efficiency", args.link_efficiency, "use a fraction in (0, 1]")
+
+    # network
+    if args.probe:
+        net, link = net_from_probe(_read_json(args.probe, "--probe"), world_size=args.nodes,
+                                   allreduce_algo=args.allreduce_algo,
+                                   alltoall=not args.alltoall_fallback)
+        link = Link(rtt_s=rtt if rtt is not None else link.rtt_s, rate_Bps=rate,
+                    efficiency=args.link_efficiency, tcp_window_bytes=window,
+                    rdma=link.rdma or args.rdma, source="probe")
+    elif rate is not None:
+        if rtt is None:
+            rtt = parse_duration(_DEFAULT_RTT)
+            notes.append(f"RTT not given: assumed {_DEFAULT_RTT} (give --rtt)")
+        nodes = args.nodes if args.nodes is not None else 2
+        net = what_if_net(nodes, rate, rtt, efficiency=args.link_efficiency,
+                          tcp_window_bytes=window, allreduce_algo=args.allreduce_algo,
+                          alltoall=not args.alltoall_fallback)
+        link = Link(rtt_s=rtt, rate_Bps=rate, efficiency=args.link_efficiency,
+                    tcp_window_bytes=window, rdma=args.rdma)
+    else:
+        raise ConfigError("--probe/--rate", None, "give --probe FILE (from `lorasync probe "
+                          "--json`) or describe a network: --nodes 2 --rate 10mbit --rtt 1ms")
+
+    # adapter
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if not targets:
+        raise ConfigError("--lora-targets", args.lora_targets, "name projections, e.g. q,k,v,o")
+    if args.lora_r < 1:
+        raise ConfigError("--lora-r", args.lora_r, "use an integer >= 1")
+    if args.adapter_params is not None:
+        params, matrices = parse_count(args.adapter_params, "--adapter-params"), None
+    else:
+        shape = _model_shape(args.model)
+        matrices = lora_matrices(shape, args.lora_r, targets, args.freeze_a)
+        params = sum(m * k for m, k in matrices)
+
+    # compute
+    batch = args.batch_size
+    if batch is not None and batch < 1:
+        raise ConfigError("--batch-size", batch, "use an integer >= 1")
+    compute = None
+    if args.metrics:
+        compute, samples = _metrics(args.metrics)
+        if batch is None and samples:
+            batch = samples
+        notes.append(f"compute {fmt_duration(compute)}/step: median of {args.metrics}")
+    batch = batch or 4
+    if args.compute_s is not None:
+        compute = parse_duration(args.compute_s, "--compute-s", bare_seconds=True,
+                                 allow_zero=False)
+    if compute is None:
+        per_sample = _DEFAULT_S_PER_SAMPLE.get(args.model)
+        if per_sample is None or args.adapter_params is not None or args.lora_r != 8 \
+                or targets != ["q", "k", "v", "o"]:
+            raise ConfigError("--compute-s", None, "give the measured compute time per step "
+                              "(e.g. --compute-s 1.25) or --metrics runs/NAME/metrics.jsonl")
+        compute = per_sample * batch
+        notes.append(f"compute {fmt_duration(compute)}/step assumed: SmolLM2-135M r=8 measured "
+                     "0.31 s per 64-token sample on one CPU thread (give --compute-s)")
+
+    # strategies and options
+    names = ([s.strip() for s in args.strategies.split(",") if s.strip()]
+             if args.strategies else list(STRATEGIES))
+    for s in names:
+        if s not in STRATEGIES:
+            raise ConfigError("--strategies", s, f"choose from {', '.join(STRATEGIES)} "
+                              f"({NONE} is always shown as the ceiling)")
+    options: dict[str, dict] = {}
+    for text in args.opt:
+        key, value = _kv(text, "--opt")
+        strat, _, opt = key.partition(".")
+        if strat not in DEFAULT_OPTIONS or not opt:
+            raise ConfigError("--opt", text, "write STRATEGY.KEY=VALUE, e.g. topk.ratio=0.001")
+        options.setdefault(strat, {})[opt] = _scalar(value)
+    encode = {}
+    for text in args.encode_ns:
+        key, value = _kv(text, "--encode-ns")
+        val = _scalar(value)
+        if not isinstance(val, (int, float)):
+            raise ConfigError("--encode-ns", text, "write STRATEGY=NS, e.g. int8=6")
+        encode[key] = float(val)
+
+    first = int(args.first_bucket_mb * MiB) if args.first_bucket_mb else None
+    if args.bucket_mb <= 0:
+        raise ConfigError("--bucket-mb", args.bucket_mb, "use a number of MiB > 0")
+    wl = Workload(adapter_params=params, compute_s=compute, batch_size=batch,
+                  backward_share=args.backward_share, bucket_bytes=int(args.bucket_mb * MiB),
+                  first_bucket_bytes=first, matrices=matrices, lora_r=args.lora_r,
+                  encode_ns=encode, options=options)
+    return plan(net, wl, link, names), notes
+
+
+# --------------------------------------------------------------------------- output
+
+def _opts(d: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in d.items()) or "-"
+
+
+def format_plan(pl: Plan, notes: list[str] = ()) -> str:
+    net, wl, link, ceil = pl.net, pl.workload, pl.link, pl.ceiling
+    out = []
+    out.append(f"lorasync plan: {net.world_size} ranks x {wl.batch_size} samples, adapter "
+               f"{wl.adapter_params:,} params ({fmt_bytes(4 * wl.adapter_params)} fp32), "
+               f"compute {fmt_duration(wl.compute_s)}/step")
+    src = "probe" if link.source == "probe" else "what-if"
+    extra = []
+    if link.rate_Bps:
+        extra.append(f"line {fmt_rate(link.rate_Bps)}")
+    if link.rtt_s is not None:
+        extra.append(f"RTT {fmt_duration(link.rtt_s)}")
+    if link.rdma:
+        extra.append("RDMA present")
+    out.append(f"network ({src}): {fmt_rate(net.bandwidth_Bps)} achieved, alpha "
+               f"{fmt_duration(net.alpha_s)} per message"
+               + (f" ({', '.join(extra)})" if extra else ""))
+    out.append(f"ceiling (no sync): {ceil.samples_per_s:.3g} samples/s")
+    out.append("")
+    head = ("  #  strategy    samples/s    eff     step   exposed    encode  wire/step  "
+            "lossless  options")
+    out.append(head)
+    for i, p in enumerate(pl.ranking, 1):
+        mark = "*" if p.strategy == pl.recommendation.strategy else " "
+        out.append(f"{mark}{i:2d}  {p.strategy:<10} {p.samples_per_s:9.3g}  {p.efficiency:6.1%}"
+                   f"  {fmt_duration(p.step_s):>7} {fmt_duration(p.exposed_comm_s):>9} "
+                   f"{fmt_duration(p.encode_s):>9}  {fmt_bytes(p.wire_bytes):>9}  "
+                   f"{'yes' if p.lossless else 'no':<8}  {_opts(p.options)}")
+    rec = pl.recommendation
+    out.append("")
+    out.append(f"Recommendation: {rec.strategy}"
+               + (f" ({_opts(rec.options)})" if rec.options else "")
+               + f": {rec.prediction.samples_per_s:.3g} samples/s, "
+                 f"{rec.prediction.efficiency:.0%} of the ceiling; {rec.reason}")
+    todo = [s for s in pl.steps if s.worthwhile]
+    skip = [s for s in pl.steps if not s.worthwhile]
+    out.append("")
+    out.append("Steps on this network, in order:" if todo else
+               "Steps on this network: none needed")
+    for i, s in enumerate(todo, 1):
+        if s.gain is None:
+            effect = "gain unknown"
+        else:
+            effect = (f"{s.gain:+.0%}: {s.samples_per_s_before:.3g} -> "
+                      f"{s.samples_per_s_after:.3g} samples/s")
+        out.append(f"  {i}. {s.title} ({effect})")
+        out.append(f"     {s.detail}")
+    if skip:
+        out.append("Not worth it here:")
+        for s in skip:
+            gain = f" (predicted {s.gain:+.1%})" if s.gain else ""
+            out.append(f"  - {s.title}{gain}: {s.detail}")
+    all_notes = list(notes) + list(pl.notes)
+    if all_notes:
+        out.append("")
+        out.extend(f"note: {n}" for n in all_notes)
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    pl, notes = build_plan(args)
+    if args.json:
+        d = pl.to_dict()
+        d["input_notes"] = notes
+        json.dump(d, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_plan(pl, notes))
+    return 0

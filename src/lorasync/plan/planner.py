@@ -1,0 +1,495 @@
+"""Rank the sync strategies for one network and workload, pick one, and advise.
+
+Pure: measurements in (a ``Net``, a ``Workload``, what is known about the
+link), ranked predictions, a recommendation and ordered advice out.
+
+* ``rank(net, workload)``: every strategy's ``Prediction``, fastest first.
+* ``choose(Measurements) -> Recommendation``: the seam for the online
+  controller (``plan/auto.py``), which calls it every K steps with fresh link
+  and compute measurements.  The rule: the best predicted throughput, but a
+  lossless strategy when one is within ``lossless_margin`` (5%) of the best,
+  and fp32 all-reduce when it is within ``exact_margin`` (1%) of that; with
+  ``current`` set, keep the strategy in use unless the pick beats it by more
+  than ``switch_margin`` (no flapping on noisy measurements).
+* ``plan(net, workload, link)``: the above plus the steps an expert would
+  take on this network, in order, each with its predicted gain: TCP tuning,
+  compression, overlap, periodic sync, RDMA.
+* ``what_if_net`` / ``net_from_probe``: a ``Net`` from a link description or
+  from ``lorasync probe --json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+from lorasync.errors import ConfigError
+from lorasync.plan.costmodel import (
+    NONE, PERIODIC, STRATEGIES, MiB, Net, Prediction, Workload, predict, strategy_options,
+)
+from lorasync.plan.units import fmt_bytes, fmt_duration, fmt_rate
+
+__all__ = [
+    "DEFAULT_TCP_WINDOW", "ALPHA_PER_RTT", "ALPHA_OVERHEAD_S", "LINK_EFFICIENCY", "RDMA_ALPHA_S",
+    "Link", "Measurements", "Recommendation", "Step", "Plan",
+    "what_if_net", "net_from_probe", "rank", "choose", "plan",
+]
+
+#: Linux's default tcp_rmem max is 6 MiB and about half of a receive buffer is
+#: offered as window, so one connection keeps ~3 MiB in flight untuned.
+DEFAULT_TCP_WINDOW = 3 * MiB
+#: gloo over TCP pays about one round trip per step of a collective algorithm:
+#: the DESIGN.md measurements (100 Mbit/s + 40 ms RTT: PowerSGD 82%, fp32 80%)
+#: fit alpha = 1.0 x RTT, not the one-way 0.5 x RTT.
+ALPHA_PER_RTT = 1.0
+#: per-message software cost (gloo on CPU: enqueue, copy, wake-ups)
+ALPHA_OVERHEAD_S = 50e-6
+#: share of the line rate a collective achieves over TCP (DESIGN.md: gloo on
+#: veth + tbf reaches ~92% of 100 Mbit/s and ~95% of 1 Gbit/s)
+LINK_EFFICIENCY = 0.93
+#: per-message latency with RDMA verbs (NCCL over InfiniBand/RoCE)
+RDMA_ALPHA_S = 5e-6
+#: DDP bucket sizes the overlap advice tries, in MiB
+BUCKET_MIB_CHOICES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0)
+#: sync periods the periodic-sync advice tries (smallest reaching TARGET_EFFICIENCY)
+PERIOD_CHOICES = (2, 4, 8, 16, 32, 64, 128)
+TARGET_EFFICIENCY = 0.95
+#: a step worth taking gains at least this much throughput
+MIN_GAIN = 0.01
+
+
+@dataclass(frozen=True)
+class Link:
+    """What is known about the link beyond the alpha-beta fit (used for advice)."""
+
+    #: round-trip time; None when unknown
+    rtt_s: float | None = None
+    #: nominal line rate in bytes/s; None when unknown (a probe measures goodput only)
+    rate_Bps: float | None = None
+    efficiency: float = LINK_EFFICIENCY
+    tcp_window_bytes: float = DEFAULT_TCP_WINDOW
+    rdma: bool = False
+    #: "what-if" (described by the user) or "probe" (measured)
+    source: str = "what-if"
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Input of ``choose``: the network and workload as measured now."""
+
+    net: Net
+    workload: Workload
+    #: strategy in use now (the online controller's), for hysteresis
+    current: str | None = None
+    candidates: tuple[str, ...] = STRATEGIES
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    strategy: str
+    options: dict
+    prediction: Prediction
+    reason: str
+    #: every candidate, fastest first
+    ranking: tuple[Prediction, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "options": self.options, "reason": self.reason,
+                "prediction": self.prediction.to_dict()}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing to do, with its predicted effect on top of the steps before it."""
+
+    action: str  # tcp_tuning | compression | overlap | periodic_sync | rdma
+    title: str
+    detail: str
+    worthwhile: bool
+    strategy: str
+    options: dict
+    bucket_mb: float | None
+    samples_per_s_before: float
+    #: None when the gain cannot be predicted from what is known
+    samples_per_s_after: float | None
+    gain: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    net: Net
+    link: Link
+    workload: Workload
+    ceiling: Prediction
+    ranking: tuple[Prediction, ...]
+    recommendation: Recommendation
+    steps: tuple[Step, ...]
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        wl = asdict(self.workload)
+        wl["encode_ns"], wl["options"] = dict(self.workload.encode_ns), {
+            k: dict(v) for k, v in self.workload.options.items()}
+        # the shapes are long (2 per target per layer) and follow from the model
+        wl["matrices"] = None if self.workload.matrices is None else len(self.workload.matrices)
+        return {
+            "net": asdict(self.net), "link": asdict(self.link), "workload": wl,
+            "ceiling": self.ceiling.to_dict(),
+            "ranking": [p.to_dict() for p in self.ranking],
+            "recommendation": self.recommendation.to_dict(),
+            "steps": [s.to_dict() for s in self.steps],
+            "notes": list(self.notes),
+        }
+
+
+# --------------------------------------------------------------------------- networks
+
+def what_if_net(world_size: int, rate_Bps: float, rtt_s: float, *,
+                efficiency: float = LINK_EFFICIENCY,
+                tcp_window_bytes: float | None = DEFAULT_TCP_WINDOW,
+                allreduce_algo: str = "ring", alltoall: bool = True) -> Net:
+    """A ``Net`` for a described link: goodput capped by the TCP window per RTT."""
+    if not 0 < efficiency <= 1:
+        raise ConfigError("link efficiency", efficiency, "use a fraction in (0, 1], e.g. 0.93")
+    bw = rate_Bps * efficiency
+    if tcp_window_bytes and rtt_s > 0:
+        bw = min(bw, tcp_window_bytes / rtt_s)
+    return Net(alpha_s=rtt_s * ALPHA_PER_RTT + ALPHA_OVERHEAD_S, bandwidth_Bps=bw,
+               world_size=world_size, allreduce_algo=allreduce_algo, alltoall=alltoall)
+
+
+def _num(d: Mapping, key: str, where: str, required: bool = True) -> float | None:
+    v = d.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        raise ConfigError(f"{where}.{key}", v, "the probe JSON needs a number >= 0 here; "
+                          "re-run `lorasync probe --json`")
+    return float(v)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _fit_sweep(sweep: Sequence[Mapping], n: int) -> tuple[float, float] | None:
+    """alpha, beta from all-reduce sweep points (least squares, ring model)."""
+    pts = [(float(s["bytes"]), float(s["time_s"])) for s in sweep
+           if s.get("collective") == "all_reduce" and s.get("bytes") and s.get("time_s")]
+    if len(pts) < 2 or n < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx <= 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    icpt = my - slope * mx
+    if slope <= 0:
+        return None
+    return max(0.0, icpt) / (2 * (n - 1)), slope / (2 * (n - 1) / n)
+
+
+def net_from_probe(probe: Mapping, *, world_size: int | None = None,
+                   allreduce_algo: str = "ring", alltoall: bool = True) -> tuple[Net, Link]:
+    """``Net`` and ``Link`` from ``lorasync probe --json`` (docs/contracts.md).
+
+    Uses the group model (alpha_s per message, bandwidth_Bps) the probe fitted
+    on all-reduce; without it, fits the all-reduce sweep here.  The RTT (for
+    the bandwidth-delay product) is twice the pairs' median one-way latency.
+    ``rdma: true`` at the top level (or on a rank) enables the RDMA advice.
+    ``world_size`` overrides the probe's for a what-if on more nodes.
+    """
+    if not isinstance(probe, Mapping):
+        raise ConfigError("probe", type(probe).__name__, "expected a JSON object from "
+                          "`lorasync probe --json`")
+    n = world_size if world_size is not None else probe.get("world_size")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError("probe.world_size", n, "the probe JSON needs an integer >= 1, "
+                          "or give --nodes")
+    model = probe.get("model") or {}
+    alpha = beta = None
+    if model:
+        alpha = _num(model, "alpha_s", "probe.model")
+        bw = _num(model, "bandwidth_Bps", "probe.model", required=False)
+        if bw:
+            beta = 1.0 / bw
+        else:
+            beta = _num(model, "beta_s_per_byte", "probe.model")
+    else:
+        fit = _fit_sweep(probe.get("sweep") or [], int(probe.get("world_size") or n))
+        if fit:
+            alpha, beta = fit
+    if alpha is None or not beta:
+        raise ConfigError("probe.model", model or None,
+                          "the probe JSON has neither a fitted model (alpha_s, bandwidth_Bps) "
+                          "nor two all_reduce sweep points; re-run `lorasync probe --json`")
+    # RTT for the bandwidth-delay product: pairs' latency_s is half a ping-pong;
+    # the model's latency_s is the per-message alpha, which is ~1 RTT on TCP
+    rtt = None
+    lats = sorted(p["latency_s"] for p in (probe.get("pairs") or [])
+                  if isinstance(p, Mapping) and _is_num(p.get("latency_s")))
+    if lats:
+        rtt = 2 * lats[len(lats) // 2]
+    elif isinstance(probe.get("slowest_pair"), Mapping) \
+            and _is_num(probe["slowest_pair"].get("latency_s")):
+        rtt = 2 * probe["slowest_pair"]["latency_s"]
+    elif alpha > ALPHA_OVERHEAD_S:
+        rtt = (alpha - ALPHA_OVERHEAD_S) / ALPHA_PER_RTT
+    ranks = probe.get("ranks") or []
+    rdma = bool(probe.get("rdma")) or any(isinstance(r, Mapping) and r.get("rdma") for r in ranks)
+    net = Net(alpha_s=alpha, bandwidth_Bps=1.0 / beta, world_size=n,
+              allreduce_algo=allreduce_algo, alltoall=alltoall)
+    link = Link(rtt_s=rtt, rdma=rdma, source="probe")
+    return net, link
+
+
+# --------------------------------------------------------------------------- ranking
+
+def rank(net: Net, workload: Workload, candidates: Sequence[str] = STRATEGIES
+         ) -> list[Prediction]:
+    """Predictions for ``candidates``, fastest first (lossless first on ties)."""
+    preds = [predict(name, net, workload) for name in candidates]
+    order = {name: i for i, name in enumerate(STRATEGIES)}
+    return sorted(preds, key=lambda p: (-round(p.samples_per_s, 9), not p.lossless,
+                                        order.get(p.strategy, 99)))
+
+
+def choose(m: Measurements, *, lossless_margin: float = 0.05, exact_margin: float = 0.01,
+           switch_margin: float = 0.0) -> Recommendation:
+    """The strategy to use now, with the reason (see the module docstring)."""
+    if not m.candidates:
+        raise ConfigError("strategies", "", "name at least one strategy")
+    ranking = tuple(rank(m.net, m.workload, m.candidates))
+    best = ranking[0]
+    pick, reason = best, "best predicted throughput"
+    lossless = [p for p in ranking if p.lossless]
+    if lossless and not best.lossless \
+            and lossless[0].samples_per_s >= (1 - lossless_margin) * best.samples_per_s:
+        pick = lossless[0]
+        reason = (f"lossless and within {lossless_margin:.0%} of the fastest "
+                  f"({best.strategy}, {_pct(best.samples_per_s / pick.samples_per_s - 1)} "
+                  "faster)")
+    if pick.lossless and pick.strategy != "allreduce":
+        exact = next((p for p in ranking if p.strategy == "allreduce"), None)
+        if exact and exact.samples_per_s >= (1 - exact_margin) * pick.samples_per_s:
+            pick = exact
+            reason = f"exact fp32 all-reduce is within {exact_margin:.0%} of the fastest"
+    if not pick.lossless:
+        if pick.periodic:
+            reason += "; syncs only every period steps, so check eval quality"
+        else:
+            reason += "; lossy (error feedback), so check eval quality"
+        if lossless:
+            reason += (f"; the best lossless ({lossless[0].strategy}) would be "
+                       f"{_pct(1 - lossless[0].samples_per_s / pick.samples_per_s)} slower")
+    if m.current and m.current != pick.strategy:
+        cur = next((p for p in ranking if p.strategy == m.current), None)
+        if cur is not None and (cur.lossless or not pick.lossless) \
+                and pick.samples_per_s <= (1 + switch_margin) * cur.samples_per_s:
+            pick = cur
+            reason = (f"keep {cur.strategy}: the best alternative gains less than "
+                      f"{switch_margin:.0%}")
+    return Recommendation(strategy=pick.strategy, options=pick.options, prediction=pick,
+                          reason=reason, ranking=ranking)
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+# --------------------------------------------------------------------------- advice
+
+def _with(workload: Workload, strategy: str, **opts) -> Workload:
+    merged = {k: dict(v) for k, v in workload.options.items()}
+    merged.setdefault(strategy, {}).update(opts)
+    return dataclasses.replace(workload, options=merged)
+
+
+def _step(action, title, detail, before: Prediction | float, after: Prediction | None,
+          strategy, options, bucket_mb) -> Step:
+    b = before if isinstance(before, (int, float)) else before.samples_per_s
+    a = after.samples_per_s if after is not None else None
+    gain = (a / b - 1) if a is not None else None
+    return Step(action=action, title=title, detail=detail,
+                worthwhile=gain is None or gain >= MIN_GAIN, strategy=strategy,
+                options=dict(options), bucket_mb=bucket_mb, samples_per_s_before=b,
+                samples_per_s_after=a, gain=gain)
+
+
+def _tcp_step(net: Net, link: Link, wl: Workload, cur: Prediction) -> tuple[Step | None, Net]:
+    window = link.tcp_window_bytes
+    if link.rtt_s is None or link.rtt_s <= 0:
+        return None, net
+    rtt = link.rtt_s
+    title = "Raise TCP buffers so one window covers the bandwidth-delay product"
+    sysctl = ("`lorasync tune` checks and applies it (net.core.rmem_max/wmem_max and the max of "
+              "net.ipv4.tcp_rmem/tcp_wmem to about 2x BDP)")
+    if link.rate_Bps:
+        target = link.rate_Bps * link.efficiency
+        bdp = link.rate_Bps * rtt
+        if target * rtt > window and target > net.bandwidth_Bps:
+            tuned = dataclasses.replace(net, bandwidth_Bps=target)
+            after = predict(cur.strategy, tuned, wl)
+            detail = (f"BDP {fmt_bytes(bdp)} ({fmt_rate(link.rate_Bps)} x "
+                      f"{fmt_duration(rtt)}) exceeds the default window "
+                      f"~{fmt_bytes(window)}: one connection is capped at "
+                      f"{fmt_rate(net.bandwidth_Bps)}; {sysctl}")
+            if after.samples_per_s < (1 + MIN_GAIN) * cur.samples_per_s:
+                detail += "; but this sync is bound by latency or compute, not bandwidth"
+            return _step("tcp_tuning", title, detail, cur, after, cur.strategy, cur.options,
+                         None), tuned
+        detail = (f"BDP {fmt_bytes(bdp)} fits the default window ~{fmt_bytes(window)}: "
+                  "TCP tuning would not raise throughput")
+        return _step("tcp_tuning", title, detail, cur, cur, cur.strategy, cur.options,
+                     None), net
+    # measured bandwidth only: a window-limited link runs at ~window / RTT
+    bdp = net.bandwidth_Bps * rtt
+    if bdp >= 0.8 * window:
+        detail = (f"measured {fmt_rate(net.bandwidth_Bps)} x RTT {fmt_duration(rtt)} = "
+                  f"{fmt_bytes(bdp)}, close to the default window ~{fmt_bytes(window)}: the "
+                  f"link is probably window-limited; {sysctl}, then re-probe (gain unknown "
+                  "without the line rate: give --rate)")
+        return _step("tcp_tuning", title, detail, cur, None, cur.strategy, cur.options,
+                     None), net
+    detail = (f"BDP {fmt_bytes(bdp)} is well under the default window ~{fmt_bytes(window)}: "
+              "TCP tuning would not raise throughput")
+    return _step("tcp_tuning", title, detail, cur, cur, cur.strategy, cur.options, None), net
+
+
+def _describe(p: Prediction) -> str:
+    ratio = p.fp32_bytes / p.wire_bytes if p.wire_bytes else float("inf")
+    return (f"{fmt_bytes(p.wire_bytes)} per step instead of {fmt_bytes(p.fp32_bytes)} "
+            f"({ratio:.3g}x less)")
+
+
+def _opts_text(p: Prediction) -> str:
+    return ", ".join(f"{k}={v}" for k, v in p.options.items())
+
+
+def plan(net: Net, workload: Workload, link: Link = Link(),
+         candidates: Sequence[str] = STRATEGIES) -> Plan:
+    """Ranking, recommendation and the expert's ordered steps for this network."""
+    candidates = tuple(candidates)
+    for c in candidates:
+        strategy_options(c)  # validates the name
+    rec = choose(Measurements(net, workload, candidates=candidates))
+    ceiling = predict(NONE, net, workload)
+    steps: list[Step] = []
+    notes: list[str] = []
+    bucket_mb = workload.bucket_bytes / MiB
+
+    # 0. where a user starts: plain DDP (fp32 all-reduce) with the current buckets
+    cur = predict("allreduce", net, workload)
+    cur_net, wl = net, workload
+
+    # 1. TCP tuning: free, lossless, fixes the transport for every strategy
+    step, cur_net = _tcp_step(cur_net, link, wl, cur)
+    if step is None:
+        notes.append("RTT unknown: the TCP window check was skipped (give --rtt)")
+    else:
+        steps.append(step)
+        if step.samples_per_s_after is not None:
+            cur = predict(cur.strategy, cur_net, wl)
+
+    # 2. compression: the best per-step strategy (lossless preferred within 5%)
+    per_step = tuple(c for c in candidates if c not in PERIODIC)
+    if per_step and net.world_size > 1:
+        r = choose(Measurements(cur_net, wl, candidates=per_step))
+        p = r.prediction
+        if p.strategy != cur.strategy:
+            title = f"Compress gradients: strategy {p.strategy}" + (
+                f" ({_opts_text(p)})" if p.options else "")
+            steps.append(_step("compression", title, f"{_describe(p)}; {r.reason}", cur, p,
+                               p.strategy, p.options, None))
+            cur = p
+        else:
+            steps.append(_step("compression", "Compress gradients",
+                               f"{p.strategy} is already the best per-step strategy here "
+                               f"({r.reason})", cur, cur, cur.strategy, cur.options, None))
+
+    # 3. overlap: buckets small enough that all but the last sync during backward
+    if not cur.periodic and cur.comm_s > 0:
+        tries = []
+        for mb in BUCKET_MIB_CHOICES:
+            w = dataclasses.replace(wl, bucket_bytes=int(mb * MiB), first_bucket_bytes=None)
+            tries.append((predict(cur.strategy, cur_net, w).samples_per_s, -mb, mb, w))
+        sps, _, mb, w = max(tries)
+        after = predict(cur.strategy, cur_net, w)
+        if mb != bucket_mb and after.samples_per_s > cur.samples_per_s:
+            detail = (f"{after.buckets} buckets instead of {cur.buckets}: exposed sync "
+                      f"{fmt_duration(cur.exposed_comm_s)} -> "
+                      f"{fmt_duration(after.exposed_comm_s)} per step (only the last bucket's "
+                      "sync must wait for the end of backward; each bucket costs its own "
+                      "round trips)")
+            steps.append(_step("overlap", f"Overlap sync with backward: bucket_mb {mb:g}",
+                               detail, cur, after, cur.strategy, cur.options, mb))
+            cur, wl, bucket_mb = after, w, mb
+        else:
+            steps.append(_step("overlap", "Overlap sync with backward",
+                               f"bucket_mb {bucket_mb:g} is already the best size tried "
+                               f"({', '.join(f'{b:g}' for b in BUCKET_MIB_CHOICES)} MiB)",
+                               cur, cur, cur.strategy, cur.options, bucket_mb))
+
+    # 4. periodic sync: when even the best per-step strategy leaves too much exposed
+    periodic = tuple(c for c in candidates if c in PERIODIC)
+    if periodic and net.world_size > 1:
+        r = choose(Measurements(cur_net, wl, candidates=candidates))
+        p = r.prediction
+        if p.periodic and p.samples_per_s > cur.samples_per_s:
+            why = "the default period"
+            if "period" not in wl.options.get(p.strategy, {}):
+                # fewer local steps drift less: take the smallest period that is enough
+                for h in PERIOD_CHOICES:
+                    q = predict(p.strategy, cur_net, _with(wl, p.strategy, period=h))
+                    if q.efficiency >= TARGET_EFFICIENCY and q.samples_per_s > cur.samples_per_s:
+                        p, why = q, f"the fewest that reach {TARGET_EFFICIENCY:.0%} of the ceiling"
+                        break
+            else:
+                why = "as given"
+            title = f"Sync periodically: strategy {p.strategy} ({_opts_text(p)})"
+            detail = (f"one all-reduce every {p.options['period']} steps ({why}); "
+                      f"{_describe(p)}; replicas drift between syncs: compare eval quality "
+                      "with a per-step run")
+            steps.append(_step("periodic_sync", title, detail, cur, p, p.strategy, p.options,
+                               None))
+            cur = p
+            wl = _with(wl, p.strategy, **p.options)
+        else:
+            best_p = max((predict(c, cur_net, wl) for c in periodic),
+                         key=lambda x: x.samples_per_s)
+            steps.append(_step("periodic_sync", "Sync periodically",
+                               f"not needed: {cur.strategy} already reaches "
+                               f"{_pct(cur.efficiency)} of the no-sync ceiling "
+                               f"({best_p.strategy} would reach {_pct(best_p.efficiency)} "
+                               "with a quality risk)", cur, cur, cur.strategy, cur.options,
+                               None))
+
+    # 5. RDMA where the hardware has it: latency drops, TCP's window goes away
+    if link.rdma:
+        bw = max(cur_net.bandwidth_Bps, link.rate_Bps * 0.97) if link.rate_Bps \
+            else cur_net.bandwidth_Bps
+        rnet = dataclasses.replace(cur_net, alpha_s=min(cur_net.alpha_s, RDMA_ALPHA_S),
+                                   bandwidth_Bps=bw)
+        r = choose(Measurements(rnet, wl, current=cur.strategy, candidates=candidates),
+                   switch_margin=MIN_GAIN)
+        p = r.prediction
+        detail = (f"NCCL over InfiniBand/RoCE (GPUDirect where available): alpha "
+                  f"{fmt_duration(cur_net.alpha_s)} -> {fmt_duration(rnet.alpha_s)}"
+                  + (f", bandwidth -> {fmt_rate(bw)}" if bw > cur_net.bandwidth_Bps else
+                     " (bandwidth gain not counted: give --rate for the line rate)"))
+        if p.strategy != cur.strategy:
+            detail += f"; then {p.strategy} is best ({r.reason})"
+        steps.append(_step("rdma", "Use RDMA transport", detail, cur, p, p.strategy,
+                           p.options, bucket_mb))
+        cur = p
+
+    if workload.matrices is None and "powersgd" in candidates:
+        notes.append("PowerSGD bytes assume LoRA matrices r x 1024 (give --model for shapes)")
+    return Plan(net=net, link=link, workload=workload, ceiling=ceiling, ranking=rec.ranking,
+                recommendation=rec, steps=tuple(steps), notes=tuple(notes))
