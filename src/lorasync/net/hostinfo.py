@@ -70,6 +70,11 @@ class Interface:
     def addresses(self) -> list[str]:
         return self.ipv4 + self.ipv6
 
+    @property
+    def running(self) -> bool:
+        """Administratively up and not reported down (lo and tun say 'unknown')."""
+        return self.up and self.operstate not in ("down", "lowerlayerdown", "notpresent")
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
@@ -311,8 +316,7 @@ class HostInfo:
 
     def candidate_interfaces(self) -> list[Interface]:
         """Interfaces other ranks could reach us on: up, not loopback, with an address."""
-        return [i for i in self.interfaces() if i.up and not i.loopback and i.addresses
-                and i.operstate not in ("down", "lowerlayerdown", "notpresent")]
+        return [i for i in self.interfaces() if i.running and not i.loopback and i.addresses]
 
     def local_addresses(self) -> set[str]:
         return {a for i in self.interfaces() for a in i.addresses}
