@@ -1,0 +1,1 @@
+"""Networks: emulated clusters (namespaces, shaped links), probe, doctor, tuning."""
