@@ -10,7 +10,7 @@ YAML layout (every section and key optional)::
     model: {name: smollm2-135m}
     lora:  {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj]}
     data:  {path: demo, seq_len: 128}
-    train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 60, seed: 0}
+    train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 120, seed: 0}
     comm:  {strategy: allreduce, bucket_mb: 1.0, options: {period: 8}}
     run:   {output_dir: runs/..., nproc: 2}
 """
@@ -115,13 +115,13 @@ class TrainConfig:
     schedule: str = _f("cosine", "learning-rate schedule: constant, linear or cosine",
                        flag="--schedule")
     warmup_steps: int = _f(5, "linear warm-up steps of the schedule", flag="--warmup-steps")
-    max_steps: int = _f(60, "optimizer steps to run (0: use --epochs)", flag="--max-steps")
+    max_steps: int = _f(120, "optimizer steps to run (0: use --epochs)", flag="--max-steps")
     epochs: float = _f(0.0, "passes over the training data when --max-steps is 0",
                        flag="--epochs")
     seed: int = _f(0, "seed of data order, adapter init and dropout", flag="--seed")
     eval_interval: int = _f(0, "evaluate every N steps (0: only before and after training)",
                             flag="--eval-interval")
-    ckpt_interval: int = _f(20, "write a checkpoint every N steps (0: only at the end)",
+    ckpt_interval: int = _f(40, "write a checkpoint every N steps (0: only at the end)",
                             flag="--ckpt-interval")
     keep_ckpts: int = _f(2, "checkpoints kept (older ones are deleted)", flag="--keep-ckpts")
     stop_after: int = _f(0, "end this session after step N, checkpointed, keeping the schedule "
