@@ -87,8 +87,14 @@ def test_one_rank_costs_nothing():
 # --------------------------------------------------------------------------- wire bytes
 
 def _two_phase(numel, n, bits, block=256):
-    c = lambda e: math.ceil(e * bits / 8) + 4 * math.ceil(e / block)  # noqa: E731
-    return c(numel) + c(math.ceil(numel / n))
+    # n x ceil(numel / (n block)) blocks of equal size (a multiple of 8 for bits),
+    # the whole compressed vector in phase 1, 1/n of it in phase 2
+    nb = n * math.ceil(numel / (n * block))
+    bs = math.ceil(numel / nb)
+    if bits == 1:
+        bs = 8 * math.ceil(bs / 8)
+    c = nb * bs * bits / 8 + 4 * nb
+    return c * (1 + 1 / n)
 
 
 @pytest.mark.parametrize("name, n, opts, expected", [
@@ -104,8 +110,9 @@ def _two_phase(numel, n, bits, block=256):
     ("topk", 2, {}, 8 * math.ceil(0.01 * N)),
     ("topk", 8, {"ratio": 0.001}, 8 * math.ceil(0.001 * N)),
     ("local", 2, {}, 4 * N / 8),
-    ("local", 2, {"period": 4, "dtype": "fp16"}, 2 * N / 4),
-    ("diloco", 2, {}, 4 * N / 32),
+    ("local", 2, {"period": 4}, 4 * N / 4),
+    ("diloco", 2, {}, 4 * N / 8),
+    ("diloco", 2, {"period": 16, "delta_dtype": "bf16", "outer_lr": 0.5}, 2 * N / 16),
 ])
 def test_wire_bytes_table(name, n, opts, expected):
     assert wire_bytes(name, N, n, **opts) == pytest.approx(expected)
@@ -130,6 +137,16 @@ def test_two_phase_and_topk_collectives():
     assert [c.kind for c in collectives("topk", N, 4)] == ["all_gather"]
 
 
+def test_per_tensor_bytes_with_shapes():
+    # topk keeps k per tensor; two-phase blocks are cut per tensor
+    k = sum(max(1, math.ceil(0.01 * m * c)) for m, c in SMOL)
+    assert wire_bytes("topk", N, 2, matrices=SMOL) == 8 * k
+    assert wire_bytes("int8", N, 2, matrices=SMOL) == pytest.approx(
+        sum(_two_phase(m * c, 2, 8) for m, c in SMOL))
+    # a bucket holding part of the adapter gets its share
+    assert wire_bytes("topk", N // 2, 2, matrices=SMOL) == pytest.approx(4 * k)
+
+
 def _comm_formula():
     try:
         from lorasync.comm import wire_bytes_formula
@@ -141,20 +158,22 @@ def _comm_formula():
 @pytest.mark.skipif(_comm_formula() is None,
                     reason="lorasync.comm.wire_bytes_formula not available yet")
 def test_byte_table_agrees_with_comm_module():
-    """The planner's byte table and the strategies' own formula, at the defaults."""
+    """The planner's byte table and the strategies' own formula, at the defaults,
+    for one flat tensor and for the real SmolLM2 LoRA shapes."""
     formula = _comm_formula()
     wrong = []
-    for name in STRATEGIES:
+    for name in STRATEGIES + ("none",):
         for numel, n in ((N, 2), (N, 3), (262_144, 4), (100_000, 8)):
-            try:
-                theirs = formula(name, numel, n)
-            except (TypeError, ValueError):
-                if name == "powersgd":  # may need matrix shapes, which numel lacks
-                    continue
-                raise
-            ours = wire_bytes(name, numel, n, lora_r=8)
-            if theirs != pytest.approx(ours, rel=0.01):
+            if name == "powersgd":  # a flat tensor says nothing about matrix shapes
+                continue
+            theirs, ours = formula(name, numel, n), wire_bytes(name, numel, n)
+            if theirs != pytest.approx(ours, rel=1e-9):
                 wrong.append((name, numel, n, theirs, ours))
+        for n in (2, 3, 4, 8):
+            theirs = formula(name, [list(m) for m in SMOL], n)
+            ours = wire_bytes(name, N, n, matrices=SMOL)
+            if theirs != pytest.approx(ours, rel=1e-9):
+                wrong.append((name, "smollm2 shapes", n, theirs, ours))
     assert not wrong, "plan/costmodel.py _COLLECTIVES disagrees with lorasync.comm: " + repr(wrong)
 
 
@@ -197,7 +216,7 @@ def test_small_comm_is_fully_hidden_but_for_the_last_bucket():
 def test_periodic_strategies_amortize_one_sync_over_the_period():
     x = net()
     ar = collective_time(Collective("all_reduce", 4 * N), x)
-    for name, period in (("local", 8), ("diloco", 32)):
+    for name, period in (("local", 8), ("diloco", 8)):
         p = predict(name, x, wl())
         assert p.periodic and not p.lossless
         assert p.exposed_comm_s == pytest.approx(ar / period)
@@ -290,7 +309,9 @@ def test_net_validation_names_the_field(kwargs, field):
     (dict(backward_share=1.5), "backward_share"),
     (dict(options={"topk": {"ratio": 2}}), "topk.ratio"),
     (dict(options={"topk": {"rank": 2}}), "topk.rank"),
-    (dict(options={"local": {"dtype": "int4"}}), "local.dtype"),
+    (dict(options={"diloco": {"delta_dtype": "int4"}}), "diloco.delta_dtype"),
+    (dict(options={"local": {"dtype": "fp16"}}), "local.dtype"),
+    (dict(options={"local": {"streaming": True, "delay": 8}}), "local.delay"),
     (dict(encode_ns={"zstd": 1.0}), "encode_ns"),
 ])
 def test_workload_validation_names_the_field(kwargs, field):

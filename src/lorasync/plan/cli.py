@@ -29,7 +29,8 @@ from lorasync.plan.costmodel import (
     lora_matrices,
 )
 from lorasync.plan.planner import (
-    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, plan, what_if_net,
+    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, options_text, plan,
+    what_if_net,
 )
 from lorasync.plan.units import (
     fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate, parse_size,
@@ -276,7 +277,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
 # --------------------------------------------------------------------------- output
 
 def _opts(d: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in d.items()) or "-"
+    return options_text(d, ",") or "-"
 
 
 def format_plan(pl: Plan, notes: list[str] = ()) -> str:

@@ -28,7 +28,8 @@ The model
   3.7 MB default adapter under the trainer's 4 MiB ``bucket_mb``) nothing
   overlaps.
 * Periodic strategies (local SGD, DiLoCo) sync once every ``period`` steps
-  after the optimizer step; nothing overlaps; costs are amortized per step.
+  after the optimizer step; nothing overlaps (with ``streaming`` the sync
+  runs during the next ``delay`` steps' compute); costs are amortized.
 * Encode/decode (casting, quantizing, top-k, PowerSGD matmuls) runs on the
   training thread: ``encode_ns`` per element per sync, added to the step.
 
@@ -82,8 +83,9 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "onebit": {"block": 512},
     "topk": {"ratio": 0.01},
     "powersgd": {"rank": 2, "min_compression_rate": 2.0},
-    "local": {"period": 8, "dtype": "fp32"},
-    "diloco": {"period": 32, "dtype": "fp32"},
+    # streaming: the sync runs during the next `delay` steps' compute
+    "local": {"period": 8, "streaming": False, "delay": 1},
+    "diloco": {"period": 8, "delta_dtype": "fp32", "streaming": False, "delay": 1},
 }
 
 # Encode + decode cost, nanoseconds per adapter element per sync, on one CPU
@@ -95,8 +97,9 @@ ENCODE_NS: dict[str, float] = {
     "topk": 12.0, "powersgd": 3.0, "local": 1.0, "diloco": 3.0,
 }
 
-#: options of lorasync.comm strategies accepted and ignored here (start-up only)
-_STEADY_STATE_OPTIONS = frozenset({"warmup_steps", "warm_start"})
+#: options of lorasync.comm strategies accepted and ignored here (they change
+#: start-up or the optimization, not the bytes or the time of a steady step)
+_STEADY_STATE_OPTIONS = frozenset({"warmup_steps", "warm_start", "outer_lr", "outer_momentum"})
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast")
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -328,18 +331,38 @@ def alltoall_s(total_bytes: float, alpha_s: float, beta_s: float, n: int) -> flo
 # lorasync.comm.wire_bytes_formula(name, numel, world_size, **opts); the unit
 # test compares the two whenever the comm module provides it.
 
-def _blockwise_bytes(numel: float, bits: int, block: int) -> float:
-    """Packed values plus one fp32 scale per block."""
-    return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block)
+def _param_blocks(numel: int, block: int, n: int, align: int) -> tuple[int, int]:
+    """(blocks, block size) one tensor is cut into, as lorasync.comm.compress.param_blocks:
+    a multiple of n blocks (equal shards), each at most ``block`` elements
+    rounded up to ``align`` (8 for bit packing); the tensor is zero-padded."""
+    nb = n * math.ceil(numel / (n * block))
+    bs = math.ceil(numel / nb)
+    return nb, align * math.ceil(bs / align)
 
 
-def _two_phase(numel: int, n: int, bits: int, block: int) -> list[Collective]:
-    # phase 1: every rank hands its whole compressed vector (n chunks) to an
-    # all-to-all and reduces the chunk it owns; phase 2: the reduced chunk,
-    # compressed again, is all-gathered.
-    shard = math.ceil(numel / n)
-    return [Collective("all_to_all", _blockwise_bytes(numel, bits, block)),
-            Collective("all_gather", _blockwise_bytes(shard, bits, block))]
+def _per_tensor(numel: int, matrices, fn: Callable[[int], float]) -> float:
+    """Sum of ``fn`` over the adapter's tensors; a bucket gets its share."""
+    if matrices is None:
+        return fn(numel)
+    sizes = [m * k for m, k in matrices]
+    total = sum(sizes)
+    if numel >= total:  # the whole adapter (+ any 1-D parameters outside the matrices)
+        return sum(fn(x) for x in sizes) + (fn(numel - total) if numel > total else 0.0)
+    return sum(fn(x) for x in sizes) * numel / total
+
+
+def _two_phase(numel: int, n: int, bits: int, block: int, matrices) -> list[Collective]:
+    # phase 1: every rank hands its whole compressed bucket (n equal shards:
+    # codes + one fp32 scale per block) to an all-to-all and reduces the shard
+    # it owns; phase 2: the reduced shard, compressed again, is all-gathered.
+    align = 8 if bits == 1 else 1
+
+    def compressed(m: int) -> float:
+        nb, bs = _param_blocks(m, block, n, align)
+        return nb * bs * bits / 8 + 4 * nb
+
+    total = _per_tensor(numel, matrices, compressed)
+    return [Collective("all_to_all", total), Collective("all_gather", total / n)]
 
 
 def powersgd_floats(numel: int, rank: int, matrices=None, lora_r: int = 8,
@@ -370,8 +393,8 @@ def powersgd_floats(numel: int, rank: int, matrices=None, lora_r: int = 8,
 
 
 def _periodic(numel: int, opts: dict) -> list[Collective]:
-    # the average of weights (local SGD) or of the outer delta (DiLoCo)
-    return [Collective("all_reduce", _DTYPE_BYTES[opts["dtype"]] * numel)]
+    # the average of the weights (local SGD, fp32) or of the outer delta (DiLoCo)
+    return [Collective("all_reduce", _DTYPE_BYTES[opts.get("delta_dtype", "fp32")] * numel)]
 
 
 _COLLECTIVES: dict[str, Callable[..., list[Collective]]] = {
@@ -379,11 +402,11 @@ _COLLECTIVES: dict[str, Callable[..., list[Collective]]] = {
     "allreduce": lambda numel, n, o, mx, r: [Collective("all_reduce", 4 * numel)],
     "fp16": lambda numel, n, o, mx, r: [Collective("all_reduce", 2 * numel)],
     "bf16": lambda numel, n, o, mx, r: [Collective("all_reduce", 2 * numel)],
-    "int8": lambda numel, n, o, mx, r: _two_phase(numel, n, 8, o["block"]),
-    "onebit": lambda numel, n, o, mx, r: _two_phase(numel, n, 1, o["block"]),
+    "int8": lambda numel, n, o, mx, r: _two_phase(numel, n, 8, o["block"], mx),
+    "onebit": lambda numel, n, o, mx, r: _two_phase(numel, n, 1, o["block"], mx),
     # values (fp32) and indices (int32) of the k largest, gathered from every rank
-    "topk": lambda numel, n, o, mx, r: [
-        Collective("all_gather", 8 * max(1, math.ceil(o["ratio"] * numel)))],
+    "topk": lambda numel, n, o, mx, r: [Collective("all_gather", _per_tensor(
+        numel, mx, lambda m: 8 * max(1, math.ceil(o["ratio"] * m))))],
     # two all-reduces per bucket: P (uncompressed tensors ride along), then Q
     "powersgd": lambda numel, n, o, mx, r: (lambda p, q, u: [
         Collective("all_reduce", 4 * (p + u)), Collective("all_reduce", 4 * q)])(
@@ -407,15 +430,19 @@ def strategy_options(name: str, overrides: Mapping[str, Any] | None = None) -> d
         opts[key] = value
     for key, value in opts.items():
         field_name = f"{name}.{key}"
-        if key in ("block", "rank", "period"):
+        if key in ("block", "rank", "period", "delay"):
             _positive_int(value, field_name)
+        elif key == "streaming" and not isinstance(value, bool):
+            raise ConfigError(field_name, value, "use true or false")
         elif key == "min_compression_rate":
             _positive_number(value, field_name, zero_ok=True)
         elif key == "ratio":
             if not _is_number(value) or not 0 < value <= 1:
                 raise ConfigError(field_name, value, "use a fraction in (0, 1], e.g. 0.01")
-        elif key == "dtype" and value not in _DTYPE_BYTES:
+        elif key == "delta_dtype" and value not in _DTYPE_BYTES:
             raise ConfigError(field_name, value, "use fp32, fp16 or bf16")
+    if opts.get("streaming") and not opts["delay"] < opts["period"]:
+        raise ConfigError(f"{name}.delay", opts["delay"], "streaming needs 1 <= delay < period")
     return opts
 
 
@@ -512,8 +539,11 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
             m, b = _terms(c, net)
             msgs, link, wire = msgs + m, link + b, wire + c.payload_bytes
             comm += collective_time(c, net)
-        wire, link, msgs, comm, encode = (x / period for x in (wire, link, msgs, comm, encode))
-        exposed = comm  # after the optimizer step: nothing to hide behind
+        # after the optimizer step: nothing to hide behind, unless streaming
+        # lets it run during the next `delay` steps' compute
+        exposed = max(0.0, comm - opts["delay"] * compute) if opts["streaming"] else comm
+        wire, link, msgs, comm, encode, exposed = (
+            x / period for x in (wire, link, msgs, comm, encode, exposed))
         syncs, nbuckets = 1.0 / period, 1
     else:
         layout = bucket_layout(numel, workload.bucket_bytes, workload.first_bucket_bytes)

@@ -34,7 +34,7 @@ from lorasync.plan.units import fmt_bytes, fmt_duration, fmt_rate
 __all__ = [
     "DEFAULT_TCP_WINDOW", "ALPHA_PER_RTT", "ALPHA_OVERHEAD_S", "LINK_EFFICIENCY", "RDMA_ALPHA_S",
     "Link", "Measurements", "Recommendation", "Step", "Plan",
-    "what_if_net", "net_from_probe", "rank", "choose", "plan",
+    "what_if_net", "net_from_probe", "rank", "choose", "plan", "options_text",
 ]
 
 #: Linux's default tcp_rmem max is 6 MiB and about half of a receive buffer is
@@ -368,8 +368,14 @@ def _describe(p: Prediction) -> str:
             f"({ratio:.3g}x less)")
 
 
+def options_text(options: Mapping[str, Any], sep: str = ", ") -> str:
+    """Options as k=v, leaving out the streaming knobs while streaming is off."""
+    hide = {"streaming", "delay"} if not options.get("streaming") else set()
+    return sep.join(f"{k}={v}" for k, v in options.items() if k not in hide)
+
+
 def _opts_text(p: Prediction) -> str:
-    return ", ".join(f"{k}={v}" for k, v in p.options.items())
+    return options_text(p.options)
 
 
 def plan(net: Net, workload: Workload, link: Link = Link(),
