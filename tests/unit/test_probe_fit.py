@@ -20,9 +20,9 @@ def test_fit_recovers_exact_line():
     assert fit.predict(1 << 20) == pytest.approx(alpha + beta * (1 << 20))
 
 
-def test_fit_relative_weighting_keeps_latency_under_noise():
-    """5% multiplicative noise: an unweighted fit would let the 64 MB point
-    (50 ms +- 2.5 ms) swamp a 50 us alpha; relative weighting keeps it."""
+def test_fit_keeps_latency_under_noise():
+    """5% multiplicative noise: the plain intercept would be the 64 MB
+    point's jitter (50 ms +- 2.5 ms) against a 50 us alpha."""
     rng = random.Random(0)
     alpha, beta = 50e-6, 1 / 1.25e9
     sizes = sweep_sizes(64 << 20) * 3
@@ -30,6 +30,15 @@ def test_fit_relative_weighting_keeps_latency_under_noise():
     fit = fit_alpha_beta(sizes, times)
     assert fit.alpha_s == pytest.approx(alpha, rel=0.15)
     assert fit.bandwidth_Bps == pytest.approx(1.25e9, rel=0.1)
+
+
+def test_fit_bandwidth_ignores_token_bucket_burst():
+    """Measured on a 20 Mbit/s htb link: 4 KiB fits in the bucket and
+    arrives at line rate; the slope must still be the shaped 2.4 MB/s."""
+    sizes = [4096, 16384, 65536, 262144]
+    times = [0.14e-3, 6.96e-3, 27.56e-3, 109.76e-3]
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.bandwidth_Bps == pytest.approx(2.4e6, rel=0.05)
 
 
 def test_fit_clamps_negative_alpha_and_beta():

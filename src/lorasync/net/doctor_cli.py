@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         _print(findings, args, extra={"host": host.summary()})
         return exit_code(findings)
     if not in_worker():
-        return relaunch(args, "doctor", launch_argv(args))
+        return relaunch(args, "doctor", launch_argv(args), wall_s=args.timeout + 180)
     return _worker(args, host, link)
 
 

@@ -73,13 +73,21 @@ class AlphaBeta(NamedTuple):
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
-    """Least-squares fit of ``time = alpha + beta * bytes``.
+    """Least-squares fit of ``time = alpha + beta * bytes``, in two stages.
 
-    Residuals are weighted by 1/time^2, i.e. the fit minimises *relative*
-    error. Sizes span four or more decades; unweighted, the largest size
-    alone would decide both parameters and alpha (microseconds) would be
-    noise from a 64 MB transfer, often negative. A negative alpha is clamped
-    to 0 (refit through the origin), a negative beta to 0 (constant time).
+    beta: ordinary least squares over all points. Sizes grow geometrically,
+    so the large transfers, where bandwidth decides the time, carry the
+    slope; small points cannot bend it (a shaper's token bucket lets the
+    first few KB through at line rate, which a relative-error fit would read
+    as a fast link).
+
+    alpha: given beta, the least-squares intercept under *relative* error
+    (weights 1/time^2), so the small messages, where latency decides the
+    time, carry it; the plain intercept would be noise from the largest
+    transfer (milliseconds of jitter against microseconds of latency).
+
+    alpha is clamped to >= 0; a slope <= 0 (times not growing with size)
+    gives beta = 0 and no bandwidth.
     """
     if len(sizes) != len(times):
         raise ValueError(f"sizes and times differ in length ({len(sizes)} vs {len(times)})")
@@ -89,22 +97,14 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
         raise ValueError(f"times: every time must be positive and finite, got {list(times)}")
     if any(s < 0 for s in sizes):
         raise ValueError(f"sizes: must be >= 0, got {list(sizes)}")
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx)
     w = [1.0 / (t * t) for t in times]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, sizes))
-    sy = sum(wi * y for wi, y in zip(w, times))
-    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
-    det = sw * sxx - sx * sx
-    beta = (sw * sxy - sx * sy) / det
-    alpha = (sy - beta * sx) / sw
-    if alpha < 0:
-        alpha, beta = 0.0, sxy / sxx
-    if beta < 0:
-        alpha, beta = sy / sw, 0.0
-    mean = sy / sw
-    ss_tot = sum(wi * (y - mean) ** 2 for wi, y in zip(w, times))
-    ss_res = sum(wi * (y - alpha - beta * x) ** 2 for wi, x, y in zip(w, sizes, times))
+    alpha = max(0.0, sum(wi * (y - beta * x) for wi, x, y in zip(w, sizes, times)) / sum(w))
+    ss_tot = sum((y - my) ** 2 for y in times)
+    ss_res = sum((y - alpha - beta * x) ** 2 for x, y in zip(sizes, times))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     return AlphaBeta(alpha, beta, r2)
 

@@ -66,7 +66,8 @@ def add_launch_arguments(p: argparse.ArgumentParser, name: str, *, nproc_default
     g.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds to wait for the other ranks (rendezvous and each collective)")
     g.add_argument("--emulate", default=None, metavar="SPEC",
-                   help=f"run {name} on an emulated cluster (lorasync.net.cluster), e.g. 2x100mbit")
+                   help=f"run {name} on an emulated cluster of network namespaces (lorasync.net.cluster), "
+                        f"e.g. nodes=3,rate=100mbit,pair=0-1:20mbit; --nproc is then ranks per node")
 
 
 def launch_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
@@ -92,8 +93,9 @@ def check_launch_args(args: argparse.Namespace, *, launching: bool = True) -> No
         raise ConfigError("--rdzv-endpoint", None, "needed with --nnodes > 1 (HOST:PORT of the rendezvous)")
 
 
-def relaunch(args: argparse.Namespace, name: str, argv: list[str]) -> int:
-    """Outside torchrun: start the workers (locally or on an emulated cluster)."""
+def relaunch(args: argparse.Namespace, name: str, argv: list[str], wall_s: float | None = None) -> int:
+    """Outside torchrun: start the workers (locally or on an emulated cluster).
+    ``wall_s`` bounds the emulated run as a whole (the workers bound each wait)."""
     if args.emulate:
         try:
             from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
@@ -103,7 +105,10 @@ def relaunch(args: argparse.Namespace, name: str, argv: list[str]) -> int:
                 f"use --nproc N, or torchrun in namespaces you built yourself") from None
         spec = parse_emulate(args.emulate)
         with emulated(spec) as cluster:
-            return int(launch_on_cluster(cluster, [name, *argv]) or 0)
+            code = launch_on_cluster(cluster, [name, *argv], nproc_per_node=args.nproc or 1, timeout=wall_s)
+        if code == 124:
+            print(f"lorasync {name}: the emulated run did not finish within {wall_s:g} s", file=sys.stderr)
+        return int(code or 0)
     from lorasync.launch import run_torchrun
     return run_torchrun([name, *argv], args.nproc or 2, nnodes=args.nnodes or 1, node_rank=args.node_rank,
                         rdzv_endpoint=args.rdzv_endpoint)
@@ -149,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--output", args.output, f"directory {d} does not exist")
 
     if not in_worker():
-        return relaunch(args, "probe", launch_argv(args))
+        budget = args.time_budget or (4 if args.quick else 120)
+        return relaunch(args, "probe", launch_argv(args), wall_s=args.timeout + 3 * budget + 120)
 
     dist = init_group(args)
     try:
