@@ -12,21 +12,41 @@ Accounting rules every strategy follows (tests assert them):
   all-reduce of P bytes moves about 2(n-1)/n * P per rank on a ring).
 * ``fp32_bytes`` is what plain fp32 all-reduce would have handed over for the
   same gradients, so ``fp32_bytes / wire_bytes`` is the compression ratio.
-* ``comm_s`` is the time the training loop waited on sync inside
-  ``after_step``; the time a backward pass waited on hook futures is measured
-  by the trainer from ``last_ready_time`` (the moment the last bucket became
-  ready, i.e. when local compute ended).
+* ``comm_s`` is exposed waiting the trainer cannot see by itself: time
+  waited inside ``after_step`` (periodic strategies, checkpoints) plus time a
+  two-phase hook blocked *before* the last bucket became ready.  The time
+  after that (waiting on the hook futures at the end of backward) is measured
+  by the trainer from ``last_ready_time`` (perf_counter at entry of the last
+  bucket hook, i.e. when local compute ended), so exposed sync time of a step
+  = delta ``comm_s`` + (end of backward - ``last_ready_time``).
+* ``encode_s`` is time spent compressing and decompressing, wherever it ran
+  (hook, future callback or ``after_step``).
+
+Collectives are only ever issued from the thread that runs the hooks (the
+backward pass) or from ``after_step``, never from a future callback: two ranks
+must issue collectives in the same order, and a callback runs whenever its
+collective happens to finish.  (torch's PowerSGD hook issues and waits on its
+second all-reduce inside a ``.then()`` callback and hangs on gloo when batch
+shapes differ between ranks.)  Two-phase hooks therefore defer the second
+phase of bucket i to the hook of bucket i+1, and finish the last bucket's
+phases inside its own hook; see :class:`HookSync`.
+
+State is kept per parameter (canonical order = ``ddp.module.parameters()``
+that require grad), never per bucket: DDP rebuilds its buckets after the
+first iteration (and a resumed run starts with the first-iteration layout
+again), so nothing may depend on which bucket a gradient travels in.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Sync", "register", "strategy_names", "get_strategy"]
+__all__ = ["Sync", "HookSync", "register", "strategy_names", "get_strategy"]
 
 _REGISTRY: dict[str, type["Sync"]] = {}
 
@@ -80,9 +100,20 @@ class Sync:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.opts = {**self.options, **options}
+        self._given = frozenset(options)  # options the caller set explicitly
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"{self.name}: the DDP module has no parameter that requires grad")
         self.fp32_param_bytes = sum(p.numel() for p in self.params) * 4
-        # cumulative counters since attach
+        # canonical flat layout of the trainable parameters (state lives here)
+        self._pindex = {id(p): i for i, p in enumerate(self.params)}
+        self._numels = [p.numel() for p in self.params]
+        self._offsets = [0]
+        for m in self._numels:
+            self._offsets.append(self._offsets[-1] + m)
+        self.numel = self._offsets[-1]
+        # cumulative counters since attach; callbacks update them under the lock
+        self._lock = threading.Lock()
         self._wire_bytes = 0
         self._fp32_bytes = 0
         self._comm_s = 0.0
@@ -90,24 +121,85 @@ class Sync:
         self._steps = 0
         self._syncs = 0
         self.last_ready_time: float | None = None
+        self._validate()
         self._install()
 
     # -- hooks for subclasses -------------------------------------------------
+    def _validate(self) -> None:
+        """Check option values (names are checked already); raise ValueError."""
+        if "warmup_steps" in self.opts:
+            self._int_opt("warmup_steps", 0)
+
     def _install(self) -> None:
         raise NotImplementedError
+
+    # -- option helpers -------------------------------------------------------
+    def _int_opt(self, key: str, lo: int, hi: int | None = None) -> int:
+        v = self.opts[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{self.name}: option {key}={v!r} must be an integer {rng}")
+        return v
+
+    def _float_opt(self, key: str, lo: float, hi: float, lo_open: bool = False,
+                   hi_open: bool = False) -> float:
+        v = self.opts[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok:
+            v = float(v)
+            ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        if not ok:
+            rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+            raise ValueError(f"{self.name}: option {key}={self.opts[key]!r} must be a number in {rng}")
+        return v
+
+    def _check_dtype(self, dtype: torch.dtype, option: str) -> None:
+        """Fail early, with a ValueError, if the backend cannot all-reduce ``dtype``.
+
+        One 1-element all-reduce at attach time (not counted in wire_bytes);
+        every rank calls attach, so every rank takes part.
+        """
+        try:
+            dist.all_reduce(torch.zeros(1, dtype=dtype), group=self.group)
+        except (RuntimeError, ValueError, TypeError) as e:
+            backend = dist.get_backend(self.group)
+            raise ValueError(
+                f"{self.name}: {option}: backend {backend!r} cannot all-reduce {dtype} "
+                f"({str(e).splitlines()[0][:120]}); use allreduce or int8 instead"
+            ) from None
 
     # -- accounting helpers ---------------------------------------------------
     def _sent(self, *tensors: torch.Tensor) -> None:
         """Count tensors handed to a collective."""
-        for t in tensors:
-            self._wire_bytes += t.numel() * t.element_size()
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            self._wire_bytes += n
 
     def _would_send_fp32(self, numel: int) -> None:
-        self._fp32_bytes += numel * 4
+        with self._lock:
+            self._fp32_bytes += numel * 4
+
+    def _add_encode(self, seconds: float) -> None:
+        with self._lock:
+            self._encode_s += seconds
+
+    def _add_comm(self, seconds: float) -> None:
+        with self._lock:
+            self._comm_s += seconds
 
     def _ready(self) -> None:
         """Called at the entry of every bucket hook: marks when compute ended."""
         self.last_ready_time = time.perf_counter()
+
+    # -- flat views of the trainable parameters -------------------------------
+    def _flat_params(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def _set_flat_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, a, b in zip(self.params, self._offsets, self._offsets[1:]):
+                p.copy_(flat[a:b].view_as(p))
 
     # -- public API -----------------------------------------------------------
     def after_step(self) -> None:
@@ -119,19 +211,21 @@ class Sync:
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters since attach."""
-        return {
-            "strategy": self.name,
-            "wire_bytes": self._wire_bytes,
-            "fp32_bytes": self._fp32_bytes,
-            "comm_s": self._comm_s,
-            "encode_s": self._encode_s,
-            "steps": self._steps,
-            "syncs": self._syncs,
-        }
+        with self._lock:
+            return {
+                "strategy": self.name,
+                "wire_bytes": self._wire_bytes,
+                "fp32_bytes": self._fp32_bytes,
+                "comm_s": self._comm_s,
+                "encode_s": self._encode_s,
+                "steps": self._steps,
+                "syncs": self._syncs,
+            }
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state that must survive a restart (error feedback, outer optimizer)."""
-        return {"name": self.name, "steps": self._steps}
+        return {"name": self.name, "steps": self._steps, "world_size": self.world_size,
+                "rank": self.rank, "numel": self.numel}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
@@ -139,7 +233,150 @@ class Sync:
                 f"state_dict: saved by strategy {state.get('name')!r}, "
                 f"cannot load into {self.name!r}"
             )
+        for key, mine in (("world_size", self.world_size), ("numel", self.numel)):
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"state_dict: saved with {key}={state[key]}, this run has {key}={mine}; "
+                    f"per-rank sync state cannot be re-mapped (start {self.name} fresh)"
+                )
         self._steps = int(state.get("steps", 0))
+
+
+class _Layout:
+    """One bucket layout: which parameters, at which offsets of the buffer."""
+
+    __slots__ = ("pids", "offsets", "numel", "cache")
+
+    def __init__(self, pids: tuple[int, ...], numels: list[int]):
+        self.pids = pids
+        self.offsets = [0]
+        for i in pids:
+            self.offsets.append(self.offsets[-1] + numels[i])
+        self.numel = self.offsets[-1]
+        self.cache: dict[str, Any] = {}  # per-strategy precomputed indices
+
+
+class HookSync(Sync):
+    """A strategy that sends gradients every step through a DDP comm hook.
+
+    Subclasses implement ``_encode_bucket`` (one-phase: returns a future of
+    the reduced buffer) or, for two-phase schemes, set ``two_phase = True``
+    and implement ``_phase1`` returning ``(future, continue_fn)``: the
+    continuation runs on the hook thread once the first collective is done,
+    issues the second one and returns a future of the reduced buffer.
+
+    ``warmup_steps``: plain fp32 all-reduce for the first N optimizer steps.
+    """
+
+    two_phase = False
+    #: False for hooks that only mark readiness (none, local, diloco)
+    communicates = True
+    options = {"warmup_steps": 0}
+
+    def _install(self) -> None:
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._bucket_numels: list[int] = []
+        self._pending: tuple[Any, Callable[[], torch.futures.Future], torch.futures.Future] | None = None
+        self._setup()
+        self.ddp.register_comm_hook(self, _hook)
+
+    def _setup(self) -> None:
+        """Allocate strategy state (after option validation)."""
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Numel of each bucket in the latest iteration (DDP's current layout)."""
+        return list(self._bucket_numels)
+
+    def _layout(self, bucket: dist.GradBucket) -> _Layout:
+        key = tuple(self._pindex[id(p)] for p in bucket.parameters())
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = _Layout(key, self._numels)
+        i = bucket.index()
+        del self._bucket_numels[i:]
+        self._bucket_numels.append(lay.numel)
+        return lay
+
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._ready()
+        lay = self._layout(bucket)
+        self._would_send_fp32(lay.numel)
+        if bucket.is_last() and self.communicates:
+            with self._lock:
+                self._syncs += 1
+        if self._steps < self.opts.get("warmup_steps", 0):
+            return self._fp32_allreduce(bucket)
+        if not self.two_phase:
+            return self._encode_bucket(bucket, lay)
+        if bucket.index() == 0 and self._pending is not None:
+            # left over from a backward pass that never reached its last bucket
+            self._pending[2].set_exception(RuntimeError("backward pass was abandoned"))
+            self._pending = None
+        self._drain(last=False)
+        out: torch.futures.Future = torch.futures.Future()
+        fut, cont = self._phase1(bucket, lay)
+        self._pending = (fut, cont, out)
+        if bucket.is_last():
+            self._drain(last=True)
+        return out
+
+    def _drain(self, last: bool) -> None:
+        """Finish phase 1 of the pending bucket and launch its phase 2."""
+        if self._pending is None:
+            return
+        fut, cont, out = self._pending
+        self._pending = None
+        try:
+            t0 = time.perf_counter()
+            fut.wait()
+            if not last:
+                # blocked before the last bucket was ready: the trainer cannot see it
+                self._add_comm(time.perf_counter() - t0)
+            fut2 = cont()
+        except Exception as e:  # never leave DDP waiting on a future nobody completes
+            out.set_exception(e)
+            raise
+
+        def _done(f: torch.futures.Future) -> None:
+            try:
+                out.set_result(f.value())
+            except Exception as e:  # noqa: BLE001 - forwarded to DDP
+                out.set_exception(e)
+
+        fut2.then(_done)
+
+    def _fp32_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        # DDP's own reducer multiplies by 1/n (not divides by n): same bits as no hook
+        buf.mul_(1.0 / self.world_size)
+        self._sent(buf)
+        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+        raise NotImplementedError
+
+    def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        if self._pending is not None:  # only after an abandoned backward
+            self._pending[2].set_exception(RuntimeError("sync finished"))
+            self._pending = None
+
+
+def _hook(sync, bucket):
+    # No annotations: DDP compares them with dist.GradBucket / Future, and
+    # ``from __future__ import annotations`` would turn them into strings.
+    return sync._on_bucket(bucket)
+
+
+def completed(value: Any) -> torch.futures.Future:
+    """A future that is already done (for buckets that need no collective)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
