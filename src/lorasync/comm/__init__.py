@@ -1,9 +1,18 @@
 """Gradient-sync strategies and the public ``attach`` API.
 
     sync = lorasync.attach(ddp_model, "int8", **options)
+    ...
+    loss.backward(); optimizer.step(); sync.after_step()
+    ...
+    sync.finish()
 
 ``comm`` knows nothing about models or data: it gets a DDP module (whose
 trainable parameters are the adapter) and optionally a process group.
+
+Strategies (module): allreduce, none (reference); fp16, bf16 (lowprec);
+int8, onebit (twophase); topk; powersgd; local, diloco (periodic).
+``wire_bytes_formula`` / ``collectives_formula`` (formula) give the bytes
+and collectives per step without running anything.
 """
 
 from __future__ import annotations
@@ -12,15 +21,23 @@ from typing import Any
 
 import torch
 
-from lorasync.comm import reference  # noqa: F401  (registers allreduce, none)
-from lorasync.comm.base import Sync, get_strategy, strategy_names
+from lorasync.comm import lowprec, periodic, powersgd, reference, topk, twophase  # noqa: F401  (register)
+from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
+from lorasync.comm.formula import collectives_formula, wire_bytes_formula
 
-__all__ = ["attach", "Sync", "strategy_names"]
+__all__ = ["attach", "Sync", "HookSync", "strategy_names", "get_strategy",
+           "wire_bytes_formula", "collectives_formula"]
 
 
 def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
            process_group=None, **options: Any) -> Sync:
-    """Attach a sync strategy to a DDP model; see the module docstring."""
+    """Attach a sync strategy to a DDP model; see the module docstring.
+
+    Raises ValueError for an unknown strategy, an option the strategy does not
+    take or a bad value, or a backend that lacks what the strategy needs.
+    Every rank must call it (some strategies probe the backend with a tiny
+    collective).
+    """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(
             f"ddp: expected torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}"

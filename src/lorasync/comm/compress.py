@@ -1,0 +1,132 @@
+"""Pure compressors: blockwise int8, 1-bit signs, top-k, and PowerSGD's
+orthogonalisation.  No communication here; the strategies compose these with
+collectives and error feedback.
+
+Blocks are described by a block id per element (``bid``, int64) and a block
+count, so blocks may differ in size: the strategies cut every parameter into
+its own blocks (see :func:`param_blocks`), which keeps the compressed value of
+an element independent of how DDP happens to bucket the parameters (DDP's
+first iteration uses a different bucket layout from later ones, and a resumed
+run starts with that first layout again).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "param_blocks", "uniform_block_ids",
+    "int8_encode", "int8_decode",
+    "onebit_encode", "onebit_decode", "pack_bits", "unpack_bits",
+    "topk_encode", "topk_decode",
+    "orthogonalize_",
+]
+
+_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+
+
+def param_blocks(numel: int, block: int, world_size: int, align: int = 1) -> tuple[int, int]:
+    """How one parameter is cut: ``(n_blocks, block_size)``.
+
+    The block count is a multiple of ``world_size`` so that every rank owns
+    the same number of blocks of every parameter (equal shards, no padding
+    between ranks); the block size is at most ``block`` and a multiple of
+    ``align`` (8 for bit-packing).  The parameter is zero-padded to
+    ``n_blocks * block_size`` elements; for LoRA shapes (r x d, d x r with d a
+    multiple of 64) and 2-4 ranks the padding is zero or a fraction of 1%.
+    """
+    if numel <= 0:
+        raise ValueError(f"numel: must be positive, got {numel}")
+    nb = world_size * math.ceil(numel / (world_size * block))
+    bs = math.ceil(numel / nb)
+    bs = align * math.ceil(bs / align)
+    return nb, bs
+
+
+def uniform_block_ids(numel: int, block: int) -> tuple[torch.Tensor, int]:
+    """Block ids for consecutive blocks of ``block`` elements (last one partial)."""
+    nblocks = math.ceil(numel / block)
+    return torch.arange(numel) // block, nblocks
+
+
+# -- int8 ---------------------------------------------------------------------
+def int8_encode(x: torch.Tensor, bid: torch.Tensor, nblocks: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one fp32 scale per block: ``scale = max|x| / 127``.
+
+    Round-to-nearest gives ``|x - q * scale| <= scale / 2`` per element.
+    """
+    x = x.reshape(-1).float()
+    amax = torch.zeros(nblocks, dtype=torch.float32).scatter_reduce_(
+        0, bid, x.abs(), "amax", include_self=True)
+    scale = amax / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(x * inv[bid]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_decode(q: torch.Tensor, scale: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
+    return q.reshape(-1).float() * scale[bid]
+
+
+# -- 1-bit --------------------------------------------------------------------
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor (length a multiple of 8) into uint8, MSB first."""
+    b = bits.reshape(-1, 8).to(torch.uint8)
+    return (b << _SHIFTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    return ((packed.reshape(-1, 1) >> _SHIFTS) & 1).reshape(-1).bool()
+
+
+def onebit_encode(x: torch.Tensor, bid: torch.Tensor, nblocks: int,
+                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signs (``x >= 0`` -> +), bit-packed, and one scale per block: mean |x|.
+
+    ``count`` (elements per block that are real, not padding) makes the mean
+    ignore zero padding; default: all elements count.  ``x`` must have a
+    multiple of 8 elements.
+    """
+    x = x.reshape(-1).float()
+    if count is None:
+        count = torch.bincount(bid, minlength=nblocks).float()
+    total = torch.zeros(nblocks, dtype=torch.float32).index_add_(0, bid, x.abs())
+    scale = total / count.clamp(min=1)
+    return pack_bits(x >= 0), scale
+
+
+def onebit_decode(packed: torch.Tensor, scale: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
+    sign = unpack_bits(packed).float().mul_(2).sub_(1)
+    return sign * scale[bid]
+
+
+# -- top-k --------------------------------------------------------------------
+def topk_encode(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest-magnitude entries of each row of ``x`` (1-D or 2-D):
+    ``(indices int64, values)`` with the same leading shape."""
+    idx = x.abs().topk(k, dim=-1, sorted=False).indices
+    return idx, x.gather(-1, idx)
+
+
+def topk_decode(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=vals.dtype)
+    return out.index_add_(0, idx.reshape(-1).long(), vals.reshape(-1))
+
+
+# -- PowerSGD -----------------------------------------------------------------
+def orthogonalize_(m: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Gram-Schmidt on the columns of ``m`` in place (as torch's PowerSGD).
+
+    A zero column stays zero (no division by zero).
+    """
+    k = m.shape[1]
+    for i in range(k):
+        col = m[:, i:i + 1]
+        col.div_(col.norm() + eps)
+        if i + 1 < k:
+            rest = m[:, i + 1:]
+            rest.sub_(col @ (col.T @ rest))
+    return m

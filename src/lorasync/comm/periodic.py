@@ -1,0 +1,212 @@
+"""Periodic strategies: ``local`` (local SGD) and ``diloco``.
+
+Both train on local gradients (their DDP hook returns the bucket untouched,
+so backward never waits on the network) and sync the adapter every
+``period`` optimizer steps in ``after_step``:
+
+* ``local``: all-reduce the adapter weights and replace them by the mean.
+* ``diloco``: all-reduce the pseudo-gradient ``delta = anchor - theta`` (the
+  anchor is the adapter after the previous outer step), optionally cast to
+  fp16/bf16 (``delta_dtype``; divided by world size first, so no overflow),
+  then take one outer Nesterov-SGD step on the anchor (``outer_lr`` 0.7,
+  ``outer_momentum`` 0.9, as in the DiLoCo paper) and continue from it.  The
+  trainer's optimizer (AdamW) is the inner optimizer and keeps its state.
+
+``streaming=True`` overlaps the sync with compute: the all-reduce is
+launched at step t (a multiple of ``period``) and applied ``delay`` steps
+later (default 1; always exactly then, so every rank applies it at the same
+step, waiting if it has not arrived).  The inner steps taken meanwhile are
+kept on top of the new weights: ``theta <- synced + (theta_now - theta_t)``,
+so the outer update is ``delay`` steps stale and no local progress is lost.
+Only the wait at the apply step counts as ``comm_s``.
+
+``finish()`` applies a pending sync and, if replicas differ (steps since the
+last sync, or streaming corrections), averages the adapter in fp32 so every
+rank ends with the same weights.  Replicas must start identical (DDP with
+``init_sync=False`` assumes the trainer built them from one seed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lorasync.comm.base import HookSync, _Layout, completed, register
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _Periodic(HookSync):
+    per_step = False
+    lossless = False
+    communicates = False
+    options = {"period": 8, "streaming": False, "delay": 1}
+
+    def _validate(self) -> None:
+        super()._validate()
+        period = self._int_opt("period", 1)
+        if not isinstance(self.opts["streaming"], bool):
+            raise ValueError(f"{self.name}: option streaming={self.opts['streaming']!r} must be True or False")
+        if self.opts["streaming"]:
+            if period < 2:
+                raise ValueError(f"{self.name}: streaming=True needs period >= 2 (got period={period})")
+            self._int_opt("delay", 1, period - 1)
+        elif "delay" in self._given:
+            raise ValueError(f"{self.name}: option delay applies only with streaming=True")
+
+    def _setup(self) -> None:
+        self._pending: dict[str, Any] | None = None  # type: ignore[assignment]
+        self._dirty = False
+
+    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+        return completed(bucket.buffer())  # local gradient, no communication
+
+    # -- subclass hooks -------------------------------------------------------
+    def _payload(self, theta: torch.Tensor) -> torch.Tensor:
+        """What to all-reduce (already divided by world size)."""
+        raise NotImplementedError
+
+    def _outer(self, reduced: torch.Tensor) -> torch.Tensor:
+        """New synced adapter (flat fp32) from the all-reduced payload."""
+        raise NotImplementedError
+
+    # -- sync -----------------------------------------------------------------
+    def after_step(self) -> None:
+        super().after_step()
+        self._dirty = True
+        if self._pending is not None and self._steps >= self._pending["apply_at"]:
+            self._complete()
+        if self._steps % self.opts["period"] == 0:
+            self._launch()
+
+    def _launch(self) -> None:
+        theta = self._flat_params()
+        t0 = time.perf_counter()
+        payload = self._payload(theta)
+        self._add_encode(time.perf_counter() - t0)
+        self._sent(payload)
+        work = dist.all_reduce(payload, group=self.group, async_op=True)
+        streaming = self.opts["streaming"]
+        self._pending = {"work": work, "payload": payload, "snapshot": theta if streaming else None,
+                         "apply_at": self._steps + (self.opts["delay"] if streaming else 0)}
+        if not streaming:
+            self._complete()
+
+    def _wait_pending(self) -> None:
+        work = self._pending["work"]
+        if work is not None:
+            t0 = time.perf_counter()
+            work.wait()
+            self._add_comm(time.perf_counter() - t0)
+            self._pending["work"] = None
+
+    def _complete(self) -> None:
+        self._wait_pending()
+        p, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        synced = self._outer(p["payload"].float())
+        if p["snapshot"] is not None:  # streaming: keep the inner steps taken meanwhile
+            synced = synced + (self._flat_params() - p["snapshot"])
+        else:
+            self._dirty = False
+        self._set_flat_params(synced)
+        self._add_encode(time.perf_counter() - t0)
+        with self._lock:
+            self._syncs += 1
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._complete()
+        if not self._dirty:
+            return
+        avg = self._flat_params().div_(self.world_size)
+        self._sent(avg)
+        t0 = time.perf_counter()
+        dist.all_reduce(avg, group=self.group)
+        self._add_comm(time.perf_counter() - t0)
+        self._set_flat_params(avg)
+        self._on_final_average(avg)
+        self._dirty = False
+        with self._lock:
+            self._syncs += 1
+
+    def _on_final_average(self, avg: torch.Tensor) -> None:
+        pass
+
+    # -- state ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        sd = {**super().state_dict(), "dirty": self._dirty, "pending": None}
+        if self._pending is not None:  # a streaming sync in flight: finish receiving it
+            self._wait_pending()
+            sd["pending"] = {"payload": self._pending["payload"].clone(),
+                             "snapshot": self._pending["snapshot"].clone(),
+                             "apply_at": self._pending["apply_at"]}
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._dirty = bool(state.get("dirty", True))
+        p = state.get("pending")
+        self._pending = None if p is None else {
+            "work": None, "payload": p["payload"].clone(), "snapshot": p["snapshot"].clone(),
+            "apply_at": int(p["apply_at"])}
+
+
+@register
+class Local(_Periodic):
+    name = "local"
+    options = {"period": 8, "streaming": False, "delay": 1}
+
+    def _payload(self, theta: torch.Tensor) -> torch.Tensor:
+        return theta / self.world_size
+
+    def _outer(self, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced
+
+
+@register
+class DiLoCo(_Periodic):
+    name = "diloco"
+    options = {"period": 8, "outer_lr": 0.7, "outer_momentum": 0.9, "delta_dtype": "fp32",
+               "streaming": False, "delay": 1}
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._float_opt("outer_lr", 0.0, float("inf"), lo_open=True)
+        self._float_opt("outer_momentum", 0.0, 1.0, hi_open=True)
+        if self.opts["delta_dtype"] not in _DTYPES:
+            raise ValueError(f"diloco: option delta_dtype={self.opts['delta_dtype']!r} must be "
+                             f"one of {', '.join(_DTYPES)}")
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._dtype = _DTYPES[self.opts["delta_dtype"]]
+        if self._dtype != torch.float32:
+            self._check_dtype(self._dtype, "delta_dtype")
+        self._anchor = self._flat_params()
+        self._momentum = torch.zeros_like(self._anchor)
+
+    def _payload(self, theta: torch.Tensor) -> torch.Tensor:
+        return ((self._anchor - theta) / self.world_size).to(self._dtype)
+
+    def _outer(self, reduced: torch.Tensor) -> torch.Tensor:
+        # torch.optim.SGD(nesterov=True, dampening=0) on the anchor, grad = mean delta
+        mu, lr = float(self.opts["outer_momentum"]), float(self.opts["outer_lr"])
+        self._momentum.mul_(mu).add_(reduced)
+        self._anchor.sub_(reduced + mu * self._momentum, alpha=lr)
+        return self._anchor.clone()
+
+    def _on_final_average(self, avg: torch.Tensor) -> None:
+        self._anchor = avg.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "anchor": self._anchor.clone(),
+                "outer_momentum_buffer": self._momentum.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._anchor = state["anchor"].clone()
+        self._momentum = state["outer_momentum_buffer"].clone()

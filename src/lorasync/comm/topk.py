@@ -1,0 +1,95 @@
+"""Top-k sparsification with error feedback (``topk``).
+
+Each rank keeps, per parameter, the ``k = max(1, ceil(ratio * numel))``
+entries of ``g + e`` with the largest magnitude; the rest stays in its
+residual ``e`` for later steps.  Sparse sets from different ranks overlap
+only partly, so they are not all-reduced: every rank all-gathers everybody's
+(index, value) pairs in one int32 tensor (index int32 + value fp32 bits, 8
+bytes a kept entry, indices counted as wire bytes) and scatter-adds them in
+rank order, which gives every rank the same bits.
+
+k is chosen per parameter (not per bucket), so which entries are sent does not
+depend on DDP's bucket layout (which changes after the first iteration).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lorasync.comm import compress as C
+from lorasync.comm.base import HookSync, _Layout, register
+
+
+@register
+class TopK(HookSync):
+    name = "topk"
+    options = {"ratio": 0.01, "warmup_steps": 0}
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._float_opt("ratio", 0.0, 1.0, lo_open=True)
+
+    def _setup(self) -> None:
+        ratio = float(self.opts["ratio"])
+        self._k = [max(1, math.ceil(ratio * m)) for m in self._numels]
+        self._E = torch.zeros(self.numel + 1)
+
+    def _plan(self, lay: _Layout) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Parameters of one bucket grouped by size: (bucket pos, canonical pos, k)."""
+        plan = lay.cache.get("topk")
+        if plan is None:
+            groups: dict[int, list[tuple[int, int]]] = {}
+            for i, boff in zip(lay.pids, lay.offsets):
+                groups.setdefault(self._numels[i], []).append((i, boff))
+            plan = []
+            for m, members in groups.items():
+                ar = torch.arange(m)
+                bpos = torch.stack([ar + boff for _, boff in members])
+                cpos = torch.stack([ar + self._offsets[i] for i, _ in members])
+                plan.append((bpos, cpos, self._k[members[0][0]]))
+            lay.cache["topk"] = plan
+        return plan
+
+    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+        n = self.world_size
+        buf = bucket.buffer()
+        t0 = time.perf_counter()
+        pos, vals = [], []
+        for bpos, cpos, k in self._plan(lay):
+            u = buf[bpos] + self._E[cpos]
+            idx, v = C.topk_encode(u, k)
+            u.scatter_(1, idx, 0.0)
+            self._E[cpos] = u
+            pos.append(bpos.gather(1, idx).reshape(-1))
+            vals.append(v.reshape(-1))
+        payload = torch.cat([torch.cat(pos).to(torch.int32),
+                             torch.cat(vals).view(torch.int32)])
+        out = torch.empty(n * payload.numel(), dtype=torch.int32)
+        self._add_encode(time.perf_counter() - t0)
+        self._sent(payload)
+        fut = dist.all_gather_into_tensor(out, payload, group=self.group, async_op=True).get_future()
+
+        def _decode(_f: torch.futures.Future) -> torch.Tensor:
+            t1 = time.perf_counter()
+            rows = out.view(n, 2, -1)
+            res = torch.zeros(lay.numel)
+            for j in range(n):  # rank order: the same sums on every rank
+                res.index_add_(0, rows[j, 0].long(), rows[j, 1].view(torch.float32))
+            buf.copy_(res.div_(n))
+            self._add_encode(time.perf_counter() - t1)
+            return buf
+
+        return fut.then(_decode)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "ratio": float(self.opts["ratio"]),
+                "residual": self._E[:-1].clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._E[:-1].copy_(state["residual"])

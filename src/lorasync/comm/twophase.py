@@ -1,0 +1,229 @@
+"""Two-phase compressed all-reduce: ``int8`` (blockwise int8) and ``onebit``
+(bit-packed signs), each with one fp32 scale per block and error feedback on
+both phases, as in DeepSpeed's compressed all-reduce (1-bit Adam).
+
+Compressed values cannot be summed on the wire (int8 sums overflow, signs do
+not add), so a bucket is reduced in two collectives:
+
+1. every rank compresses ``g + e`` (its gradient plus its worker residual)
+   and sends shard j to rank j (``all_to_all_single``; where the backend
+   lacks it, an ``all_gather`` of the whole compressed bucket, of which each
+   rank keeps its shard: the same bytes handed over, n times the traffic);
+2. rank j decompresses the n copies of shard j, averages them, adds its
+   server residual ``s``, compresses the mean again and all-gathers it.
+
+Residuals: ``e = (g + e) - D(C(g + e))`` on every rank for every element,
+``s = (mean + s) - D(C(mean + s))`` on the owner of the element, so that
+sum over steps of the applied update + mean over ranks of ``e`` + ``s``
+equals the sum over steps of the mean gradient (nothing is lost, only late).
+
+Every parameter is cut into its own blocks (``compress.param_blocks``: a
+multiple of world_size blocks, so each rank owns an equal slice of every
+parameter), and the owner of an element is fixed by the parameter alone.
+Compressed values and residual ownership therefore do not depend on DDP's
+bucket layout, which changes after the first iteration and again on resume.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lorasync.comm import compress as C
+from lorasync.comm.base import HookSync, _Layout, register
+
+
+class _TwoPhase(HookSync):
+    two_phase = True
+    align = 1  # block size multiple (8 for bit packing)
+    options = {"block": 256, "warmup_steps": 0}
+
+    # -- codec, per subclass --------------------------------------------------
+    def _encode(self, x, bid, nblocks, count):  # -> (codes, scales)
+        raise NotImplementedError
+
+    def _decode(self, codes, scales, bid):
+        raise NotImplementedError
+
+    def _code_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    # -- set-up ---------------------------------------------------------------
+    def _validate(self) -> None:
+        super()._validate()
+        self._int_opt("block", 8 if self.align > 1 else 1)
+
+    def _setup(self) -> None:
+        n = self.world_size
+        self._blocks = [C.param_blocks(m, self.opts["block"], n, self.align) for m in self._numels]
+        # residuals over the canonical flat parameters, plus one dump slot
+        # (index numel) that padding reads as 0 and writes into
+        self._E = torch.zeros(self.numel + 1)
+        self._S = torch.zeros(self.numel + 1)
+        # all_to_all_single is in gloo, NCCL and MPI; probe, since a backend
+        # without it would otherwise fail mid-backward
+        try:
+            x = torch.zeros(n, dtype=torch.uint8)
+            dist.all_to_all_single(torch.empty_like(x), x, group=self.group)
+            self.phase1_collective = "all_to_all"
+        except (RuntimeError, NotImplementedError, ValueError):
+            self.phase1_collective = "all_gather"
+
+    def _plan(self, lay: _Layout) -> dict[str, Any]:
+        """Index tensors for one bucket layout (computed once per layout)."""
+        plan = lay.cache.get("tp")
+        if plan is not None:
+            return plan
+        n, M, N = self.world_size, lay.numel, self.numel
+        bpos, cpos, bid = [[] for _ in range(n)], [[] for _ in range(n)], []
+        nblk = 0
+        for i, boff in zip(lay.pids, lay.offsets):
+            m, coff = self._numels[i], self._offsets[i]
+            nb, bs = self._blocks[i]
+            chunk = nb * bs // n
+            for r in range(n):
+                t = torch.arange(r * chunk, (r + 1) * chunk)
+                real = t < m
+                bpos[r].append(torch.where(real, t + boff, M))
+                cpos[r].append(torch.where(real, t + coff, N))
+            bid.append(torch.arange(nblk, nblk + nb // n).repeat_interleave(bs))
+            nblk += nb // n
+        bpos_t = torch.stack([torch.cat(b) for b in bpos])
+        cpos_t = torch.stack([torch.cat(c) for c in cpos])
+        L = bpos_t.shape[1]
+        bid_row = torch.cat(bid)
+        bid_full = (bid_row.unsqueeze(0) + nblk * torch.arange(n).unsqueeze(1)).reshape(-1)
+        valid = bpos_t < M
+        count = torch.zeros(n * nblk).index_add_(0, bid_full, valid.reshape(-1).float())
+        r = self.rank
+        plan = dict(
+            L=L, nblk=nblk, bpos=bpos_t, cpos=cpos_t, bid_row=bid_row, bid_full=bid_full,
+            count=count, my_cpos=cpos_t[r], my_pad=~valid[r],
+            my_count=count[r * nblk:(r + 1) * nblk], code_bytes=self._code_bytes(L),
+        )
+        lay.cache["tp"] = plan
+        return plan
+
+    # -- packing: one uint8 row per shard = [codes | fp32 scales] -------------
+    def _pack(self, codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([codes.view(torch.uint8).reshape(rows, -1),
+                          scales.reshape(rows, -1).view(torch.uint8)], dim=1)
+
+    def _unpack(self, data: torch.Tensor, plan: dict[str, Any]):
+        cb = plan["code_bytes"]
+        codes = data[:, :cb].contiguous()
+        scales = data[:, cb:].contiguous().view(torch.float32).reshape(-1)
+        return codes.reshape(-1), scales
+
+    # -- the two phases -------------------------------------------------------
+    def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
+        n, r = self.world_size, self.rank
+        plan = self._plan(lay)
+        buf = bucket.buffer()
+        t0 = time.perf_counter()
+        bext = torch.cat([buf, buf.new_zeros(1)])
+        u = bext[plan["bpos"]] + self._E[plan["cpos"]]           # (n, L), padding = 0
+        codes, scales = self._encode(u.reshape(-1), plan["bid_full"], n * plan["nblk"], plan["count"])
+        self._E.index_put_((plan["cpos"].reshape(-1),),
+                           u.reshape(-1) - self._decode(codes, scales, plan["bid_full"]))
+        self._E[-1] = 0
+        send = self._pack(codes, scales, n)
+        self._add_encode(time.perf_counter() - t0)
+        self._sent(send)
+        if self.phase1_collective == "all_to_all":
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            take = lambda: recv  # noqa: E731
+        else:
+            gathered = torch.empty((n,) + tuple(send.shape), dtype=torch.uint8)
+            work = dist.all_gather_into_tensor(gathered, send, group=self.group, async_op=True)
+            take = lambda: gathered[:, r]  # noqa: E731
+
+        def phase2() -> torch.futures.Future:
+            t1 = time.perf_counter()
+            c1, s1 = self._unpack(take(), plan)
+            d = self._decode(c1, s1, plan["bid_full"]).view(n, plan["L"])
+            v = d[0].clone()
+            for j in range(1, n):  # fixed order: identical sums whatever the layout
+                v += d[j]
+            v /= n
+            v += self._S[plan["my_cpos"]]
+            v[plan["my_pad"]] = 0
+            c2, s2 = self._encode(v, plan["bid_row"], plan["nblk"], plan["my_count"])
+            self._S[plan["my_cpos"]] = v - self._decode(c2, s2, plan["bid_row"])
+            self._S[-1] = 0
+            send2 = self._pack(c2, s2, 1)
+            out = torch.empty((n, send2.shape[1]), dtype=torch.uint8)
+            self._add_encode(time.perf_counter() - t1)
+            self._sent(send2)
+            fut = dist.all_gather_into_tensor(out, send2, group=self.group,
+                                              async_op=True).get_future()
+
+            def decode(_f: torch.futures.Future) -> torch.Tensor:
+                t2 = time.perf_counter()
+                c3, s3 = self._unpack(out, plan)
+                full = self._decode(c3, s3, plan["bid_full"])
+                oext = torch.empty(lay.numel + 1)
+                oext[plan["bpos"].reshape(-1)] = full
+                buf.copy_(oext[:-1])
+                self._add_encode(time.perf_counter() - t2)
+                return buf
+
+            return fut.then(decode)
+
+        return work.get_future(), phase2
+
+    # -- state ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "block": self.opts["block"],
+                "worker_residual": self._E[:-1].clone(), "server_residual": self._S[:-1].clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state.get("block", self.opts["block"]) != self.opts["block"]:
+            raise ValueError(f"state_dict: saved with block={state['block']}, this run has "
+                             f"block={self.opts['block']}; pass the same block option")
+        self._E[:-1].copy_(state["worker_residual"])
+        self._S[:-1].copy_(state["server_residual"])
+
+
+@register
+class Int8(_TwoPhase):
+    """Blockwise int8 (scale = max|x|/127 per block of <= ``block`` values)."""
+
+    name = "int8"
+    options = {"block": 256, "warmup_steps": 0}
+
+    def _encode(self, x, bid, nblocks, count):
+        return C.int8_encode(x, bid, nblocks)
+
+    def _decode(self, codes, scales, bid):
+        return C.int8_decode(codes.view(torch.int8), scales, bid)
+
+    def _code_bytes(self, numel: int) -> int:
+        return numel
+
+
+@register
+class OneBit(_TwoPhase):
+    """Signs, 8 per byte, times one scale per block (mean |x| of the block).
+
+    ``warmup_steps`` (plain fp32 all-reduce for the first N steps) lets the
+    optimizer's moment estimates settle before gradients become signs.
+    """
+
+    name = "onebit"
+    align = 8
+    options = {"block": 512, "warmup_steps": 0}
+
+    def _encode(self, x, bid, nblocks, count):
+        return C.onebit_encode(x, bid, nblocks, count)
+
+    def _decode(self, codes, scales, bid):
+        return C.onebit_decode(codes, scales, bid)
+
+    def _code_bytes(self, numel: int) -> int:
+        return numel // 8
