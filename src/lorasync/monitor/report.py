@@ -1,0 +1,653 @@
+"""Self-contained HTML report of one or more run directories.
+
+Reads what a run leaves behind (``metrics.jsonl``, ``evals.jsonl``,
+``summary.json``; see docs/contracts.md) and writes one HTML file whose plots
+are PNGs embedded as base64 data URIs, so the report can be mailed or
+attached to an issue and opens offline.
+
+Definitions used throughout (the same as the trainer's ``summary.json``):
+
+* a step is as slow as its slowest rank: global samples/s of a step is the
+  sum of ``samples`` over ranks divided by the largest ``step_s``;
+* run-level numbers are steady state: the first step (DDP's bucket rebuild,
+  allocator warm-up) is left out; compute, sync share and wire bytes are
+  rank 0's, as in ``summary.json``;
+* per-step plots of compute / exposed sync / wire bytes show the mean over
+  ranks of that step.
+
+Only matplotlib (Agg, through ``matplotlib.figure.Figure``; no pyplot global
+state) is needed; it is imported when a plot is drawn.  Nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import io
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+
+from lorasync.errors import LorasyncError
+
+__all__ = ["Run", "load_run", "step_series", "find_switches", "summarize_run", "build_report",
+           "write_report", "default_output"]
+
+# Fields without which a record cannot be plotted (docs/contracts.md lists all).
+REQUIRED_FIELDS = ("step", "rank", "loss", "samples", "compute_s", "comm_s", "step_s",
+                   "wire_bytes")
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#7f7f7f", "#bcbd22")
+
+
+@dataclass
+class Run:
+    """What one run directory holds, as read from disk."""
+
+    path: str
+    name: str
+    records: list[dict]                 # step records, sorted by (step, rank)
+    evals: list[dict]                   # evals.jsonl, sorted by step
+    summary: dict | None = None         # summary.json as the trainer wrote it
+    notes: list[str] = field(default_factory=list)  # things the reader should know
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_jsonl(path: str, required: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+    """Records of a JSONL file; a torn *last* line (a crash mid-write) is dropped
+    with a note, a damaged line before it is an error (the file is not ours
+    to guess about)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as exc:
+        raise LorasyncError(f"{path}: cannot read ({exc.strerror}); check the path and its "
+                            "permissions") from None
+    except UnicodeDecodeError:
+        raise LorasyncError(f"{path}: not a text file; pass the run directory that "
+                            "`lorasync train` wrote") from None
+    numbered = [(i + 1, s) for i, s in enumerate(lines) if s.strip()]
+    out, notes = [], []
+    for k, (lineno, text) in enumerate(numbered):
+        try:
+            rec = json.loads(text)
+        except ValueError:
+            if k == len(numbered) - 1:
+                notes.append(f"{os.path.basename(path)}: dropped a torn last line "
+                             f"(line {lineno}, a crash mid-write)")
+                break
+            raise LorasyncError(f"{path}:{lineno}: not valid JSON (and not the last line, so "
+                                "not a torn write); repair or delete that line") from None
+        if not isinstance(rec, dict):
+            raise LorasyncError(f"{path}:{lineno}: expected a JSON object, got "
+                                f"{type(rec).__name__}; repair or delete that line")
+        missing = [f for f in required if f not in rec]
+        if missing:
+            raise LorasyncError(f"{path}:{lineno}: record lacks {', '.join(missing)}; this is "
+                                "not a lorasync metrics file (see docs/contracts.md)")
+        out.append(rec)
+    return out, notes
+
+
+def load_run(path: str) -> Run:
+    """Read one run directory; ``LorasyncError`` names the path and the fix."""
+    if not os.path.exists(path):
+        raise LorasyncError(f"{path}: no such run directory; pass the --output-dir of a "
+                            "`lorasync train` run")
+    if not os.path.isdir(path):
+        raise LorasyncError(f"{path}: not a directory; pass a run directory (the --output-dir "
+                            "of `lorasync train`), not a file in it")
+    notes: list[str] = []
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        records, n = _read_jsonl(metrics, REQUIRED_FIELDS)
+        notes += n
+        empty_fix = (f"{metrics}: no step records (empty file); the run stopped before its "
+                     f"first step: train again with --output-dir {path}")
+    else:
+        # A run still going, stopped with --stop-after, or crashed has no merged
+        # file yet, but every rank streamed its own records as it went.
+        folder = os.path.join(path, "ranks")
+        streams = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                         if f.startswith("rank") and f.endswith(".jsonl"))
+        if not streams:
+            raise LorasyncError(f"{metrics}: not found (nor per-rank streams in {folder}); "
+                                f"{path} is not a lorasync run directory: pass the "
+                                "--output-dir of `lorasync train`")
+        records = []
+        for f in streams:
+            recs, n = _read_jsonl(os.path.join(folder, f), REQUIRED_FIELDS)
+            records += recs
+            notes += [f"ranks/{s}" for s in n]
+        notes.insert(0, "run not finished (no metrics.jsonl): built from the per-rank "
+                        "streams in ranks/, no summary.json")
+        empty_fix = (f"{folder}: no step records yet; the run has not finished a step: wait, "
+                     f"or train again with --output-dir {path}")
+    if not records:
+        raise LorasyncError(empty_fix)
+    records.sort(key=lambda r: (r["step"], r["rank"]))
+
+    evals: list[dict] = []
+    evals_path = os.path.join(path, "evals.jsonl")
+    if os.path.isfile(evals_path):
+        evals, n = _read_jsonl(evals_path, ("step",))
+        notes += n
+        evals.sort(key=lambda r: r["step"])
+
+    summary = None
+    summary_path = os.path.join(path, "summary.json")
+    if os.path.isfile(summary_path) and os.path.isfile(metrics):
+        try:
+            with open(summary_path, encoding="utf-8") as fh:
+                summary = json.load(fh)
+            if not isinstance(summary, dict):
+                raise ValueError
+        except (OSError, ValueError):
+            summary = None
+            notes.append("summary.json unreadable: run numbers computed from metrics.jsonl")
+    name = os.path.basename(os.path.normpath(os.path.abspath(path))) or path
+    return Run(path=path, name=name, records=records, evals=evals, summary=summary, notes=notes)
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def _by_step(records: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["step"], []).append(r)
+    return dict(sorted(out.items()))
+
+
+def step_series(records: list[dict]) -> list[dict]:
+    """One row per step: global samples/s, mean-over-ranks times and bytes."""
+    rows = []
+    for step, recs in _by_step(records).items():
+        n = len(recs)
+        wall = max(r["step_s"] for r in recs)
+        samples = sum(r["samples"] for r in recs)
+        first = min(recs, key=lambda r: r["rank"])
+        rows.append({
+            "step": step, "ranks": n, "samples": samples, "wall_s": wall,
+            "samples_per_s": samples / wall if wall > 0 else float("nan"),
+            "compute_s": sum(r["compute_s"] for r in recs) / n,
+            "comm_s": sum(r["comm_s"] for r in recs) / n,
+            # data loading and whatever else the step did besides compute and sync
+            "other_s": sum(max(0.0, r["step_s"] - r["compute_s"] - r["comm_s"])
+                           for r in recs) / n,
+            "wire_bytes": sum(r["wire_bytes"] for r in recs) / n,
+            "fp32_bytes": (sum(r["fp32_bytes"] for r in recs) / n
+                           if all("fp32_bytes" in r for r in recs) else None),
+            "loss": sum(r["loss"] for r in recs) / n,
+            "strategy": first.get("strategy"),
+            "time": max((r.get("time") or 0.0) for r in recs),
+        })
+    return rows
+
+
+def find_switches(records: list[dict]) -> list[dict]:
+    """Strategy changes: a record's ``switch`` field, or ``strategy`` changing
+    between steps (a switch not announced in a record still shows)."""
+    out: dict[int, dict] = {}
+    prev = None
+    for step, recs in _by_step(records).items():
+        r0 = min(recs, key=lambda r: r["rank"])
+        sw = next((r["switch"] for r in recs if isinstance(r.get("switch"), dict)), None)
+        cur = r0.get("strategy")
+        if sw is not None:
+            out[step] = {"step": step, "from": sw.get("from", prev), "to": sw.get("to", cur),
+                         "reason": sw.get("reason", "")}
+        elif prev is not None and cur is not None and cur != prev:
+            out[step] = {"step": step, "from": prev, "to": cur, "reason": ""}
+        if cur is not None:
+            prev = cur
+    return list(out.values())
+
+
+def _eval_points(run: Run) -> tuple[dict | None, dict | None]:
+    """(before, after) eval records: summary.json's when present, else evals.jsonl's
+    step-0 record and its last record."""
+    if run.summary is not None and ("eval_before" in run.summary or "eval_after" in run.summary):
+        return run.summary.get("eval_before"), run.summary.get("eval_after")
+    before = next((e for e in run.evals if e.get("step") == 0), None)
+    later = [e for e in run.evals if e.get("step", 0) > 0]
+    return before, (later[-1] if later else None)
+
+
+def summarize_run(run: Run) -> dict:
+    """Run-level numbers: summary.json's where the trainer wrote one, otherwise
+    computed from the records with the trainer's definitions; plus what only
+    the records tell (strategies used, switches, wall time)."""
+    recs = run.records
+    by_step = _by_step(recs)
+    rank0 = min(r["rank"] for r in recs)
+    r0 = [r for r in recs if r["rank"] == rank0]
+    steady = r0[1:] if len(r0) > 1 else r0
+    steady_steps = [s for s in by_step if s != r0[0]["step"]] or list(by_step)
+    wall = sum(max(r["step_s"] for r in by_step[s]) for s in steady_steps)
+    samples = sum(sum(r["samples"] for r in by_step[s]) for s in steady_steps)
+    step_total = sum(r["step_s"] for r in steady)
+    computed = {
+        "world_size": max(r.get("world_size", 0) for r in recs) or len({r["rank"] for r in recs}),
+        "strategy": r0[0].get("strategy"),
+        "steps": len(r0),
+        "samples_per_s": samples / wall if wall else None,
+        "step_s_median": statistics.median(r["step_s"] for r in steady),
+        "compute_s_mean": statistics.fmean(r["compute_s"] for r in steady),
+        "comm_s_mean": statistics.fmean(r["comm_s"] for r in steady),
+        "sync_share": sum(r["comm_s"] for r in steady) / step_total if step_total else None,
+        "wire_bytes_per_step": statistics.fmean(r["wire_bytes"] for r in steady),
+        "fp32_bytes_per_step": (statistics.fmean(r["fp32_bytes"] for r in steady)
+                                if all("fp32_bytes" in r for r in steady) else None),
+        "final_loss": r0[-1]["loss"],
+    }
+    out = dict(computed)
+    if run.summary is not None:
+        out.update({k: v for k, v in run.summary.items() if v is not None or k.startswith("eval")})
+        out["source"] = "summary.json"
+    else:
+        out["source"] = "computed from " + ("metrics.jsonl" if os.path.isfile(
+            os.path.join(run.path, "metrics.jsonl")) else "ranks/*.jsonl")
+    out["eval_before"], out["eval_after"] = _eval_points(run)
+    used = []
+    for r in r0:
+        s = r.get("strategy")
+        if s is not None and s not in used:
+            used.append(s)
+    out["strategies_used"] = used
+    out["switches"] = find_switches(recs)
+    out["last_step"] = r0[-1]["step"]
+    times = [r.get("time") for r in recs if r.get("time")]
+    out["elapsed_s"] = (max(times) - min(times) + r0[0]["step_s"]) if times else None
+    return out
+
+
+def _em_parts(e: dict | None) -> tuple[float, float, int, int] | None:
+    """(p, standard error, correct, n) of an eval record's exact-match."""
+    if not e or not e.get("n"):
+        return None
+    n = int(e["n"])
+    if e.get("correct") is not None:
+        correct = int(e["correct"])
+    elif e.get("exact_match") is not None:
+        correct = round(e["exact_match"] * n)
+    else:
+        return None
+    p = correct / n
+    return p, math.sqrt(p * (1 - p) / n), correct, n
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def _fmt(v, spec: str = ".3f", unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{v:{spec}}{unit}"
+
+
+def _fmt_em(e: dict | None) -> str:
+    parts = _em_parts(e)
+    if parts is None:
+        return "n/a"
+    p, se, c, n = parts
+    return f"{100 * p:.1f}% ± {100 * se:.1f} ({c}/{n})"
+
+
+def _fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else \
+        f"{s // 60}m{s % 60:02d}s"
+
+
+def _eval_loss(e: dict | None) -> float | None:
+    return e.get("eval_loss") if e else None
+
+
+def _strategy_label(s: dict) -> str:
+    """"fp16", "allreduce → fp16", or "auto (allreduce → fp16)" when the
+    configured strategy (summary.json) is not one that ran."""
+    strategies = s.get("strategies_used") or [s.get("strategy")]
+    strat = " → ".join(str(x) for x in strategies)
+    if s.get("strategy") and s["strategy"] not in strategies:
+        strat = f"{s['strategy']} ({strat})"
+    return strat
+
+
+def _summary_rows(s: dict) -> list[tuple[str, str]]:
+    eb, ea = s.get("eval_before"), s.get("eval_after")
+    strat = _strategy_label(s)
+    wire, fp32 = s.get("wire_bytes_per_step"), s.get("fp32_bytes_per_step")
+    ratio = f", {fp32 / wire:.1f}x less" if wire and fp32 and wire < fp32 else ""
+    rows = [
+        ("ranks × strategy", f"{s.get('world_size', '?')} × {strat}"),
+        ("steps", f"{s.get('steps')} (last step {s.get('last_step')}, "
+                  f"{_fmt_duration(s.get('elapsed_s'))})"),
+        ("samples/s (all ranks)", _fmt(s.get("samples_per_s"), ".2f")),
+        ("step time median", _fmt(s.get("step_s_median"), ".3f", " s")),
+        ("compute vs exposed sync per step",
+         f"{_fmt(s.get('compute_s_mean'), '.3f', ' s')} vs {_fmt(s.get('comm_s_mean'), '.3f', ' s')}"
+         f" ({_fmt(100 * s['sync_share'] if s.get('sync_share') is not None else None, '.1f', '%')}"
+         " waiting on sync)"),
+        ("sent per step per rank",
+         f"{_fmt(wire / 1e6 if wire is not None else None, '.3f', ' MB')} (fp32 all-reduce: "
+         f"{_fmt(fp32 / 1e6 if fp32 is not None else None, '.3f', ' MB')}{ratio})"),
+        ("train loss (last step)", _fmt(s.get("final_loss"), ".4f")),
+        ("eval loss before → after", f"{_fmt(_eval_loss(eb), '.4f')} → "
+                                     f"{_fmt(_eval_loss(ea), '.4f')}"),
+        ("eval exact-match before", _fmt_em(eb)),
+        ("eval exact-match after", _fmt_em(ea)),
+    ]
+    if s.get("adapter_params"):
+        rows.insert(1, ("adapter parameters", f"{s['adapter_params']:,}"))
+    if s.get("model"):
+        rows.insert(1, ("model", str(s["model"])))
+    rows.append(("numbers from", f"{s.get('source')}; steady state (first step left out), "
+                                 "compute/sync/bytes are rank 0's"))
+    return rows
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _new_figure(nrows: int = 1, height: float = 3.6, sharey: bool = False):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise LorasyncError("the report needs matplotlib: pip install matplotlib") from None
+    fig = Figure(figsize=(10, height * nrows), layout="constrained")
+    axes = fig.subplots(nrows, 1, squeeze=False, sharex=True, sharey=sharey)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return fig, list(axes)
+
+
+def _mark_switches(ax, switches: list[dict], color: str, label_prefix: str = "") -> None:
+    """A vertical line at the boundary before the step that ran the new strategy,
+    labelled "from → to" along the line."""
+    for sw in switches:
+        x = sw["step"] - 0.5
+        ax.axvline(x, color=color, linestyle="--", linewidth=1.2, alpha=0.8)
+        text = f"{label_prefix}{sw['from']} → {sw['to']}"
+        ax.text(x, 0.97, " " + text, transform=ax.get_xaxis_transform(), rotation=90,
+                va="top", ha="right", fontsize=8, color=color,
+                bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc, q = [], 0.0, []
+    for v in values:
+        q.append(v)
+        acc += v
+        if len(q) > window:
+            acc -= q.pop(0)
+        out.append(acc / len(q))
+    return out
+
+
+def _plot_throughput(runs, series, switches, colors) -> str:
+    fig, (ax,) = _new_figure()
+    for run, rows, sw, c in zip(runs, series, switches, colors):
+        x = [r["step"] for r in rows]
+        y = [r["samples_per_s"] for r in rows]
+        window = max(1, len(rows) // 20)
+        if window > 1:
+            ax.plot(x, y, color=c, alpha=0.3, linewidth=0.8)
+            ax.plot(x, _smooth(y, window), color=c, linewidth=2,
+                    label=f"{run.name} (mean of {window} steps)")
+        else:
+            ax.plot(x, y, color=c, linewidth=1.8, marker="o", markersize=3, label=run.name)
+        _mark_switches(ax, sw, c)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    ax.set_xlabel("step")
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title("Throughput: samples of all ranks / slowest rank's step time")
+    ax.legend(loc="lower right", fontsize=9)
+    return _png(fig)
+
+
+def _plot_time_split(runs, series, switches, colors) -> str:
+    fig, axes = _new_figure(len(runs), height=3.0 if len(runs) > 1 else 3.6, sharey=True)
+    for ax, run, rows, sw, c in zip(axes, runs, series, switches, colors):
+        x = [r["step"] for r in rows]
+        comp = [r["compute_s"] for r in rows]
+        comm = [r["comm_s"] for r in rows]
+        other = [r["other_s"] for r in rows]
+        if len(rows) <= 200:
+            ax.bar(x, comp, width=0.85, color="#4c72b0", label="compute")
+            ax.bar(x, comm, width=0.85, bottom=comp, color="#dd8452", label="exposed sync")
+            ax.bar(x, other, width=0.85, bottom=[a + b for a, b in zip(comp, comm)],
+                   color="#bbbbbb", label="data / other")
+        else:  # thousands of bars render as noise; areas read better
+            ax.stackplot(x, comp, comm, other, colors=("#4c72b0", "#dd8452", "#bbbbbb"),
+                         labels=("compute", "exposed sync", "data / other"), linewidth=0)
+        _mark_switches(ax, sw, "black")
+        ax.set_ylabel("seconds per step")
+        ax.set_title(f"{run.name}: compute vs exposed sync per step (mean over ranks)",
+                     fontsize=10, color=c if len(runs) > 1 else "black")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("step")
+    return _png(fig)
+
+
+def _plot_wire(runs, series, switches, colors) -> str:
+    fig, (ax,) = _new_figure()
+    top = 0.0
+    for i, (run, rows, sw, c) in enumerate(zip(runs, series, switches, colors)):
+        x = [r["step"] for r in rows]
+        y = [r["wire_bytes"] / 1e6 for r in rows]
+        top = max([top, *y])
+        # runs often send exactly the same bytes: earlier runs drawn wider stay visible
+        ax.step(x, y, where="mid", color=c, linewidth=max(1.5, 1.5 + 1.5 * (len(runs) - 1 - i)),
+                label=run.name)
+        _mark_switches(ax, sw, c)
+    fp32 = [r["fp32_bytes"] for r in series[0] if r["fp32_bytes"] is not None]
+    if fp32:
+        ax.axhline(statistics.median(fp32) / 1e6, color="gray", linestyle=":", linewidth=1.5,
+                   label="fp32 all-reduce")
+        top = max(top, statistics.median(fp32) / 1e6)
+    # headroom above the highest line for the switch labels
+    ax.set_ylim(0, top * 1.3 if top > 0 else 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MB per rank")
+    ax.set_title("Wire bytes per step (handed to collectives, mean over ranks)")
+    ax.legend(loc="best", fontsize=9)
+    return _png(fig)
+
+
+def _plot_loss(runs, series, switches, colors) -> str:
+    fig, (ax,) = _new_figure()
+    any_eval = False
+    for run, rows, sw, c in zip(runs, series, switches, colors):
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=c, linewidth=1.5,
+                alpha=0.9, label=f"{run.name} train")
+        pts = [(e["step"], e["eval_loss"]) for e in run.evals
+               if e.get("eval_loss") is not None]
+        if pts:
+            any_eval = True
+            ax.plot(*zip(*pts), color=c, marker="D", markersize=6, linestyle=":",
+                    markeredgecolor="black", label=f"{run.name} eval")
+        _mark_switches(ax, sw, c)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss: train (mean over ranks)" + (", eval (diamonds)" if any_eval else ""))
+    ax.legend(loc="upper right", fontsize=9)
+    return _png(fig)
+
+
+# ---------------------------------------------------------------- HTML
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto;
+       max-width: 1060px; color: #222; padding: 0 16px; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.25em; margin-top: 1.6em; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+.meta { color: #666; font-size: 0.9em; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 0.92em; }
+th, td { border: 1px solid #ddd; padding: 5px 10px; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.note { background: #fff8dc; border: 1px solid #e6d58a; padding: 6px 10px; margin: 8px 0; }
+figure { margin: 12px 0 20px; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 0.88em; }
+code { background: #f4f4f4; padding: 1px 4px; }
+"""
+
+
+def _e(x) -> str:
+    return html.escape(str(x))
+
+
+def _table(header: list[str] | None, rows: list[list[str]], num_cols: set[int] = frozenset(),
+           cls: str = "") -> str:
+    out = [f'<table class="{cls}">' if cls else "<table>"]
+    if header:
+        out.append("<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>")
+    for row in rows:
+        cells = []
+        for i, v in enumerate(row):
+            tag = "th" if header is None and i == 0 else "td"
+            attr = ' class="num"' if i in num_cols else ""
+            cells.append(f"<{tag}{attr}>{_e(v)}</{tag}>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _figure(b64: str, alt: str, caption: str) -> str:
+    return (f'<figure><img alt="{_e(alt)}" src="data:image/png;base64,{b64}">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+def _comparison(runs: list[Run], sums: list[dict]) -> str:
+    base = sums[0].get("samples_per_s")
+    rows = []
+    for run, s in zip(runs, sums):
+        sps = s.get("samples_per_s")
+        speed = f"{sps / base:.2f}x" if sps and base else "n/a"
+        strat = _strategy_label(s)
+        wire = s.get("wire_bytes_per_step")
+        share = s.get("sync_share")
+        ea = s.get("eval_after")
+        rows.append([run.name, f"{s.get('world_size', '?')} × {strat}", _fmt(sps, ".2f"), speed,
+                     _fmt(100 * share if share is not None else None, ".1f", "%"),
+                     _fmt(wire / 1e6 if wire is not None else None, ".3f"),
+                     _fmt(_eval_loss(ea), ".4f"), _fmt_em(ea)])
+    header = ["run", "ranks × strategy", "samples/s", f"speedup vs {runs[0].name}",
+              "sync share", "wire MB/step/rank", "eval loss", "exact-match ± s.e. (n)"]
+    return _table(header, rows, num_cols={2, 3, 4, 5, 6, 7})
+
+
+def _unique_names(runs: list[Run]) -> None:
+    """Runs named alike (runs/a/x, runs/b/x) get enough parent folders to differ."""
+    depth = 1
+    while len({r.name for r in runs}) < len(runs) and depth < 6:
+        depth += 1
+        for r in runs:
+            parts = os.path.normpath(os.path.abspath(r.path)).split(os.sep)
+            r.name = "/".join(parts[-depth:])
+
+
+def build_report(runs: list[Run], title: str | None = None) -> str:
+    """The report as one HTML string (images embedded)."""
+    if not runs:
+        raise LorasyncError("report: no run directories given; pass one or more")
+    _unique_names(runs)
+    sums = [summarize_run(r) for r in runs]
+    series = [step_series(r.records) for r in runs]
+    switches = [s["switches"] for s in sums]
+    colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
+    title = title or ("lorasync report: " + (runs[0].name if len(runs) == 1
+                                             else f"{len(runs)} runs"))
+    now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>{_e(title)}</h1>",
+             f"<p class=\"meta\">written {_e(now)} from "
+             + ", ".join(f"<code>{_e(os.path.abspath(r.path))}</code>" for r in runs) + "</p>"]
+    for run in runs:
+        for note in run.notes:
+            parts.append(f'<div class="note">{_e(run.name)}: {_e(note)}</div>')
+
+    if len(runs) > 1:
+        parts.append("<h2>Comparison</h2>")
+        parts.append(_comparison(runs, sums))
+        parts.append('<p class="meta">samples/s: steady state (first step left out), all '
+                     "ranks; sync share: exposed sync time / step time; eval: the run's last "
+                     "evaluation; s.e.: binomial standard error of exact-match. Differences "
+                     "smaller than about two standard errors are noise.</p>")
+    else:
+        parts.append("<h2>Summary</h2>")
+        parts.append(_table(None, [list(r) for r in _summary_rows(sums[0])]))
+
+    parts.append("<h2>Where the time goes</h2>")
+    parts.append(_figure(_plot_throughput(runs, series, switches, colors), "samples per second",
+                         "Global samples/s per step (sum of samples over ranks / slowest "
+                         "rank's step time). Dashed lines: strategy switches."))
+    parts.append(_figure(_plot_time_split(runs, series, switches, colors),
+                         "compute vs exposed sync",
+                         "Per step, mean over ranks: compute (forward, backward, optimizer), "
+                         "exposed sync (time the step waited on gradient sync), and the rest "
+                         "(data loading)."))
+    parts.append(_figure(_plot_wire(runs, series, switches, colors), "wire bytes per step",
+                         "Payload bytes each rank handed to collectives per step, at the dtype "
+                         "sent (not ring traffic)."))
+    parts.append("<h2>Quality</h2>")
+    parts.append(_figure(_plot_loss(runs, series, switches, colors), "loss",
+                         "Train loss per step (mean over ranks); eval loss from evals.jsonl."))
+
+    any_sw = [(run, sw) for run, sw in zip(runs, switches) if sw]
+    if any_sw:
+        parts.append("<h2>Strategy switches</h2>")
+        rows = [[run.name, str(sw["step"]), str(sw["from"]), str(sw["to"]), sw["reason"] or ""]
+                for run, sws in any_sw for sw in sws]
+        parts.append(_table(["run", "from step", "from", "to", "reason"], rows, num_cols={1}))
+
+    if len(runs) > 1:
+        for run, s in zip(runs, sums):
+            parts.append(f"<h2>Run {_e(run.name)}</h2>")
+            parts.append(_table(None, [list(r) for r in _summary_rows(s)]))
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def default_output(run_dirs: list[str]) -> str:
+    """RUN_DIR/report.html for one run, ./lorasync-report.html for several."""
+    if len(run_dirs) == 1:
+        return os.path.join(run_dirs[0], "report.html")
+    return "lorasync-report.html"
+
+
+def write_report(run_dirs: list[str], output: str | None = None,
+                 title: str | None = None) -> str:
+    """Read the runs, write the report (atomically); returns its path."""
+    runs = [load_run(d) for d in run_dirs]  # all errors before any plotting
+    text = build_report(runs, title=title)
+    path = output or default_output(run_dirs)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = path + ".part"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise LorasyncError(f"{path}: cannot write the report ({exc.strerror}); pass "
+                            "-o PATH in a folder you can write to") from None
+    return path
