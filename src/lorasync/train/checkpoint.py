@@ -54,18 +54,18 @@ def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, lo
     barrier()
     _write_atomic(os.path.join(tmp, f"rank{rank}.pt"), lambda fh: torch.save(rank_state, fh))
     barrier()
-    if local_rank == 0:
-        # one meta per node: on a shared file system the first rename wins
+    # Who finalizes: with a file system shared by all ranks (one node, or NFS)
+    # global rank 0 alone; with node-local disks each node's local rank 0
+    # renames the folder holding its own ranks' files.
+    shared = all(os.path.exists(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size))
+    barrier()  # everyone has looked before anyone renames
+    if (rank == 0) if shared else (local_rank == 0):
         meta = {**meta, "step": step, "world_size": world_size}
-        if os.path.isdir(tmp):
-            _write_atomic(os.path.join(tmp, "meta.json"),
-                          lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
-            try:
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-                _fsync_dir(root)
-            except FileNotFoundError:
-                pass
+        _write_atomic(os.path.join(tmp, "meta.json"),
+                      lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
         _prune(root, keep)
     barrier()
     return final

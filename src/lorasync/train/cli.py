@@ -142,10 +142,12 @@ def _worker_argv(argv: list[str], output_dir: str) -> list[str]:
         if skip:
             skip = False
             continue
-        if a in ("--output-dir", "--emulate"):
+        # the launcher's own options; --nproc would also collide with torchrun's
+        # --nproc-per-node abbreviation when an agent parses the whole line
+        if a in ("--output-dir", "--emulate", "--nproc"):
             skip = True
             continue
-        if a.startswith("--output-dir=") or a.startswith("--emulate="):
+        if a.split("=", 1)[0] in ("--output-dir", "--emulate", "--nproc"):
             continue
         out.append(a)
     return ["train", *out, "--output-dir", output_dir]
@@ -183,8 +185,10 @@ def run(args) -> int:
         from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
 
         spec = parse_emulate(args.emulate)
+        print(f"lorasync train: emulated cluster {spec.describe()}, one worker per node, "
+              f"run directory {out}", file=sys.stderr)
         with emulated(spec) as cluster:
-            return launch_on_cluster(cluster, ["-m", "lorasync", *argv, "--nproc", "1"])
+            return launch_on_cluster(cluster, argv)
     print(f"lorasync train: {cfg.run.nproc} worker(s) via torchrun, run directory {out}",
           file=sys.stderr)
     return run_torchrun(argv, cfg.run.nproc)
