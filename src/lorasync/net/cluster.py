@@ -297,8 +297,8 @@ def _require_host(need_tun: bool = False) -> None:
                                  "and the delay link is a TUN forwarder): load the tun module")
 
 
-def _run(argv: Sequence[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, input=input)
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), capture_output=True, text=True)
     if check and proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
         raise EnvironmentProblem(f"`{' '.join(argv)}` failed: {msg[-1] if msg else proc.returncode}")
@@ -339,11 +339,11 @@ def _forwarder_pids(name: str | None) -> list[int]:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"lorasync.net.delaylink" in argv and b"--cluster" in argv:
-            owner = argv[argv.index(b"--cluster") + 1].decode(errors="replace") if \
-                argv.index(b"--cluster") + 1 < len(argv) else ""
-            if name is None or owner == name:
-                pids.append(int(entry))
+        if b"lorasync.net.delaylink" not in argv or b"--cluster" not in argv:
+            continue
+        owner = argv[argv.index(b"--cluster") + 1:][:1]
+        if name is None or owner == [name.encode()]:
+            pids.append(int(entry))
     return pids
 
 
@@ -375,15 +375,16 @@ def _kill(pids: Sequence[int], grace: float = 2.0) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reap our own children so they do not linger as zombies
-    except ChildProcessError:
-        pass
+    """Running (a zombie counts as gone; it is its parent's to reap)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+#: forwarders started by this process, by pid (another process's `down` just kills them)
+_FORWARDERS: dict[int, subprocess.Popen] = {}
 
 
 def down(name: str | None = "default") -> list[str]:
@@ -401,6 +402,10 @@ def down(name: str | None = "default") -> list[str]:
         pids.update(_pids_in_netns(ns))
     if pids:
         _kill(sorted(pids))
+        for pid in pids:  # forwarders this process started: reap them
+            proc = _FORWARDERS.pop(pid, None)
+            if proc is not None:
+                proc.wait()
         removed += [f"process {p}" for p in sorted(pids)]
     for ns in namespaces:
         _run(["ip", "netns", "del", ns], check=False)
@@ -580,8 +585,7 @@ class Cluster:
             proc.wait()
             tail = (STATE_DIR / f"{spec.name}.delaylink.log").read_text(errors="replace").strip()
             raise EnvironmentProblem(f"the delay forwarder did not start: {tail.splitlines()[-1] if tail else 'no output'}")
-        # Popen would warn about a still-running child at exit; this one is meant to outlive us
-        proc.returncode = 0
+        _FORWARDERS[proc.pid] = proc  # so that down() in this process can reap it
         _run(["ip", "-n", hub, "link", "set", DELAY_IF, "mtu", str(spec.link_mtu), "up"])
         _run(["ip", "-n", hub, "route", "add", "default", "dev", DELAY_IF, "table", str(_DELAY_TABLE)])
         for n in self.nodes:
@@ -690,15 +694,18 @@ class Cluster:
         """``["ip", "netns", "exec", NETNS, *argv]``: run ``argv`` inside node ``node``."""
         return ["ip", "netns", "exec", self.node(node).netns, *argv]
 
-    def measure(self, src: int = 0, dst: int = 1, seconds: float = 1.0) -> LinkMeasurement:
-        """Short TCP test from ``src`` to ``dst``: RTT, then ``seconds`` of bulk data.
+    def measure(self, src: int = 0, dst: int = 1, seconds: float = 1.0,
+                max_bytes: int = 256 << 20) -> LinkMeasurement:
+        """Short TCP test from ``src`` to ``dst``: RTT, then bulk data for ``seconds``
+        or ``max_bytes``, whichever ends first.
 
-        Bounded in time (about ``seconds`` + 1 s plus process start-up); run
-        with Python's socket module inside the namespaces, no extra tools.
+        Takes about ``seconds`` plus process start-up (0.3 s); run with
+        Python's socket module inside the namespaces, no extra tools.
         """
         s, d = self.node(src), self.node(dst)
         py = [sys.executable, "-S", "-c"]
-        server = subprocess.Popen(self.exec_argv(d.index, [*py, _SERVER, d.address, str(seconds)]),
+        server = subprocess.Popen(self.exec_argv(d.index, [*py, _SERVER, d.address, str(seconds),
+                                                                 str(int(max_bytes))]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             ready, _, _ = select.select([server.stdout], [], [], 10.0)
@@ -743,7 +750,7 @@ class Cluster:
 
 _SERVER = r"""
 import json, socket, sys, time
-addr, window = sys.argv[1], float(sys.argv[2])
+addr, window, max_bytes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 srv = socket.socket(); srv.bind((addr, 0)); srv.listen(8); srv.settimeout(window + 20)
 print(srv.getsockname()[1], flush=True)
 while True:
@@ -763,7 +770,7 @@ while True:
         now = time.monotonic(); n += k
         if t0 is None: t0 = now
         if not marks or now - marks[-1][0] >= 0.005: marks.append((now, n))
-        if now - t0 >= window: break
+        if now - t0 >= window or n >= max_bytes: break
     marks.append((time.monotonic(), n))
     ws = t0 + 0.25 * (marks[-1][0] - t0)  # leave out TCP's ramp-up
     a = next(m for m in marks if m[0] >= ws)
