@@ -335,7 +335,8 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
         ("samples/s (all ranks)", _fmt(s.get("samples_per_s"), ".2f")),
         ("step time median", _fmt(s.get("step_s_median"), ".3f", " s")),
         ("compute vs exposed sync per step",
-         f"{_fmt(s.get('compute_s_mean'), '.3f', ' s')} vs {_fmt(s.get('comm_s_mean'), '.3f', ' s')}"
+         f"{_fmt(s.get('compute_s_mean'), '.3f', ' s')} vs "
+         f"{_fmt(s.get('comm_s_mean'), '.3f', ' s')}"
          f" ({_fmt(100 * s['sync_share'] if s.get('sync_share') is not None else None, '.1f', '%')}"
          " waiting on sync)"),
         ("sent per step per rank",
