@@ -103,7 +103,7 @@ def _worker(args, host, link) -> int:
     from lorasync.net.doctor import (Finding, exit_code, live_checks, merge_findings, rank_facts,
                                      static_checks)
     from lorasync.net.probe import run_probe
-    from lorasync.net.tune import Link
+    from lorasync.net.tune import link_from_probe_data
 
     env = worker_env()
     try:
@@ -130,9 +130,7 @@ def _worker(args, host, link) -> int:
             probe = run_probe(quick=True, max_bytes=1 << 20, pair_max_bytes=1 << 20,
                               time_budget_s=8.0)
         if link is None and probe and probe.get("model") and probe["model"].get("bandwidth_Bps"):
-            lats = sorted(p["latency_s"] for p in probe.get("pairs") or [])
-            rtt = 2 * (lats[len(lats) // 2] if lats else probe["model"]["latency_s"])
-            link = Link(probe["model"]["bandwidth_Bps"] * 8, max(rtt, 1e-5), "measured by a quick probe")
+            link = link_from_probe_data(probe, "measured by a quick probe")
         mine = static_checks(host, nnodes=nnodes, link=link)
         per_rank: list = [None] * world
         dist.all_gather_object(per_rank, mine)

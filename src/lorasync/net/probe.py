@@ -270,7 +270,9 @@ def _sweep(ctx: _Ctx, collective: str, sizes: list[int], *, warmup: int, repeats
     return records
 
 
-_TINY = 4  # bytes: one float32 for pings, acks and control messages
+def _pings(repeats: int) -> int:
+    """Ping-pongs per pair: cheap, and on a busy host single ones jitter by milliseconds."""
+    return max(10, repeats)
 
 
 def _pair_src(ctx: _Ctx, dst: int, sizes: list[int], repeats: int, budget_s: float) -> dict:
@@ -287,7 +289,7 @@ def _pair_src(ctx: _Ctx, dst: int, sizes: list[int], repeats: int, budget_s: flo
 
     for _ in range(2):
         pingpong()
-    rtts = [pingpong() for _ in range(max(3, repeats))]
+    rtts = [pingpong() for _ in range(_pings(repeats))]
     latency = statistics.median(rtts) / 2
     spent = sum(rtts)
     pts: list[tuple[int, float]] = []
@@ -315,6 +317,7 @@ def _pair_src(ctx: _Ctx, dst: int, sizes: list[int], repeats: int, budget_s: flo
     big, t_big = pts[-1]
     bw = fit.bandwidth_Bps or big / t_big
     return {"src": ctx.me, "dst": dst, "latency_s": latency, "bandwidth_Bps": bw,
+            "latency_min_s": min(rtts) / 2,  # base latency, without queueing: what a BDP uses
             "alpha_s": fit.alpha_s, "beta_s_per_byte": fit.beta_s_per_byte, "r2": fit.r2,
             "max_bytes": big, "max_bytes_Bps": big / t_big,
             "points": [{"bytes": s, "time_s": t} for s, t in pts]}
@@ -325,7 +328,7 @@ def _pair_dst(ctx: _Ctx, src: int, repeats: int) -> None:
     peer = ctx.global_rank(src)
     tiny = torch.zeros(1, dtype=torch.float32, device=ctx.device)
     ctrl = torch.zeros(1, dtype=torch.int64, device=ctx.device)
-    for _ in range(2 + max(3, repeats)):
+    for _ in range(2 + _pings(repeats)):
         dist.recv(tiny, peer, group=ctx.group)
         dist.send(tiny, peer, group=ctx.group)
     while True:

@@ -39,6 +39,7 @@ __all__ = [
     "format_bytes",
     "tc_rate",
     "link_from_probe",
+    "link_from_probe_data",
     "default_link",
     "recommend",
     "emit_script",
@@ -160,19 +161,26 @@ def format_bytes(n: float) -> str:
 
 # -- which link --------------------------------------------------------------
 def link_from_probe(path: str) -> Link:
-    """Rate and RTT from ``lorasync probe --output FILE``: the group's fitted
-    bandwidth, and twice the median one-way pair latency (or the fitted
-    per-message latency when the probe had no pairs)."""
+    """Rate and RTT from ``lorasync probe --output FILE``."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        model = data["model"]
-        bw = float(model["bandwidth_Bps"])
-        lats = sorted(p["latency_s"] for p in data.get("pairs") or [] if p.get("latency_s"))
-        one_way = lats[len(lats) // 2] if lats else float(model["latency_s"])
+        return link_from_probe_data(data, f"probe {path}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError("--from-probe", path, f"need the JSON written by `lorasync probe --output` ({exc})") from exc
-    return Link(bw * 8, max(2 * one_way, 1e-6), f"probe {path}")
+
+
+def link_from_probe_data(data: dict, source: str = "measured by the probe") -> Link:
+    """The group's fitted bandwidth, and as RTT twice the median over pairs of
+    each pair's *base* one-way latency (its fastest ping-pong: the BDP is set
+    by the path, not by queueing or a busy CPU); the fitted per-message
+    latency when the probe had no pairs."""
+    model = data["model"]
+    bw = float(model["bandwidth_Bps"])
+    lats = sorted(p.get("latency_min_s") or p["latency_s"] for p in data.get("pairs") or []
+                  if p.get("latency_min_s") or p.get("latency_s"))
+    one_way = lats[len(lats) // 2] if lats else float(model["latency_s"])
+    return Link(bw * 8, max(2 * one_way, 1e-6), source)
 
 
 def default_link(host: HostInfo) -> Link:
