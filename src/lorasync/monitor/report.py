@@ -390,6 +390,12 @@ def _mark_switches(ax, switches: list[dict], color: str, label_prefix: str = "")
                 bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})
 
 
+def _width(i: int, n: int, base: float = 1.5) -> float:
+    """Overlaid runs often coincide (same seed, same bytes): earlier runs drawn
+    wider stay visible under later ones."""
+    return base + 1.5 * (n - 1 - i)
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     out, acc, q = [], 0.0, []
     for v in values:
@@ -403,16 +409,17 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 def _plot_throughput(runs, series, switches, colors) -> str:
     fig, (ax,) = _new_figure()
-    for run, rows, sw, c in zip(runs, series, switches, colors):
+    for i, (run, rows, sw, c) in enumerate(zip(runs, series, switches, colors)):
         x = [r["step"] for r in rows]
         y = [r["samples_per_s"] for r in rows]
         window = max(1, len(rows) // 20)
         if window > 1:
             ax.plot(x, y, color=c, alpha=0.3, linewidth=0.8)
-            ax.plot(x, _smooth(y, window), color=c, linewidth=2,
+            ax.plot(x, _smooth(y, window), color=c, linewidth=_width(i, len(runs), 2.0),
                     label=f"{run.name} (mean of {window} steps)")
         else:
-            ax.plot(x, y, color=c, linewidth=1.8, marker="o", markersize=3, label=run.name)
+            ax.plot(x, y, color=c, linewidth=_width(i, len(runs), 1.8), marker="o",
+                    markersize=3, label=run.name)
         _mark_switches(ax, sw, c)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     ax.set_xlabel("step")
@@ -453,9 +460,7 @@ def _plot_wire(runs, series, switches, colors) -> str:
         x = [r["step"] for r in rows]
         y = [r["wire_bytes"] / 1e6 for r in rows]
         top = max([top, *y])
-        # runs often send exactly the same bytes: earlier runs drawn wider stay visible
-        ax.step(x, y, where="mid", color=c, linewidth=max(1.5, 1.5 + 1.5 * (len(runs) - 1 - i)),
-                label=run.name)
+        ax.step(x, y, where="mid", color=c, linewidth=_width(i, len(runs)), label=run.name)
         _mark_switches(ax, sw, c)
     fp32 = [r["fp32_bytes"] for r in series[0] if r["fp32_bytes"] is not None]
     if fp32:
@@ -474,9 +479,9 @@ def _plot_wire(runs, series, switches, colors) -> str:
 def _plot_loss(runs, series, switches, colors) -> str:
     fig, (ax,) = _new_figure()
     any_eval = False
-    for run, rows, sw, c in zip(runs, series, switches, colors):
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=c, linewidth=1.5,
-                alpha=0.9, label=f"{run.name} train")
+    for i, (run, rows, sw, c) in enumerate(zip(runs, series, switches, colors)):
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=c,
+                linewidth=_width(i, len(runs)), alpha=0.9, label=f"{run.name} train")
         pts = [(e["step"], e["eval_loss"]) for e in run.evals
                if e.get("eval_loss") is not None]
         if pts:
