@@ -43,6 +43,12 @@ def _worker(rank, world, port, out_dir):
         res.pop("elapsed_s")  # each rank's own clock; everything else is shared
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
+        # a subgroup (as a trainer's own group would be): ranks are the group's, sends go to global ranks
+        sub = dist.new_group([0, 2])
+        if rank in (0, 2):
+            res = run_probe(sub, quick=True, max_bytes=64 << 10, pair_max_bytes=16 << 10, repeats=2)
+            with open(os.path.join(out_dir, f"sub{rank}.json"), "w") as f:
+                json.dump(res, f)
     finally:
         dist.destroy_process_group()
 
@@ -56,12 +62,13 @@ def probe3(tmp_path_factory):
     os.environ["OMP_NUM_THREADS"] = "1"
     mp.start_processes(_worker, args=(3, _free_port(), str(out)), nprocs=3, join=True,
                        start_method="spawn")
-    return [json.load(open(out / f"rank{r}.json")) for r in range(3)]
+    return ([json.load(open(out / f"rank{r}.json")) for r in range(3)],
+            [json.load(open(out / f"sub{r}.json")) for r in (0, 2)])
 
 
 @pytest.mark.timeout(120)
 def test_probe_json_structure(probe3):
-    res = probe3[0]
+    res = probe3[0][0]
     assert res["world_size"] == 3 and res["backend"] == "gloo" and res["quick"] is True
     assert [r["rank"] for r in res["ranks"]] == [0, 1, 2]
     assert all(r["ifname"] == "lo" and r["addr"] == "127.0.0.1" for r in res["ranks"])
@@ -81,7 +88,7 @@ def test_probe_json_structure(probe3):
 def test_busbw_is_nccl_tests_formula(probe3):
     n = 3
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "broadcast": 1.0}
-    for r in probe3[0]["sweep"]:
+    for r in probe3[0][0]["sweep"]:
         assert r["algbw_Bps"] == pytest.approx(r["bytes"] / r["time_s"])
         assert r["busbw_Bps"] == pytest.approx(r["algbw_Bps"] * factor[r["collective"]])
         if r["collective"] == "all_gather":
@@ -90,7 +97,7 @@ def test_busbw_is_nccl_tests_formula(probe3):
 
 @pytest.mark.timeout(120)
 def test_pair_matrix_complete(probe3):
-    res = probe3[0]
+    res = probe3[0][0]
     assert sorted((p["src"], p["dst"]) for p in res["pairs"]) == [(s, d) for s in range(3) for d in range(3)
                                                                   if s != d]
     for p in res["pairs"]:
@@ -101,7 +108,18 @@ def test_pair_matrix_complete(probe3):
 
 @pytest.mark.timeout(120)
 def test_every_rank_gets_the_same_result(probe3):
-    assert probe3[0] == probe3[1] == probe3[2]
+    world = probe3[0]
+    assert world[0] == world[1] == world[2]
+
+
+@pytest.mark.timeout(120)
+def test_probe_on_a_subgroup(probe3):
+    a, b = probe3[1]
+    assert a["world_size"] == 2 and [r["rank"] for r in a["ranks"]] == [0, 1]
+    assert sorted((p["src"], p["dst"]) for p in a["pairs"]) == [(0, 1), (1, 0)]
+    assert max(r["bytes"] for r in a["sweep"]) <= 64 << 10
+    a.pop("elapsed_s"), b.pop("elapsed_s")
+    assert a == b
 
 
 @pytest.mark.timeout(150)

@@ -228,6 +228,10 @@ def test_live_checks_name_slow_node():
     assert f.severity == "warn"
     assert "rank 2 (c 10.0.0.3) -> rank 0 (a 10.0.0.1)" in f.found
     assert "rank 2 is in every slow pair" in f.found
+    one_link = {"pairs": [dict(p, bandwidth_Bps=2.5e6 if {p["src"], p["dst"]} == {1, 2} else 25e6)
+                          for p in probe["pairs"]]}
+    f = one(live_checks(facts, one_link), "slow-link")
+    assert f.severity == "warn" and "only the path between rank 1 and rank 2" in f.found
     even = {"pairs": [dict(p, bandwidth_Bps=25e6) for p in probe["pairs"]]}
     assert one(live_checks(facts, even), "slow-link").severity == "ok"
 

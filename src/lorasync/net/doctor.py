@@ -192,7 +192,8 @@ def _check_candidates(host: HostInfo, nnodes: int | None) -> list[Finding]:
 def _check_mtu(host: HostInfo) -> list[Finding]:
     out = []
     for i in host.candidate_interfaces():
-        if (i.mtu or 0) <= 1500 and (i.max_mtu or 0) >= 9000 and (i.speed_mbps or 0) >= 10000:
+        # physical NICs only: a veth/bridge MTU follows whatever carries it
+        if i.physical and (i.mtu or 0) <= 1500 and (i.max_mtu or 0) >= 9000 and (i.speed_mbps or 0) >= 10000:
             out.append(Finding(
                 "jumbo-frames", "info",
                 f"{i.name}: mtu {i.mtu} on a {i.speed_mbps} Mb/s link that allows up to {i.max_mtu}",
@@ -494,8 +495,13 @@ def live_checks(facts: list[dict], probe: dict | None = None) -> list[Finding]:
         slow = [p for p in pairs if p["bandwidth_Bps"] < 0.5 * fastest]
         if slow:
             common = set.intersection(*({p["src"], p["dst"]} for p in slow))
-            where = (f"; rank {sorted(common)[0]} is in every slow pair: its NIC, cable or shaping"
-                     if len(common) == 1 and len(slow) > 1 else "")
+            where = ""
+            if len(common) == 1 and len(slow) > 1:
+                where = f"; rank {sorted(common)[0]} is in every slow pair: its NIC, cable or shaping"
+            elif len(common) == 2 and n > 2:
+                a, b = sorted(common)
+                where = (f"; only the path between rank {a} and rank {b} is slow (both ranks are fast "
+                         f"with the others): a switch port, route or shaper on that path")
             out.append(Finding(
                 "slow-link", "warn", text + where,
                 "synchronous all-reduce runs at the speed of its slowest link: every rank waits for it",

@@ -85,7 +85,7 @@ class Link:
         return self.rate_bps / 8 * self.rtt_s
 
     def describe(self) -> str:
-        return (f"{format_rate(self.rate_bps)}, RTT {self.rtt_s * 1e3:g} ms, "
+        return (f"{format_rate(self.rate_bps)}, RTT {self.rtt_s * 1e3:.3g} ms, "
                 f"BDP {format_bytes(self.bdp_bytes)} ({self.source})")
 
 
