@@ -88,6 +88,7 @@ def _resolve(args):
         import dataclasses
         merged = {s: dict(dataclasses.asdict(getattr(base, s))) for s in
                   ("model", "lora", "data", "train", "comm", "run")}
+        merged["train"]["stop_after"] = 0  # a time box belongs to one session, not the run
         for s, vals in overrides.items():
             merged[s].update(vals)
         return load_config(args.config, merged)

@@ -265,6 +265,12 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         _set_rng_state(st["rng"])
         log(f"resumed from {resume_from} at step {start_step}")
 
+    if not resume_from:
+        # dropout masks differ per rank (like independent data) but repeat per seed
+        torch.manual_seed(tc.seed * 1000 + rank)
+        random.seed(tc.seed * 1000 + rank)
+        import numpy as np
+        np.random.seed(tc.seed * 1000 + rank)
     stream = RankStream(run_dir, rank, keep_until_step=start_step)
     evals_path = os.path.join(run_dir, "evals.jsonl")
 
