@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -273,3 +274,14 @@ def test_cli_json(capsys):
 def test_cli_bad_input_is_exit_2(argv, word, capsys):
     assert cli.main(["doctor", *argv]) == 2
     assert word in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not shutil.which("ip"), reason="compares with iproute2's view; `ip` is not installed")
+def test_addresses_without_iproute2_match_ip():
+    """Minimal containers have no `ip`: the ioctl fallback must see the same IPv4 addresses."""
+    h = HostInfo("/")
+    via_ip = {d["ifname"]: sorted(a["local"] for a in d.get("addr_info", []) if a["family"] == "inet")
+              for d in h._ip_addr_json()}
+    fallback = {d["ifname"]: sorted(a["local"] for a in d["addr_info"] if a["family"] == "inet")
+                for d in h._addr_without_ip()}
+    assert fallback == via_ip

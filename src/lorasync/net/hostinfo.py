@@ -259,9 +259,39 @@ class HostInfo:
                                          text=True, timeout=10, check=True).stdout
                     data = json.loads(out or "[]")
                 except (OSError, subprocess.SubprocessError, ValueError):
-                    data = []
+                    data = self._addr_without_ip()
             self._ip_addr = data
         return self._ip_addr
+
+    def _addr_without_ip(self) -> list[dict]:
+        """The ``ip -j addr`` subset we use, for hosts without iproute2
+        (minimal containers): IPv4 by ioctl, IPv6 from /proc/net/if_inet6."""
+        import fcntl
+        import struct
+
+        net = self.path("sys/class/net")
+        names = sorted(os.listdir(net)) if os.path.isdir(net) else []
+        v6: dict[str, list[dict]] = {}
+        for line in (_read(self.path("proc/net/if_inet6")) or "").splitlines():
+            f = line.split()
+            if len(f) >= 6:
+                addr = str(ipaddress.IPv6Address(bytes.fromhex(f[0])))
+                v6.setdefault(f[5], []).append({"family": "inet6", "local": addr, "prefixlen": int(f[2], 16),
+                                                "scope": "global" if f[3] == "00" else "other"})
+        out = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for name in names:
+                info = []
+                req = struct.pack("256s", name.encode()[:15])
+                try:
+                    addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+                    mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x891B, req)[20:24])  # SIOCGIFNETMASK
+                    info.append({"family": "inet", "local": addr,
+                                 "prefixlen": ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen})
+                except OSError:
+                    pass
+                out.append({"ifname": name, "addr_info": info + v6.get(name, [])})
+        return out
 
     def interfaces(self) -> list[Interface]:
         """All interfaces of this (network namespace of the) host, sorted by name."""

@@ -122,12 +122,20 @@ def init_group(args: argparse.Namespace):
     import torch.distributed as dist
 
     backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    if backend == "auto":  # NCCL needs one GPU per local rank
+        backend = ("nccl" if torch.cuda.is_available() and dist.is_nccl_available()
+                   and torch.cuda.device_count() >= local else "gloo")
+    kw = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        lr = int(os.environ.get("LOCAL_RANK", 0))
+        if lr >= torch.cuda.device_count():
+            raise ConfigError("--backend", "nccl", f"local rank {lr} has no GPU of its own "
+                              f"({torch.cuda.device_count()} visible): use --backend gloo or fewer --nproc")
+        torch.cuda.set_device(lr)
+        kw["device_id"] = torch.device("cuda", lr)  # binds the communicator: no device guessing in barrier
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), **kw)
     return dist
 
 
