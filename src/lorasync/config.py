@@ -179,6 +179,12 @@ class RunConfig:
                       "gloo or nccl", flag="--backend")
     threads: int = _f(0, "torch threads per worker (0: cores / local workers)", flag="--threads")
     progress: bool = _f(True, "live progress bar on rank 0", flag="--progress")
+    tensorboard: bool = _f(False, "also write TensorBoard event files to RUN/tensorboard",
+                           flag="--tensorboard")
+    metrics_port: int = _f(0, "serve Prometheus metrics (aggregated over ranks) on this port "
+                           "of rank 0 (0: off)", flag="--metrics-port")
+    metrics_host: str = _f("127.0.0.1", "address the Prometheus endpoint binds to (0.0.0.0 "
+                           "to let a remote Prometheus scrape it)", flag="--metrics-host")
 
     def __post_init__(self):
         _check(isinstance(self.nproc, int) and 1 <= self.nproc <= 256, "run.nproc", self.nproc,
@@ -187,6 +193,8 @@ class RunConfig:
                "use auto, gloo or nccl")
         _check(isinstance(self.threads, int) and self.threads >= 0, "run.threads",
                self.threads, "use an integer >= 0")
+        _check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
+               "run.metrics_port", self.metrics_port, "use a port 1-65535, or 0 for none")
 
 
 SECTIONS = {"model": ModelConfig, "lora": LoraSettings, "data": DataConfig,

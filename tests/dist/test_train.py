@@ -22,7 +22,8 @@ def read_metrics(run):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = str(tmp_path_factory.mktemp("runs") / "r")
-    p = run_cli("train", *TINY, "--max-steps", "6", "--ckpt-interval", "3", "--output-dir", run)
+    p = run_cli("train", *TINY, "--max-steps", "6", "--ckpt-interval", "3", "--tensorboard",
+                "--output-dir", run)
     assert p.returncode == 0, p.stderr[-3000:]
     return run, p
 
@@ -33,6 +34,7 @@ def test_run_directory_contents(finished_run):
                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                  "checkpoints/step-000006/meta.json", "checkpoints/step-000006/rank1.pt"):
         assert os.path.exists(os.path.join(run, name)), name
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run, "tensorboard")))
     assert "lorasync run summary" in p.stdout and "exact-match before" in p.stdout
 
 

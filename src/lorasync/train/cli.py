@@ -101,6 +101,15 @@ def _preflight(cfg) -> None:
     from lorasync.train.data import load_datasets
     from lorasync.train.model import EMBEDDED, ensure_embedded, load_base
 
+    if cfg.run.metrics_port:
+        import socket
+        with socket.socket() as s:
+            try:
+                s.bind((cfg.run.metrics_host, cfg.run.metrics_port))
+            except OSError as exc:
+                raise ConfigError("run.metrics_port", cfg.run.metrics_port,
+                                  f"cannot bind {cfg.run.metrics_host}:{cfg.run.metrics_port} "
+                                  f"({exc.strerror}); choose a free port") from None
     names = strategy_names()
     if cfg.comm.strategy not in names:
         raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")

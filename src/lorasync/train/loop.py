@@ -186,6 +186,7 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
 
     from lorasync.comm import attach
     from lorasync.monitor.metrics import RankStream, write_merged
+    from lorasync.monitor.sinks import open_sinks
     from lorasync.train import checkpoint as ckpt
     from lorasync.train.data import collate, load_datasets, step_batches, steps_per_epoch
     from lorasync.train.model import adapter_param_count, add_lora, load_base
@@ -272,7 +273,15 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         import numpy as np
         np.random.seed(tc.seed * 1000 + rank)
     stream = RankStream(run_dir, rank, keep_until_step=start_step)
+    sinks = open_sinks(run_dir, rank=rank, world_size=world, tensorboard=cfg.run.tensorboard,
+                       metrics_port=cfg.run.metrics_port, metrics_host=cfg.run.metrics_host,
+                       store=dist.distributed_c10d._get_default_store())
     evals_path = os.path.join(run_dir, "evals.jsonl")
+    if rank == 0 and resume_from:  # evaluations after the checkpoint will run again
+        from lorasync.monitor.metrics import read_jsonl_records
+        kept = [r for r in read_jsonl_records(evals_path) if r["step"] <= start_step]
+        with open(evals_path, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in kept)
 
     def run_eval(step: int):
         loss, correct, n = _evaluate(model, eval_set, tok, device, rank=rank, world=world,
@@ -282,6 +291,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         if rank == 0:
             with open(evals_path, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
+            if sinks is not None:
+                sinks.write(rec)
         return rec
 
     if eval_before is None and cfg.data.eval_size and eval_set:
@@ -352,6 +363,7 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
                    "time": time.time()}
             last_stats = stats
             stream.write(rec)
+            sinks.write(rec)
             if bar is not None:
                 sps = world * samples / step_s
                 ema_sps = sps if ema_sps is None else 0.8 * ema_sps + 0.2 * sps
@@ -369,6 +381,7 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         if bar is not None:
             bar.close()
         stream.close()
+        sinks.close()
 
     if end_step < total_steps:
         log(f"stopped after step {end_step} of {total_steps} (--stop-after); continue with "
