@@ -129,6 +129,8 @@ class TrainConfig:
                          flag="--stop-after")
     max_new_tokens: int = _f(24, "tokens generated per example for exact-match",
                              flag="--max-new-tokens")
+    eval_before: bool = _f(True, "also evaluate the untrained adapter before step 1",
+                           flag="--eval-before")
 
     def __post_init__(self):
         for name, lo in (("batch_size", 1), ("grad_accum", 1), ("warmup_steps", 0),
@@ -161,6 +163,9 @@ class CommConfig:
                           "buckets overlaps most of its sync with the backward pass; larger "
                           "buckets cost fewer round trips but expose more sync",
                           flag="--bucket-mb")
+    broadcast_buffers: bool = _f(False, "re-broadcast module buffers from rank 0 before every "
+                                 "forward (DDP's default; not needed here: the model's buffers, "
+                                 "rotary tables, never change)", flag="--broadcast-buffers")
 
     def __post_init__(self):
         _check(isinstance(self.strategy, str) and self.strategy, "comm.strategy",

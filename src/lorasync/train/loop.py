@@ -8,8 +8,9 @@ DDP settings chosen for LoRA (and why):
   first step).  Every rank loads the same base weights itself, so only the
   adapter must be made identical: we broadcast just the adapter tensors
   (3.7 MB), and start-up traffic is the adapter's size, not the model's.
-* ``broadcast_buffers=False``: the model's buffers (rotary tables) never
-  change, so re-broadcasting them before every forward is wasted traffic.
+* no buffer broadcast before every forward (``forward_sync_buffers=False``
+  unless ``--broadcast-buffers``): the model's buffers (rotary tables) never
+  change, so re-broadcasting them is a wasted round trip per step.
 * ``bucket_cap_mb`` from the config (default 1 MB): DDP hands a bucket to the
   sync strategy as soon as all its gradients are ready; the 3.7 MB adapter in
   1 MB buckets lets the sync of the last layers' gradients run while the
@@ -238,8 +239,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         f"{time.time() - t_load:.1f} s")
 
     ddp = DDP(model, device_ids=[device.index] if backend == "nccl" else None,
-              init_sync=False, forward_sync_buffers=False, bucket_cap_mb=cfg.comm.bucket_mb,
-              find_unused_parameters=False)
+              init_sync=False, forward_sync_buffers=cfg.comm.broadcast_buffers,
+              bucket_cap_mb=cfg.comm.bucket_mb, find_unused_parameters=False)
     try:
         sync = attach(ddp, cfg.comm.strategy, **cfg.comm.options)
     except ValueError as exc:
@@ -295,7 +296,7 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
                 sinks.write(rec)
         return rec
 
-    if eval_before is None and cfg.data.eval_size and eval_set:
+    if eval_before is None and tc.eval_before and cfg.data.eval_size and eval_set:
         log("evaluating the base adapter ...")
         eval_before = run_eval(0)
 

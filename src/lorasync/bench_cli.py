@@ -1,0 +1,345 @@
+"""The progressive-optimization benchmark on emulated links.
+
+For each link profile an emulated 2-node cluster is brought up (network
+namespaces, shaped veth links, a userspace delay link where delay is asked
+for) and every row runs ``lorasync train`` on it through torchrun's c10d
+rendezvous, the same path as real multi-node training.  Rows, each adding
+one step to the one above:
+
+    no sync (ceiling)        the same ranks with no gradient sync at all
+    plain DDP                fp32, DDP's defaults (25 MB buckets, buffer
+                             broadcast before every forward)
+    + TCP tuning             `lorasync tune --apply` in every node
+    + fp16 compression
+    + best compressor        the planner's pick among int8/onebit/topk/powersgd
+    + overlap                the same with 1 MB buckets (sync hides behind backward)
+    + periodic sync          DiLoCo, streaming outer sync
+    auto                     lorasync picks (when --comm auto is available)
+    torch fp16 hook, torch PowerSGD rank 1   what users would pick instead
+    RDMA                     only where RDMA hardware is detected
+
+Scaling efficiency = samples/s of a row / samples/s of the ceiling row,
+measured in the same invocation on the same link.  Every row runs under a
+timeout; a row that hangs or fails is reported as such.
+
+    lorasync bench                                   # default profiles
+    lorasync bench --profiles 10mbit,100mbit+20ms --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from lorasync.errors import ConfigError, EnvironmentProblem
+
+__all__ = ["add_arguments", "run"]
+
+DEFAULT_PROFILES = "1gbit,100mbit,10mbit,100mbit+20ms"
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    args: list[str]
+    tune: bool = False
+    status: str = "pending"
+    summary: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profiles", default=DEFAULT_PROFILES,
+                   help="comma-separated link profiles RATE[+DELAY], e.g. 10mbit,100mbit+20ms "
+                        f"(default: {DEFAULT_PROFILES})")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (one worker each)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per row (the first "
+                   "is left out of throughput figures)")
+    p.add_argument("--model", default="smollm2-135m", help="model for every row")
+    p.add_argument("--batch-size", type=int, default=4, help="examples per rank per step")
+    p.add_argument("--eval-size", type=int, default=16,
+                   help="eval examples for loss/exact-match after training (0: skip)")
+    p.add_argument("--rows", default="all",
+                   help="comma-separated row keys to run (ceiling is always run): "
+                        "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd")
+    p.add_argument("--row-timeout", type=float, default=240.0,
+                   help="seconds before a row is stopped and reported as hung")
+    p.add_argument("--output-dir", default="",
+                   help="where results go (default: bench/results/<date>-<time>)")
+
+
+def _profiles(text: str) -> list[tuple[str, str]]:
+    """'10mbit,100mbit+20ms' -> [(label, emulate spec tail)]."""
+    out = []
+    for item in [t.strip() for t in text.split(",") if t.strip()]:
+        rate, _, delay = item.partition("+")
+        spec = f"rate={rate}" + (f",delay={delay}" if delay else "")
+        out.append((item, spec))
+    if not out:
+        raise ConfigError("--profiles", text, "give at least one profile, e.g. 10mbit")
+    return out
+
+
+def _rows(wanted: str) -> list[Row]:
+    ddp = ["--comm", "allreduce", "--bucket-mb", "25", "--broadcast-buffers"]
+    rows = [
+        Row("ceiling", "no sync (ceiling)", ["--comm", "none"]),
+        Row("ddp", "plain DDP (fp32, defaults)", ddp),
+        Row("tcp", "+ TCP tuning", ddp, tune=True),
+        Row("fp16", "+ fp16 compression", ["--comm", "fp16", "--bucket-mb", "25"], tune=True),
+        Row("best", "+ best compressor", [], tune=True),       # filled from the planner
+        Row("overlap", "+ overlap (1 MB buckets)", [], tune=True),
+        Row("periodic", "+ periodic sync (DiLoCo H=8, streaming)",
+            ["--comm", "diloco", "--comm-opt", "period=8", "--comm-opt", "streaming=true",
+             "--bucket-mb", "1"], tune=True),
+        Row("auto", "auto", ["--comm", "auto", "--bucket-mb", "1"], tune=True),
+        Row("torch_fp16", "torch fp16 hook", ["--comm", "torch_fp16", "--bucket-mb", "25"]),
+        Row("torch_powersgd", "torch PowerSGD hook (rank 1)",
+            ["--comm", "torch_powersgd", "--bucket-mb", "25"]),
+    ]
+    if wanted != "all":
+        keys = {k.strip() for k in wanted.split(",") if k.strip()}
+        unknown = keys - {r.key for r in rows}
+        if unknown:
+            raise ConfigError("--rows", ",".join(sorted(unknown)),
+                              "use keys from: " + ", ".join(r.key for r in rows))
+        rows = [r for r in rows if r.key == "ceiling" or r.key in keys]
+    return rows
+
+
+def _rdma_devices() -> list[str]:
+    path = "/sys/class/infiniband"
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def _read_json(path: str):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _run_row(cluster, row: Row, common: list[str], out: str, timeout: float, rate: str,
+             delay: str) -> None:
+    from lorasync.net.cluster import launch_on_cluster
+
+    run_dir = os.path.join(out, row.key)
+    if row.tune:
+        _tune(cluster, rate, delay, out, "apply")
+    t0 = time.time()
+    try:
+        rc = launch_on_cluster(cluster, ["train", *common, *row.args, "--output-dir", run_dir],
+                               timeout=timeout, log_dir=os.path.join(out, f"{row.key}-logs"))
+    finally:
+        if row.tune:
+            _tune(cluster, rate, delay, out, "revert")
+    row.extra["wall_s"] = time.time() - t0
+    if rc == 124:
+        row.status = f"hung: stopped after {timeout:.0f} s"
+    elif rc != 0:
+        row.status = f"failed (exit {rc}; see {row.key}-logs)"
+    else:
+        row.status = "ok"
+        row.summary = _read_json(os.path.join(run_dir, "summary.json"))
+
+
+def _tune(cluster, rate: str, delay: str, out: str, action: str) -> None:
+    """Per-namespace TCP tuning in every node, reverted after the row."""
+    import subprocess
+
+    for n in cluster.nodes:
+        backup = os.path.join(out, f"tune-backup-{n.name}.json")
+        args = [sys.executable, "-m", "lorasync", "tune", "--backup", backup]
+        if action == "apply":
+            args += ["--apply", "--rate", rate] + (["--rtt", _rtt(delay)] if delay else [])
+        else:
+            args += ["--revert"]
+        p = subprocess.run(cluster.exec_argv(n.index, args), capture_output=True, text=True)
+        if p.returncode not in (0, 1):
+            raise EnvironmentProblem(f"lorasync tune --{action} failed in {n.name}: "
+                                     f"{p.stderr.strip().splitlines()[-1:]}")
+
+
+def _rtt(delay: str) -> str:
+    """One-way delay of the emulated link -> round-trip time."""
+    from lorasync.net.cluster import parse_delay
+
+    return f"{2 * parse_delay(delay) * 1000:g}ms"
+
+
+def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb: float
+                     ) -> tuple[str, list[str], str]:
+    """The planner's pick among the lossy per-step compressors for this link."""
+    from lorasync.net.cluster import parse_delay, parse_rate
+    from lorasync.plan.costmodel import Workload
+    from lorasync.plan.planner import rank, what_if_net
+
+    net = what_if_net(nodes, parse_rate(rate) / 8, 2 * parse_delay(delay) if delay else 0.0)
+    wl = Workload(adapter_params=int(ceiling["adapter_params"]),
+                  compute_s=float(ceiling["step_s_median"]),
+                  bucket_bytes=int(bucket_mb * 2 ** 20))
+    preds = rank(net, wl, ["int8", "onebit", "topk", "powersgd"])
+    best = preds[0]
+    args = ["--comm", best.strategy]
+    for k, v in sorted(best.options.items()):
+        args += ["--comm-opt", f"{k}={v}"]
+    why = (f"planner: {best.samples_per_s:.2f} samples/s predicted vs "
+           f"{preds[1].strategy} {preds[1].samples_per_s:.2f}")
+    return best.strategy, args, why
+
+
+def _available(strategy: str) -> bool:
+    from lorasync.comm import strategy_names
+
+    return strategy in strategy_names()
+
+
+def _cells(row: Row, ceiling: Row, ddp: Row | None) -> dict:
+    s = row.summary
+    if not s:
+        return {"row": row.label, "status": row.status}
+    sps = s["samples_per_s"]
+    base = ceiling.summary["samples_per_s"] if ceiling.summary else None
+    ref = ddp.summary["samples_per_s"] if ddp and ddp.summary else None
+    ea = s.get("eval_after") or {}
+    return {
+        "row": row.label, "status": row.status, "strategy": s["strategy"],
+        "samples_per_s": sps,
+        "speedup": sps / ref if ref else None,
+        "efficiency": sps / base if base else None,
+        "sync_share": s["sync_share"],
+        "wire_mb": s["wire_bytes_per_step"] / 1e6,
+        "eval_loss": ea.get("eval_loss"),
+        "exact_match": ea.get("exact_match"), "eval_n": ea.get("n"),
+        **row.extra,
+    }
+
+
+def _fmt(v, pct=False, digits=2):
+    if v is None:
+        return "-"
+    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
+
+
+def format_table(profile: str, cells: list[dict]) -> str:
+    head = ("| row | samples/s | speedup vs DDP | scaling eff. | exposed sync | wire MB/step "
+            "| eval loss | exact-match |\n|---|---|---|---|---|---|---|---|")
+    lines = [f"\n### {profile}\n", head]
+    for c in cells:
+        if "samples_per_s" not in c:
+            lines.append(f"| {c['row']} | {c['status']} | | | | | | |")
+            continue
+        em = "-" if c["exact_match"] is None else \
+            f"{100 * c['exact_match']:.0f}% (n={c['eval_n']})"
+        label = c["row"] + (f" [{c['strategy']}]" if c["row"].startswith("+ best") else "")
+        lines.append(f"| {label} | {_fmt(c['samples_per_s'])} | "
+                     f"{_fmt(c['speedup'])}x | {_fmt(c['efficiency'], pct=True)} | "
+                     f"{_fmt(c['sync_share'], pct=True)} | {_fmt(c['wire_mb'], digits=3)} | "
+                     f"{_fmt(c['eval_loss'], digits=3)} | {em} |")
+    return "\n".join(lines)
+
+
+def _chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    profiles = list(results)
+    labels = [c["row"] for c in results[profiles[0]]]
+    fig = Figure(figsize=(11, 0.6 + 0.45 * len(labels) * len(profiles) / 2 + 2))
+    ax = fig.subplots()
+    h = 0.8 / len(profiles)
+    for i, prof in enumerate(profiles):
+        vals = [c.get("efficiency") or 0 for c in results[prof]]
+        ax.barh([j + i * h for j in range(len(labels))], [100 * v for v in vals], height=h,
+                label=prof)
+    ax.set_yticks([j + 0.4 - h / 2 for j in range(len(labels))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("scaling efficiency (% of the no-sync ceiling)")
+    ax.axvline(100, color="grey", lw=0.8, ls="--")
+    ax.legend(title="link", loc="lower right")
+    ax.set_title("lorasync bench: 2 emulated nodes, SmolLM2-135M + LoRA r=8")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    from lorasync.net.cluster import emulated, parse_emulate
+
+    if os.geteuid() != 0:
+        raise EnvironmentProblem("lorasync bench: emulated clusters need root (network "
+                                 "namespaces); run it as root")
+    if args.steps < 3:
+        raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
+    profiles = _profiles(args.profiles)
+    specs = [(label, parse_emulate(f"nodes={args.nodes},{tail}")) for label, tail in profiles]
+    out = os.path.abspath(args.output_dir or os.path.join(
+        "bench", "results", time.strftime("%Y%m%d-%H%M%S")))
+    os.makedirs(out, exist_ok=True)
+    if args.model == "smollm2-135m":
+        from lorasync.train.model import ensure_embedded
+        ensure_embedded(log=lambda m: print(m, file=sys.stderr))
+    common = ["--model", args.model, "--max-steps", str(args.steps), "--batch-size",
+              str(args.batch_size), "--eval-size", str(args.eval_size), "--no-eval-before",
+              "--ckpt-interval", "0", "--no-progress", "--warmup-steps", "0"]
+    results: dict[str, list[dict]] = {}
+    markdown = [f"lorasync bench: {args.nodes} emulated nodes, model {args.model}, "
+                f"{args.steps} steps x batch {args.batch_size} per rank, "
+                f"{time.strftime('%Y-%m-%d %H:%M')}"]
+    t_start = time.time()
+    for (label, spec), (_, tail) in zip(specs, profiles):
+        rate = label.partition("+")[0]
+        delay = label.partition("+")[2]
+        pdir = os.path.join(out, label.replace("+", "_"))
+        os.makedirs(pdir, exist_ok=True)
+        rows = _rows(args.rows)
+        print(f"\n== {label}: {spec.describe()}", file=sys.stderr, flush=True)
+        with emulated(spec) as cluster:
+            status = cluster.status(measure=True, seconds=1.0)
+            by_key = {r.key: r for r in rows}
+            for row in rows:
+                if row.key in ("best", "overlap"):
+                    ceiling = by_key["ceiling"].summary
+                    if not ceiling:
+                        row.status = "skipped: no ceiling measurement"
+                        continue
+                    name, cargs, why = _best_compressor(ceiling, rate, delay, args.nodes, 25.0)
+                    bucket = "25" if row.key == "best" else "1"
+                    row.args = cargs + ["--bucket-mb", bucket]
+                    row.label = f"{row.label} ({name})" if row.key == "overlap" else row.label
+                    row.extra["why"] = why
+                strategy = row.args[row.args.index("--comm") + 1]
+                if not _available(strategy):
+                    row.status = f"not available ({strategy} is not a strategy yet)"
+                    continue
+                print(f"   {row.label} ...", file=sys.stderr, flush=True)
+                _run_row(cluster, row, common, pdir, args.row_timeout, rate, delay)
+                sps = row.summary["samples_per_s"] if row.summary else None
+                print(f"   {row.label}: {row.status}" + (f", {sps:.2f} samples/s" if sps else ""),
+                      file=sys.stderr, flush=True)
+        ceiling = next(r for r in rows if r.key == "ceiling")
+        ddp = next((r for r in rows if r.key == "ddp"), None)
+        cells = [_cells(r, ceiling, ddp) for r in rows]
+        devs = _rdma_devices()
+        cells.append({"row": "RDMA", "status": (f"RDMA devices {', '.join(devs)}: run on the real "
+                      "fabric with NCCL (emulated links are TCP)") if devs else
+                      "not available on this host (no /sys/class/infiniband devices)"})
+        results[label] = cells
+        m = status.get("measured") or {}
+        title = label + (f" (measured node0->node1: {m['rate_bps'] / 1e6:.1f} Mbit/s TCP goodput, "
+                         f"RTT {1000 * m['rtt_s']:.2f} ms)" if m else "")
+        markdown.append(format_table(title, cells))
+        print(markdown[-1], flush=True)
+    text = "\n".join(markdown) + f"\n\nbench wall time: {(time.time() - t_start) / 60:.1f} min\n"
+    with open(os.path.join(out, "results.md"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                   "results": results}, fh, indent=1, default=str)
+    _chart(results, os.path.join(out, "chart.png"))
+    print(f"\nresults: {out}/results.md, results.json, chart.png", file=sys.stderr)
+    return 0
