@@ -229,3 +229,25 @@ def test_launch_on_cluster_runs_gloo_all_reduce_across_nodes(tmp_path):
     assert all(r["world"] == 2 and r["gloo_if"] == "eth0" for r in results)
     assert rc == 2, (rc, (tmp_path / "logs" / "node1.log").read_text()[-2000:])
     assert took < 100
+
+
+SLEEPER = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "pid%d" % os.getpid()), "w").close()
+time.sleep(300)
+"""
+
+
+def test_launch_on_cluster_timeout_kills_everything(tmp_path):
+    from lorasync.net.cluster import _pids_in_netns
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    with emulated(ClusterSpec(nodes=2, name=_name("lch"))) as c:
+        rc = launch_on_cluster(c, [str(script), str(tmp_path)], module=None, timeout=12,
+                               log_dir=tmp_path / "logs")
+        assert rc == 124
+        left = [p for n in c.nodes for p in _pids_in_netns(n.netns)]
+        assert left == [], left
+    for f in tmp_path.glob("pid*"):  # workers that had started are gone too
+        assert not os.path.exists(f"/proc/{f.name[3:]}")

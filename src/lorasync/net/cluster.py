@@ -925,6 +925,7 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
 # (2 = a user error) the way lorasync.launch.run_torchrun does in-process
 _AGENT = """
 import sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 try:
@@ -932,6 +933,8 @@ try:
 except ChildFailedError as exc:
     codes = [f.exitcode for f in exc.failures.values()]
     sys.exit(2 if 2 in codes else next((c for c in codes if c and c > 0), 1))
+except SignalException as exc:  # stopped by launch_on_cluster; the agent has stopped its workers
+    sys.exit(128 + int(exc.sigval))
 """
 
 
