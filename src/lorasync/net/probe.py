@@ -213,7 +213,9 @@ def _collective_fn(ctx: _Ctx, collective: str, nbytes: int):
         chunk = max(1, nbytes // 4 // ctx.n)
         out = torch.empty(chunk * ctx.n, dtype=torch.float32, device=ctx.device)
         inp = torch.ones(chunk, dtype=torch.float32, device=ctx.device)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=g)
+        # all_gather_single is the name from torch 2.13 on (the old one warns there)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, inp, group=g)
     if collective == "broadcast":
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=ctx.device)
         src = ctx.global_rank(0)
@@ -221,33 +223,50 @@ def _collective_fn(ctx: _Ctx, collective: str, nbytes: int):
     raise ValueError(f"collective: unknown {collective!r}; use all_reduce, all_gather or broadcast")
 
 
-def _sweep(ctx: _Ctx, collective: str, sizes: list[int], *, warmup: int, repeats: int,
+_WARM_BELOW_S = 0.1  # sizes projected to take longer skip warm-up: smaller sizes warmed the connections
+
+
+def _plan(est_s: float | None, remaining_s: float, repeats: int, min_reps: int, have: int) -> bool:
+    """Whether to measure the next size: always the first two (a line needs
+    two points), then only if ``min_reps`` calls of it fit the budget left."""
+    return have < 2 or est_s is None or est_s * min_reps <= remaining_s
+
+
+def _sweep(ctx: _Ctx, collective: str, sizes: list[int], *, warmup: int, repeats: int, min_reps: int,
            budget_s: float, rep_target_s: float) -> list[dict]:
-    """Time one collective at each size until the shared time budget runs out."""
+    """Time one collective at each size until the shared time budget runs out.
+
+    Every decision uses timings all-reduced over ranks (``shared_max``), so
+    every rank takes the same branch and no rank waits on a collective the
+    others skipped.
+    """
     records: list[dict] = []
-    spent = 0.0  # from all-reduced timings only, so identical on every rank
+    spent = 0.0  # from shared timings only
     factor = busbw_factor(collective, ctx.n)
     for size in sizes:
         nbytes = size
         if collective == "all_gather":
             nbytes = max(1, size // 4 // ctx.n) * 4 * ctx.n
-        if records:  # projected cost of this size: linear in bytes from the last one
-            last = records[-1]
-            est = last["time_s"] * nbytes / last["bytes"] * (warmup + min(repeats, 3))
-            if len(records) >= 2 and spent + est > budget_s:
-                break
+        est = None
+        if records:  # projected time of one call: linear in bytes from the last size
+            est = records[-1]["time_s"] * nbytes / records[-1]["bytes"]
+        if not _plan(est, budget_s - spent, repeats, min_reps, len(records)):
+            break
         fn = _collective_fn(ctx, collective, nbytes)
+        w = warmup if est is None or est < _WARM_BELOW_S else 0
         ctx.dist.barrier(group=ctx.group)
         t0 = time.perf_counter()
-        for _ in range(warmup):
+        for _ in range(w):
             fn()
         ctx.sync()
-        (warm,) = ctx.shared_max([(time.perf_counter() - t0) / max(warmup, 1)])
-        spent += warm * warmup
+        (warm,) = ctx.shared_max([(time.perf_counter() - t0) / max(w, 1)])
+        if not w:
+            warm = est
+        spent += warm * w
         # several back-to-back calls per timed repeat where one call is too
         # short to time well (as nccl-tests' iters), one call for big sizes
         inner = int(min(100, max(1, rep_target_s // max(warm, 1e-7))))
-        reps = max(min(3, repeats), min(repeats, int((budget_s - spent) / max(warm * inner, 1e-9))))
+        reps = max(min_reps, min(repeats, int((budget_s - spent) / max(warm * inner, 1e-9))))
         times = []
         for _ in range(reps):
             ctx.dist.barrier(group=ctx.group)
@@ -275,11 +294,13 @@ def _pings(repeats: int) -> int:
     return max(10, repeats)
 
 
-def _pair_src(ctx: _Ctx, dst: int, sizes: list[int], repeats: int, budget_s: float) -> dict:
+def _pair_src(ctx: _Ctx, dst: int, sizes: list[int], repeats: int, min_reps: int, budget_s: float) -> dict:
+    """The sender of one directed pair decides sizes and repeats from its own
+    clock and tells the receiver in a control message [bytes, warm-ups, repeats]."""
     torch, dist = ctx.torch, ctx.dist
     peer = ctx.global_rank(dst)
     tiny = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-    ctrl = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+    ctrl = torch.zeros(3, dtype=torch.int64, device=ctx.device)
 
     def pingpong():
         t0 = time.perf_counter()
@@ -294,24 +315,25 @@ def _pair_src(ctx: _Ctx, dst: int, sizes: list[int], repeats: int, budget_s: flo
     spent = sum(rtts)
     pts: list[tuple[int, float]] = []
     for size in sizes:
-        if len(pts) >= 2:
-            est = pts[-1][1] * size / pts[-1][0] * (repeats + 1)
-            if spent + est > budget_s:
-                break
-        ctrl.fill_(size)
+        est = pts[-1][1] * size / pts[-1][0] if pts else None
+        if not _plan(est, budget_s - spent, repeats, min_reps, len(pts)):
+            break
+        w = 1 if est is None or est < _WARM_BELOW_S else 0
+        reps = repeats if est is None else max(min_reps, min(repeats, int((budget_s - spent) / est) - w))
+        ctrl[0], ctrl[1], ctrl[2] = size, w, reps
         dist.send(ctrl, peer, group=ctx.group)
         buf = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)
         times = []
-        for i in range(repeats + 1):  # first one is warm-up
+        for i in range(w + reps):
             t0 = time.perf_counter()
             dist.send(buf, peer, group=ctx.group)
             dist.recv(tiny, peer, group=ctx.group)  # the ack: data has arrived
             dt = time.perf_counter() - t0
             spent += dt
-            if i:
+            if i >= w:
                 times.append(dt)
         pts.append((size, statistics.median(times)))
-    ctrl.fill_(0)
+    ctrl.zero_()
     dist.send(ctrl, peer, group=ctx.group)
     fit = fit_alpha_beta([p[0] for p in pts], [p[1] for p in pts])
     big, t_big = pts[-1]
@@ -327,28 +349,28 @@ def _pair_dst(ctx: _Ctx, src: int, repeats: int) -> None:
     torch, dist = ctx.torch, ctx.dist
     peer = ctx.global_rank(src)
     tiny = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-    ctrl = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+    ctrl = torch.zeros(3, dtype=torch.int64, device=ctx.device)
     for _ in range(2 + _pings(repeats)):
         dist.recv(tiny, peer, group=ctx.group)
         dist.send(tiny, peer, group=ctx.group)
     while True:
         dist.recv(ctrl, peer, group=ctx.group)
-        size = int(ctrl.item())
+        size, w, reps = (int(x) for x in ctrl.tolist())
         if size == 0:
             return
         buf = torch.empty(size // 4, dtype=torch.float32, device=ctx.device)
-        for _ in range(repeats + 1):
+        for _ in range(w + reps):
             dist.recv(buf, peer, group=ctx.group)
             dist.send(tiny, peer, group=ctx.group)
 
 
-def _pairs(ctx: _Ctx, sizes: list[int], repeats: int, budget_s: float) -> list[dict]:
+def _pairs(ctx: _Ctx, sizes: list[int], repeats: int, min_reps: int, budget_s: float) -> list[dict]:
     mine = []
     order = [(s, d) for s in range(ctx.n) for d in range(ctx.n) if s != d]
     per_pair = budget_s / max(1, len(order))
     for s, d in order:
         if ctx.me == s:
-            mine.append(_pair_src(ctx, d, sizes, repeats, per_pair))
+            mine.append(_pair_src(ctx, d, sizes, repeats, min_reps, per_pair))
         elif ctx.me == d:
             _pair_dst(ctx, s, repeats)
         ctx.dist.barrier(group=ctx.group)  # everyone else idles: one link at a time
@@ -377,8 +399,9 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
 
     Call on every rank of an initialised process group; every rank gets the
     same dict. ``quick`` (for ``--comm auto``) measures a few sizes up to
-    4 MiB with few repeats in a few seconds; the full probe sweeps up to
-    ``max_bytes`` within ``time_budget_s`` (default 60 s sweep + 60 s pairs).
+    4 MiB with few repeats in a few seconds (3 s sweep + 3 s pairs at most,
+    less on fast links); the full probe sweeps up to ``max_bytes`` within
+    ``time_budget_s`` (default 60 s sweep + 60 s pairs).
     ``pairs`` defaults to on, and in quick mode to on only for up to 8 ranks.
     """
     import torch
@@ -397,9 +420,10 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
         warmup = 1 if warmup is None else warmup
         sizes = [s for s in (4 << 10, 64 << 10, 1 << 20, 4 << 20) if s <= max_bytes] or [max_bytes]
         pair_sizes = sweep_sizes(min(pair_max_bytes or (1 << 20), max_bytes), factor=16)
-        budget = 2.0 if time_budget_s is None else time_budget_s / 2
+        budget = 3.0 if time_budget_s is None else time_budget_s / 2
         pairs = ctx.n <= 8 if pairs is None else pairs
         rep_target = 0.005
+        min_reps = 1  # on a slow link one call of a bigger size beats three of a small one
     else:
         repeats = repeats or 10
         warmup = 2 if warmup is None else warmup
@@ -408,6 +432,7 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
         budget = 60.0 if time_budget_s is None else time_budget_s / 2
         pairs = True if pairs is None else pairs
         rep_target = 0.02
+        min_reps = min(3, repeats)
     if repeats < 1:
         raise ConfigError("repeats", repeats, "must be at least 1")
 
@@ -415,9 +440,10 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     dist.all_gather_object(info, _rank_info(ctx), group=group)
     sweep: list[dict] = []
     for c in collectives:
-        sweep += _sweep(ctx, c, sizes, warmup=warmup, repeats=repeats,
+        sweep += _sweep(ctx, c, sizes, warmup=warmup, repeats=repeats, min_reps=min_reps,
                         budget_s=budget / len(collectives), rep_target_s=rep_target)
-    pair_list = _pairs(ctx, pair_sizes, max(1, min(repeats, 5)), budget) if pairs and ctx.n > 1 else []
+    pair_list = (_pairs(ctx, pair_sizes, max(1, min(repeats, 5)), min(min_reps, 5), budget)
+                 if pairs and ctx.n > 1 else [])
 
     model = None
     ar = [r for r in sweep if r["collective"] == "all_reduce"]
@@ -430,7 +456,21 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
             "bandwidth_Bps": fit.bandwidth_Bps, "latency_s": fit.alpha_s / steps,
             "allreduce_alpha_s": fit.alpha_s, "r2": fit.r2,
             "formula": "all_reduce(B) = 2(n-1)*alpha_s + 2(n-1)/n*B*beta_s_per_byte",
+            "bandwidth_from": "fit",
         }
+        if fit.bandwidth_Bps is None:  # times flat in size: latency-bound up to max_bytes
+            best = max(r["busbw_Bps"] for r in ar)  # a lower bound on the link, never zero
+            model.update(bandwidth_Bps=best, beta_s_per_byte=1.0 / best,
+                         bandwidth_from="largest busbw (times did not grow with size)")
+        # A sweep cut short by the budget (a slow link, quick mode) fits its
+        # slope on sizes a shaper's burst still flatters; the pairs went to
+        # bigger messages, and a ring is never faster than its slowest link.
+        big = max(r["bytes"] for r in ar)
+        if pair_list and big < max(p["max_bytes"] for p in pair_list):
+            slow_bw = min(p["bandwidth_Bps"] for p in pair_list)
+            if slow_bw < model["bandwidth_Bps"]:
+                model.update(bandwidth_Bps=slow_bw, beta_s_per_byte=1.0 / slow_bw,
+                             bandwidth_from=f"slowest pair (the sweep stopped at {_fmt_bytes(big)})")
     slowest = None
     if pair_list:
         p = min(pair_list, key=lambda q: q["bandwidth_Bps"])

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of all_reduce, all_gather, broadcast (default all_reduce)")
     p.add_argument("--no-pairs", action="store_true", help="skip the pair matrix")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
-                   help="seconds for sweep + pairs (default 120, 4 with --quick)")
+                   help="seconds for sweep + pairs (default 120, 6 with --quick)")
     p.add_argument("--json", action="store_true", help="print the probe JSON instead of the table")
     p.add_argument("--output", metavar="FILE", help="write the probe JSON here (rank 0)")
 
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--output", args.output, f"directory {d} does not exist")
 
     if not in_worker():
-        budget = args.time_budget or (4 if args.quick else 120)
+        budget = args.time_budget or (6 if args.quick else 120)
         return relaunch(args, "probe", launch_argv(args), wall_s=args.timeout + 3 * budget + 120)
 
     dist = init_group(args)
