@@ -19,8 +19,9 @@ one step to the one above:
     RDMA                     only where RDMA hardware is detected
 
 Scaling efficiency = samples/s of a row / samples/s of the ceiling row,
-measured in the same invocation on the same link.  Every row runs under a
-timeout; a row that hangs or fails is reported as such.
+measured in the same invocation on the same link (the ceiling runs first and
+last; the higher is used).  Every row runs under a timeout; a row that hangs
+or fails is reported as such.
 
     lorasync bench                                   # default profiles
     lorasync bench --profiles 10mbit,100mbit+20ms --steps 12
@@ -101,6 +102,9 @@ def _rows(wanted: str) -> list[Row]:
         Row("torch_fp16", "torch fp16 hook", ["--comm", "torch_fp16", "--bucket-mb", "25"]),
         Row("torch_powersgd", "torch PowerSGD hook (rank 1)",
             ["--comm", "torch_powersgd", "--bucket-mb", "25"]),
+        # the ceiling again at the end: the higher of the two is the reference,
+        # so a slow start (cold caches, a busy machine) cannot inflate efficiencies
+        Row("ceiling_end", "no sync (ceiling, again)", ["--comm", "none"]),
     ]
     if wanted != "all":
         keys = {k.strip() for k in wanted.split(",") if k.strip()}
@@ -108,7 +112,7 @@ def _rows(wanted: str) -> list[Row]:
         if unknown:
             raise ConfigError("--rows", ",".join(sorted(unknown)),
                               "use keys from: " + ", ".join(r.key for r in rows))
-        rows = [r for r in rows if r.key == "ceiling" or r.key in keys]
+        rows = [r for r in rows if r.key in ("ceiling", "ceiling_end") or r.key in keys]
     return rows
 
 
@@ -321,7 +325,8 @@ def run(args) -> int:
                 sps = row.summary["samples_per_s"] if row.summary else None
                 print(f"   {row.label}: {row.status}" + (f", {sps:.2f} samples/s" if sps else ""),
                       file=sys.stderr, flush=True)
-        ceiling = next(r for r in rows if r.key == "ceiling")
+        ceiling = max((r for r in rows if r.key.startswith("ceiling")),
+                      key=lambda r: r.summary["samples_per_s"] if r.summary else -1)
         ddp = next((r for r in rows if r.key == "ddp"), None)
         cells = [_cells(r, ceiling, ddp) for r in rows]
         devs = _rdma_devices()
