@@ -216,3 +216,23 @@ def test_formula_rejects_bad_input():
         wire_bytes_formula("bogus", N, 2)
     with pytest.raises(ValueError, match="numel"):
         wire_bytes_formula("allreduce", [0], 2)
+
+
+def test_block_paths_give_identical_bits():
+    """Uniform blocks (reshape path) and the same blocks given by ids (gather
+    path) must agree bit for bit: which path runs depends on DDP's bucket
+    layout, and resume must not."""
+    n, bs = 24 * 40, 24
+    x = _x(n)
+    bid = torch.arange(n) // bs
+    for enc, dec in ((C.int8_encode, C.int8_decode), (C.onebit_encode, C.onebit_decode)):
+        a = enc(x, bs, n // bs)
+        b = enc(x, bid, n // bs)
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+        assert torch.equal(dec(*a, bs), dec(*b, bid))
+    # and a block's sum does not depend on its neighbours' sizes
+    mixed = torch.cat([torch.zeros(24, dtype=torch.long), torch.ones(40, dtype=torch.long)])
+    y = _x(64, seed=3)
+    _, s_mixed = C.onebit_encode(y, mixed, 2)
+    _, s_alone = C.onebit_encode(y[:24], 24, 1)
+    assert torch.equal(s_mixed[:1], s_alone)

@@ -245,15 +245,65 @@ class Sync:
 class _Layout:
     """One bucket layout: which parameters, at which offsets of the buffer."""
 
-    __slots__ = ("pids", "offsets", "numel", "cache")
+    __slots__ = ("id", "pids", "offsets", "numel", "cache")
 
-    def __init__(self, pids: tuple[int, ...], numels: list[int]):
+    def __init__(self, lid: int, pids: tuple[int, ...], numels: list[int]):
+        self.id = lid
         self.pids = pids
         self.offsets = [0]
         for i in pids:
             self.offsets.append(self.offsets[-1] + numels[i])
         self.numel = self.offsets[-1]
         self.cache: dict[str, Any] = {}  # per-strategy precomputed indices
+
+
+class _Residual:
+    """A per-element residual (error feedback) over the canonical flat
+    parameters, kept in a bucket layout's own element order while in use.
+
+    Hooks read and update the rows of their layout every step with no gather
+    or scatter; the values move back to canonical order only when DDP changes
+    layout (after its first iteration, after a resume) or for ``state``.  The
+    canonical vector has one extra dump slot (index ``numel``) that padding
+    maps to and that stays zero.
+    """
+
+    def __init__(self, numel: int, nparams: int):
+        self.canon = torch.zeros(numel + 1)
+        self._holder: list[int | None] = [None] * nparams   # layout id holding each param
+        self._rows: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, lay: "_Layout", cpos: torch.Tensor) -> torch.Tensor:
+        """The residual for ``lay`` in row order (``cpos``: canonical position
+        of every row element, ``numel`` for padding); update it in place."""
+        entry = self._rows.get(lay.id)
+        if entry is not None:
+            return entry[2]
+        for other in {self._holder[i] for i in lay.pids} - {None}:
+            self._flush(other)
+        t = self.canon.index_select(0, cpos)
+        self._rows[lay.id] = (lay.pids, cpos, t)
+        for i in lay.pids:
+            self._holder[i] = lay.id
+        return t
+
+    def _flush(self, lid: int) -> None:
+        pids, cpos, t = self._rows.pop(lid)
+        self.canon.index_copy_(0, cpos, t)
+        self.canon[-1] = 0
+        for i in pids:
+            self._holder[i] = None
+
+    def state(self) -> torch.Tensor:
+        for lid in list(self._rows):
+            self._flush(lid)
+        return self.canon[:-1].clone()
+
+    def load(self, values: torch.Tensor) -> None:
+        self._rows.clear()
+        self._holder = [None] * len(self._holder)
+        self.canon[:-1].copy_(values.reshape(-1))
+        self.canon[-1] = 0
 
 
 class HookSync(Sync):
@@ -292,7 +342,7 @@ class HookSync(Sync):
         key = tuple(self._pindex[id(p)] for p in bucket.parameters())
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[key] = _Layout(key, self._numels)
+            lay = self._layouts[key] = _Layout(len(self._layouts), key, self._numels)
         i = bucket.index()
         del self._bucket_numels[i:]
         self._bucket_numels.append(lay.numel)

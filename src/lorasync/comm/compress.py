@@ -3,7 +3,8 @@ orthogonalisation.  No communication here; the strategies compose these with
 collectives and error feedback.
 
 Blocks are described by a block id per element (``bid``, int64) and a block
-count, so blocks may differ in size: the strategies cut every parameter into
+count, so blocks may differ in size, or by an int block size when they are
+all equal (the fast path: a reshape instead of scatter/gather): the strategies cut every parameter into
 its own blocks (see :func:`param_blocks`), which keeps the compressed value of
 an element independent of how DDP happens to bucket the parameters (DDP's
 first iteration uses a different bucket layout from later ones, and a resumed
@@ -51,24 +52,66 @@ def uniform_block_ids(numel: int, block: int) -> tuple[torch.Tensor, int]:
     return torch.arange(numel) // block, nblocks
 
 
+# -- per-block helpers ----------------------------------------------------------
+# ``bid`` is either an int (every block has that many elements: fast reshape
+# path) or an int64 tensor with the block id of every element.
+Blocks = "int | torch.Tensor"
+
+
+def _block_amax(xabs: torch.Tensor, bid, nblocks: int) -> torch.Tensor:
+    if isinstance(bid, int):
+        return xabs.view(-1, bid).amax(dim=1)
+    return torch.zeros(nblocks, dtype=torch.float32).scatter_reduce_(
+        0, bid, xabs, "amax", include_self=True)
+
+
+def _block_sum(x: torch.Tensor, bid, nblocks: int) -> torch.Tensor:
+    """Per-block sums in a fixed order: each block zero-padded to a power of
+    two and halved pairwise.  Adding the zero padding is exact, so a block
+    gives the same bits whatever the padded width -- in particular on the
+    reshape path and the block-id path, so a sum does not depend on DDP's
+    bucket layout (``sum``/``index_add_`` order their additions by shape).
+    Blocks given by ids must be contiguous and in increasing order.
+    """
+    if isinstance(bid, int):
+        width = 1 << (bid - 1).bit_length()
+        m = x.view(-1, bid)
+        if width != bid:
+            m = torch.nn.functional.pad(m, (0, width - bid))
+    else:
+        sizes = torch.bincount(bid, minlength=nblocks)
+        width = 1 << (int(sizes.max()) - 1).bit_length()
+        starts = torch.cumsum(sizes, 0) - sizes
+        col = torch.arange(bid.numel()) - starts.index_select(0, bid)
+        m = torch.zeros(nblocks * width, dtype=x.dtype).index_copy_(0, bid * width + col, x)
+        m = m.view(nblocks, width)
+    while m.shape[1] > 1:
+        h = m.shape[1] // 2
+        m = m[:, :h] + m[:, h:]
+    return m[:, 0]
+
+
+def _times_scale(v: torch.Tensor, scale: torch.Tensor, bid) -> torch.Tensor:
+    if isinstance(bid, int):
+        return (v.view(-1, bid) * scale.unsqueeze(1)).view(-1)
+    return v * scale.index_select(0, bid)
+
+
 # -- int8 ---------------------------------------------------------------------
-def int8_encode(x: torch.Tensor, bid: torch.Tensor, nblocks: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_encode(x: torch.Tensor, bid, nblocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with one fp32 scale per block: ``scale = max|x| / 127``.
 
     Round-to-nearest gives ``|x - q * scale| <= scale / 2`` per element.
     """
     x = x.reshape(-1).float()
-    amax = torch.zeros(nblocks, dtype=torch.float32).scatter_reduce_(
-        0, bid, x.abs(), "amax", include_self=True)
-    scale = amax / 127.0
+    scale = _block_amax(x.abs(), bid, nblocks) / 127.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(x * inv[bid]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(_times_scale(x, inv, bid)).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
-def int8_decode(q: torch.Tensor, scale: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
-    return q.reshape(-1).float() * scale[bid]
+def int8_decode(q: torch.Tensor, scale: torch.Tensor, bid) -> torch.Tensor:
+    return _times_scale(q.reshape(-1).float(), scale, bid)
 
 
 # -- 1-bit --------------------------------------------------------------------
@@ -82,7 +125,7 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.reshape(-1, 1) >> _SHIFTS) & 1).reshape(-1).bool()
 
 
-def onebit_encode(x: torch.Tensor, bid: torch.Tensor, nblocks: int,
+def onebit_encode(x: torch.Tensor, bid, nblocks: int,
                   count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Signs (``x >= 0`` -> +), bit-packed, and one scale per block: mean |x|.
 
@@ -92,15 +135,15 @@ def onebit_encode(x: torch.Tensor, bid: torch.Tensor, nblocks: int,
     """
     x = x.reshape(-1).float()
     if count is None:
-        count = torch.bincount(bid, minlength=nblocks).float()
-    total = torch.zeros(nblocks, dtype=torch.float32).index_add_(0, bid, x.abs())
-    scale = total / count.clamp(min=1)
+        count = (torch.full((nblocks,), float(bid)) if isinstance(bid, int)
+                 else torch.bincount(bid, minlength=nblocks).float())
+    scale = _block_sum(x.abs(), bid, nblocks) / count.clamp(min=1)
     return pack_bits(x >= 0), scale
 
 
-def onebit_decode(packed: torch.Tensor, scale: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
+def onebit_decode(packed: torch.Tensor, scale: torch.Tensor, bid) -> torch.Tensor:
     sign = unpack_bits(packed).float().mul_(2).sub_(1)
-    return sign * scale[bid]
+    return _times_scale(sign, scale, bid)
 
 
 # -- top-k --------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync.comm import compress as C
-from lorasync.comm.base import HookSync, _Layout, register
+from lorasync.comm.base import HookSync, _Layout, _Residual, register
 
 
 @register
@@ -37,34 +37,38 @@ class TopK(HookSync):
     def _setup(self) -> None:
         ratio = float(self.opts["ratio"])
         self._k = [max(1, math.ceil(ratio * m)) for m in self._numels]
-        self._E = torch.zeros(self.numel + 1)
+        self._E = _Residual(self.numel, len(self.params))
 
-    def _plan(self, lay: _Layout) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Parameters of one bucket grouped by size: (bucket pos, canonical pos, k)."""
+    def _plan(self, lay: _Layout) -> dict[str, Any]:
+        """Parameters of one bucket grouped by size (one batched top-k a size)."""
         plan = lay.cache.get("topk")
         if plan is None:
             groups: dict[int, list[tuple[int, int]]] = {}
             for i, boff in zip(lay.pids, lay.offsets):
                 groups.setdefault(self._numels[i], []).append((i, boff))
-            plan = []
+            rows, cpos = [], []
             for m, members in groups.items():
                 ar = torch.arange(m)
                 bpos = torch.stack([ar + boff for _, boff in members])
-                cpos = torch.stack([ar + self._offsets[i] for i, _ in members])
-                plan.append((bpos, cpos, self._k[members[0][0]]))
-            lay.cache["topk"] = plan
+                cpos.append(torch.stack([ar + self._offsets[i] for i, _ in members]).reshape(-1))
+                rows.append((bpos, bpos.reshape(-1), self._k[members[0][0]]))
+            plan = lay.cache["topk"] = {"groups": rows, "cpos": torch.cat(cpos)}
         return plan
 
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
         n = self.world_size
         buf = bucket.buffer()
         t0 = time.perf_counter()
-        pos, vals = [], []
-        for bpos, cpos, k in self._plan(lay):
-            u = buf[bpos] + self._E[cpos]
+        plan = self._plan(lay)
+        e = self._E.rows(lay, plan["cpos"])
+        pos, vals, off = [], [], 0
+        for bpos, bflat, k in plan["groups"]:
+            size = bflat.numel()
+            u = buf.index_select(0, bflat).float().add_(e[off:off + size]).view(bpos.shape)
             idx, v = C.topk_encode(u, k)
             u.scatter_(1, idx, 0.0)
-            self._E[cpos] = u
+            e[off:off + size] = u.view(-1)
+            off += size
             pos.append(bpos.gather(1, idx).reshape(-1))
             vals.append(v.reshape(-1))
         payload = torch.cat([torch.cat(pos).to(torch.int32),
@@ -88,8 +92,8 @@ class TopK(HookSync):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ratio": float(self.opts["ratio"]),
-                "residual": self._E[:-1].clone()}
+                "residual": self._E.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._E[:-1].copy_(state["residual"])
+        self._E.load(state["residual"])

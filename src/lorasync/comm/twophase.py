@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync.comm import compress as C
-from lorasync.comm.base import HookSync, _Layout, register
+from lorasync.comm.base import HookSync, _Layout, _Residual, register
 
 
 class _TwoPhase(HookSync):
@@ -59,10 +59,8 @@ class _TwoPhase(HookSync):
     def _setup(self) -> None:
         n = self.world_size
         self._blocks = [C.param_blocks(m, self.opts["block"], n, self.align) for m in self._numels]
-        # residuals over the canonical flat parameters, plus one dump slot
-        # (index numel) that padding reads as 0 and writes into
-        self._E = torch.zeros(self.numel + 1)
-        self._S = torch.zeros(self.numel + 1)
+        self._E = _Residual(self.numel, len(self.params))   # worker residual, every element
+        self._S = _Residual(self.numel, len(self.params))   # server residual, my shard only
         # all_to_all_single is in gloo, NCCL and MPI; probe, since a backend
         # without it would otherwise fail mid-backward
         try:
@@ -73,16 +71,22 @@ class _TwoPhase(HookSync):
             self.phase1_collective = "all_gather"
 
     def _plan(self, lay: _Layout) -> dict[str, Any]:
-        """Index tensors for one bucket layout (computed once per layout)."""
+        """Index tensors for one bucket layout (computed once per layout).
+
+        Rows: row r holds, for every parameter of the bucket in bucket order,
+        the slice of its (padded) blocks that rank r owns.
+        """
         plan = lay.cache.get("tp")
         if plan is not None:
             return plan
         n, M, N = self.world_size, lay.numel, self.numel
         bpos, cpos, bid = [[] for _ in range(n)], [[] for _ in range(n)], []
         nblk = 0
+        sizes = set()
         for i, boff in zip(lay.pids, lay.offsets):
             m, coff = self._numels[i], self._offsets[i]
             nb, bs = self._blocks[i]
+            sizes.add(bs)
             chunk = nb * bs // n
             for r in range(n):
                 t = torch.arange(r * chunk, (r + 1) * chunk)
@@ -94,14 +98,22 @@ class _TwoPhase(HookSync):
         bpos_t = torch.stack([torch.cat(b) for b in bpos])
         cpos_t = torch.stack([torch.cat(c) for c in cpos])
         L = bpos_t.shape[1]
-        bid_row = torch.cat(bid)
-        bid_full = (bid_row.unsqueeze(0) + nblk * torch.arange(n).unsqueeze(1)).reshape(-1)
         valid = bpos_t < M
+        flat = torch.arange(n * L)
+        inv = torch.empty(M, dtype=torch.long)
+        inv[bpos_t.reshape(-1)[valid.reshape(-1)]] = flat[valid.reshape(-1)]
+        if len(sizes) == 1:  # every block the same size: reshape instead of gathers
+            blk_row = blk_full = sizes.pop()
+        else:
+            blk_row = torch.cat(bid)
+            blk_full = (blk_row.unsqueeze(0) + nblk * torch.arange(n).unsqueeze(1)).reshape(-1)
+        bid_full = (torch.cat(bid).unsqueeze(0) + nblk * torch.arange(n).unsqueeze(1)).reshape(-1)
         count = torch.zeros(n * nblk).index_add_(0, bid_full, valid.reshape(-1).float())
         r = self.rank
         plan = dict(
-            L=L, nblk=nblk, bpos=bpos_t, cpos=cpos_t, bid_row=bid_row, bid_full=bid_full,
-            count=count, my_cpos=cpos_t[r], my_pad=~valid[r],
+            L=L, nblk=nblk, bpos=bpos_t.reshape(-1), cpos=cpos_t.reshape(-1), inv=inv,
+            blk_row=blk_row, blk_full=blk_full, count=count, my_cpos=cpos_t[r].contiguous(),
+            pad=~valid.reshape(-1), my_pad=~valid[r], has_pad=bool((~valid).any()),
             my_count=count[r * nblk:(r + 1) * nblk], code_bytes=self._code_bytes(L),
         )
         lay.cache["tp"] = plan
@@ -124,12 +136,13 @@ class _TwoPhase(HookSync):
         plan = self._plan(lay)
         buf = bucket.buffer()
         t0 = time.perf_counter()
-        bext = torch.cat([buf, buf.new_zeros(1)])
-        u = bext[plan["bpos"]] + self._E[plan["cpos"]]           # (n, L), padding = 0
-        codes, scales = self._encode(u.reshape(-1), plan["bid_full"], n * plan["nblk"], plan["count"])
-        self._E.index_put_((plan["cpos"].reshape(-1),),
-                           u.reshape(-1) - self._decode(codes, scales, plan["bid_full"]))
-        self._E[-1] = 0
+        u = torch.cat([buf, buf.new_zeros(1)]).float().index_select(0, plan["bpos"])
+        e = self._E.rows(lay, plan["cpos"])
+        u += e                                                   # padding stays 0
+        codes, scales = self._encode(u, plan["blk_full"], n * plan["nblk"], plan["count"])
+        torch.sub(u, self._decode(codes, scales, plan["blk_full"]), out=e)
+        if plan["has_pad"]:
+            e.masked_fill_(plan["pad"], 0.0)
         send = self._pack(codes, scales, n)
         self._add_encode(time.perf_counter() - t0)
         self._sent(send)
@@ -145,16 +158,19 @@ class _TwoPhase(HookSync):
         def phase2() -> torch.futures.Future:
             t1 = time.perf_counter()
             c1, s1 = self._unpack(take(), plan)
-            d = self._decode(c1, s1, plan["bid_full"]).view(n, plan["L"])
+            d = self._decode(c1, s1, plan["blk_full"]).view(n, plan["L"])
             v = d[0].clone()
             for j in range(1, n):  # fixed order: identical sums whatever the layout
                 v += d[j]
             v /= n
-            v += self._S[plan["my_cpos"]]
-            v[plan["my_pad"]] = 0
-            c2, s2 = self._encode(v, plan["bid_row"], plan["nblk"], plan["my_count"])
-            self._S[plan["my_cpos"]] = v - self._decode(c2, s2, plan["bid_row"])
-            self._S[-1] = 0
+            s = self._S.rows(lay, plan["my_cpos"])
+            v += s
+            if plan["has_pad"]:
+                v.masked_fill_(plan["my_pad"], 0.0)
+            c2, s2 = self._encode(v, plan["blk_row"], plan["nblk"], plan["my_count"])
+            torch.sub(v, self._decode(c2, s2, plan["blk_row"]), out=s)
+            if plan["has_pad"]:
+                s.masked_fill_(plan["my_pad"], 0.0)
             send2 = self._pack(c2, s2, 1)
             out = torch.empty((n, send2.shape[1]), dtype=torch.uint8)
             self._add_encode(time.perf_counter() - t1)
@@ -165,10 +181,8 @@ class _TwoPhase(HookSync):
             def decode(_f: torch.futures.Future) -> torch.Tensor:
                 t2 = time.perf_counter()
                 c3, s3 = self._unpack(out, plan)
-                full = self._decode(c3, s3, plan["bid_full"])
-                oext = torch.empty(lay.numel + 1)
-                oext[plan["bpos"].reshape(-1)] = full
-                buf.copy_(oext[:-1])
+                full = self._decode(c3, s3, plan["blk_full"])
+                buf.copy_(full.index_select(0, plan["inv"]))
                 self._add_encode(time.perf_counter() - t2)
                 return buf
 
@@ -179,15 +193,15 @@ class _TwoPhase(HookSync):
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "block": self.opts["block"],
-                "worker_residual": self._E[:-1].clone(), "server_residual": self._S[:-1].clone()}
+                "worker_residual": self._E.state(), "server_residual": self._S.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if state.get("block", self.opts["block"]) != self.opts["block"]:
             raise ValueError(f"state_dict: saved with block={state['block']}, this run has "
                              f"block={self.opts['block']}; pass the same block option")
-        self._E[:-1].copy_(state["worker_residual"])
-        self._S[:-1].copy_(state["server_residual"])
+        self._E.load(state["worker_residual"])
+        self._S.load(state["server_residual"])
 
 
 @register
