@@ -161,15 +161,13 @@ def topk_decode(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tens
 
 # -- PowerSGD -----------------------------------------------------------------
 def orthogonalize_(m: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Gram-Schmidt on the columns of ``m`` in place (as torch's PowerSGD).
-
-    A zero column stays zero (no division by zero).
-    """
-    k = m.shape[1]
+    """Gram-Schmidt on the columns of ``m`` (a x k, or a batch g x a x k) in
+    place, as torch's PowerSGD.  A zero column stays zero."""
+    k = m.shape[-1]
     for i in range(k):
-        col = m[:, i:i + 1]
-        col.div_(col.norm() + eps)
+        col = m[..., i:i + 1]
+        col.div_(col.norm(dim=-2, keepdim=True) + eps)
         if i + 1 < k:
-            rest = m[:, i + 1:]
-            rest.sub_(col @ (col.T @ rest))
+            rest = m[..., i + 1:]
+            rest.sub_(col @ (col.transpose(-1, -2) @ rest))
     return m

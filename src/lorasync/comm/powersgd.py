@@ -26,7 +26,7 @@ in hook i, Q of bucket i at the start of hook i+1 or at the end of the last
 hook; see ``HookSync``); callbacks only compute.
 
 State is per parameter (error e, warm-start Q), independent of DDP's bucket
-layout.  Step 1 of LoRA has exactly-zero lora_A gradients (B starts at 0),
+layout; matrices of equal shape are processed as one batch (bmm).  Step 1 of LoRA has exactly-zero lora_A gradients (B starts at 0),
 which would leave a warm-started Q at zero forever; a Q column that comes
 back all-zero (or non-finite) is re-drawn from a seed every rank shares.
 """
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync.comm import compress as C
-from lorasync.comm.base import HookSync, _Layout, completed, register
+from lorasync.comm.base import HookSync, _Layout, _Residual, completed, register
 
 
 @register
@@ -68,7 +68,7 @@ class PowerSGD(HookSync):
                     self._shape.append((a, b))
                     continue
             self._shape.append(None)
-        self._E: dict[int, torch.Tensor] = {}
+        self._E = _Residual(self.numel, len(self.params))  # zero outside compressed matrices
         self._Q: dict[int, torch.Tensor] = {}
 
     def _new_q(self, i: int, b: int) -> torch.Tensor:
@@ -76,34 +76,51 @@ class PowerSGD(HookSync):
         g = torch.Generator().manual_seed(1_000_003 * i + self._steps)
         return C.orthogonalize_(torch.randn(b, self.opts["rank"], generator=g))
 
+    def _plan(self, lay: _Layout) -> dict[str, Any]:
+        """Per layout: the uncompressed elements, and the compressed matrices
+        grouped by shape (one batched matmul per shape; LoRA has few shapes)."""
+        plan = lay.cache.get("psgd")
+        if plan is not None:
+            return plan
+        unc, groups = [], {}
+        for i, off in zip(lay.pids, lay.offsets):
+            shape = self._shape[i]
+            if shape is None:
+                unc.append(torch.arange(off, off + self._numels[i]))
+            else:
+                groups.setdefault(shape, []).append((i, off))
+        plan_groups, cpos = [], []
+        for (a, b), members in groups.items():
+            ar = torch.arange(a * b)
+            plan_groups.append(dict(a=a, b=b, pids=[i for i, _ in members],
+                                    bidx=torch.cat([ar + off for _, off in members])))
+            cpos.append(torch.cat([ar + self._offsets[i] for i, _ in members]))
+        plan = lay.cache["psgd"] = dict(
+            unc=torch.cat(unc) if unc else torch.empty(0, dtype=torch.long),
+            groups=plan_groups,
+            cpos=torch.cat(cpos) if cpos else torch.empty(0, dtype=torch.long))
+        return plan
+
     def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
         n, k = self.world_size, self.opts["rank"]
         buf = bucket.buffer()
         t0 = time.perf_counter()
-        unc: list[tuple[int, int]] = []                     # (bucket offset, numel)
-        comp: list[tuple[int, int, int, int, torch.Tensor]] = []  # (param, offset, a, b, M)
-        parts: list[torch.Tensor] = []
-        for i, off in zip(lay.pids, lay.offsets):
-            shape = self._shape[i]
-            if shape is None:
-                m = self._numels[i]
-                unc.append((off, m))
-                parts.append(buf[off:off + m])
-        ps: list[torch.Tensor] = []
-        for i, off in zip(lay.pids, lay.offsets):
-            shape = self._shape[i]
-            if shape is None:
-                continue
-            a, b = shape
-            M = buf[off:off + a * b].view(a, b).clone()
-            if i in self._E:
-                M += self._E[i]
-            q = self._Q.get(i) if self.opts["warm_start"] else None
-            if q is None:
-                q = self._new_q(i, b)
-            ps.append(M @ q)
-            comp.append((i, off, a, b, M))
-        payload = torch.cat(parts + [p.reshape(-1) for p in ps])
+        plan = self._plan(lay)
+        groups = plan["groups"]
+        err = self._E.rows(lay, plan["cpos"]) if groups else None
+        ms, ps, pos = [], [], 0
+        for grp in groups:
+            g, a, b = len(grp["pids"]), grp["a"], grp["b"]
+            size = g * a * b
+            m = buf.index_select(0, grp["bidx"]).float().add_(err[pos:pos + size]).view(g, a, b)
+            pos += size
+            qs = [self._Q.get(i) if self.opts["warm_start"] else None for i in grp["pids"]]
+            q = torch.stack([x if x is not None else self._new_q(i, b)
+                             for x, i in zip(qs, grp["pids"])])
+            ms.append(m)
+            ps.append(torch.bmm(m, q))
+        unc = plan["unc"]
+        payload = torch.cat([buf.index_select(0, unc).float()] + [p.reshape(-1) for p in ps])
         self._add_encode(time.perf_counter() - t0)
         self._sent(payload)
         work = dist.all_reduce(payload, group=self.group, async_op=True)
@@ -111,19 +128,19 @@ class PowerSGD(HookSync):
         def phase2() -> torch.futures.Future:
             t1 = time.perf_counter()
             payload.div_(n)
-            pos = 0
-            for off, m in unc:
-                buf[off:off + m].copy_(payload[pos:pos + m])
-                pos += m
-            if not comp:
+            nu = unc.numel()
+            if nu:
+                buf.index_copy_(0, unc, payload[:nu].to(buf.dtype))
+            if not groups:
                 self._add_encode(time.perf_counter() - t1)
                 return completed(buf)
-            pmats, qs = [], []
-            for i, off, a, b, M in comp:
-                P = C.orthogonalize_(payload[pos:pos + a * k].view(a, k).clone())
-                pos += a * k
-                pmats.append(P)
-                qs.append((M.T @ P).reshape(-1))
+            pmats, qs, at = [], [], nu
+            for grp, m in zip(groups, ms):
+                g, a = m.shape[0], grp["a"]
+                p = C.orthogonalize_(payload[at:at + g * a * k].view(g, a, k).clone())
+                at += g * a * k
+                pmats.append(p)
+                qs.append(torch.bmm(m.transpose(1, 2), p).reshape(-1))
             payload2 = torch.cat(qs)
             self._add_encode(time.perf_counter() - t1)
             self._sent(payload2)
@@ -132,18 +149,22 @@ class PowerSGD(HookSync):
             def decode(_f: torch.futures.Future) -> torch.Tensor:
                 t2 = time.perf_counter()
                 payload2.div_(n)
-                qpos = 0
-                for (i, off, a, b, M), P in zip(comp, pmats):
-                    Q = payload2[qpos:qpos + b * k].view(b, k).clone()
-                    qpos += b * k
-                    approx = P @ Q.T
-                    self._E[i] = M - approx
-                    buf[off:off + a * b].copy_(approx.reshape(-1))
-                    ok = torch.isfinite(Q).all() and bool((Q.norm(dim=0) > 0).all())
-                    if ok:
-                        self._Q[i] = Q
-                    else:
-                        self._Q.pop(i, None)
+                qat = epos = 0
+                for grp, m, p in zip(groups, ms, pmats):
+                    g, b = m.shape[0], grp["b"]
+                    q = payload2[qat:qat + g * b * k].view(g, b, k)
+                    qat += g * b * k
+                    approx = torch.bmm(p, q.transpose(1, 2))
+                    size = approx.numel()
+                    torch.sub(m.reshape(-1), approx.reshape(-1), out=err[epos:epos + size])
+                    epos += size
+                    buf.index_copy_(0, grp["bidx"], approx.reshape(-1).to(buf.dtype))
+                    ok = torch.isfinite(q).all(dim=(1, 2)) & (q.norm(dim=1) > 0).all(dim=1)
+                    for i, qi, good in zip(grp["pids"], q.unbind(0), ok.tolist()):
+                        if good:
+                            self._Q[i] = qi.clone()
+                        else:
+                            self._Q.pop(i, None)
                 self._add_encode(time.perf_counter() - t2)
                 return buf
 
@@ -152,8 +173,11 @@ class PowerSGD(HookSync):
         return work.get_future(), phase2
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rank_k": self.opts["rank"],
-                "error": {i: e.clone() for i, e in self._E.items()},
+        # per-parameter residuals of the compressed matrices (others have none)
+        flat = self._E.state()
+        err = {i: flat[self._offsets[i]:self._offsets[i + 1]].view(self._shape[i]).clone()
+               for i in range(len(self.params)) if self._shape[i] is not None}
+        return {**super().state_dict(), "rank_k": self.opts["rank"], "error": err,
                 "q": {i: q.clone() for i, q in self._Q.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,5 +185,9 @@ class PowerSGD(HookSync):
         if state.get("rank_k", self.opts["rank"]) != self.opts["rank"]:
             raise ValueError(f"state_dict: saved with rank={state['rank_k']}, this run has "
                              f"rank={self.opts['rank']}; pass the same rank option")
-        self._E = {int(i): e.clone() for i, e in state["error"].items()}
+        flat = torch.zeros(self.numel)
+        for i, e in state["error"].items():
+            i = int(i)
+            flat[self._offsets[i]:self._offsets[i + 1]] = e.reshape(-1)
+        self._E.load(flat)
         self._Q = {int(i): q.clone() for i, q in state["q"].items()}
