@@ -10,7 +10,8 @@
 trainable parameters are the adapter) and optionally a process group.
 
 Strategies (module): allreduce, none (reference); fp16, bf16 (lowprec);
-int8, onebit (twophase); topk; powersgd; local, diloco (periodic).
+int8, onebit (twophase); topk; powersgd; local, diloco (periodic);
+torch_fp16, torch_powersgd (torch_hooks: torch's own hooks, bench baselines).
 ``wire_bytes_formula`` / ``collectives_formula`` (formula) give the bytes
 and collectives per step without running anything.
 """
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-from lorasync.comm import lowprec, periodic, powersgd, reference, topk, twophase  # noqa: F401  (register)
+from lorasync.comm import (lowprec, periodic, powersgd, reference, topk,  # noqa: F401  (register)
+                           torch_hooks, twophase)
 from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
 from lorasync.comm.formula import collectives_formula, wire_bytes_formula
 
