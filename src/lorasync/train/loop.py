@@ -362,6 +362,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
                    "fp32_bytes": stats["fp32_bytes"] - last_stats["fp32_bytes"],
                    "encode_s": stats["encode_s"] - last_stats["encode_s"],
                    "time": time.time()}
+            if stats.get("switches", 0) != last_stats.get("switches", 0):
+                rec["switch"] = stats.get("last_switch")  # {"from", "to", "reason"} (auto)
             last_stats = stats
             stream.write(rec)
             sinks.write(rec)
