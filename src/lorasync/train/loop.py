@@ -21,8 +21,9 @@ DDP settings chosen for LoRA (and why):
 
 Exposed sync time (``comm_s``): the strategy stamps the moment the last bucket
 became ready (local compute done); whatever the backward pass still waits
-after that, plus the time spent in ``sync.after_step()``, is sync the step
-waited on.
+after that, plus the waiting the strategy itself accounts for (inside
+``after_step`` for periodic sync, inside earlier bucket hooks for two-phase
+schemes: the growth of ``sync.stats()["comm_s"]``), is sync the step waited on.
 """
 
 from __future__ import annotations
@@ -52,6 +53,21 @@ def resolve_backend(name: str) -> str:
         raise LorasyncError("run.backend: 'nccl' needs CUDA GPUs, none found; use "
                             "--backend gloo (or auto)")
     return name
+
+
+def _buffer_sync_kwarg(enabled: bool) -> dict:
+    """DDP's per-forward buffer broadcast switch under its current name.
+
+    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the
+    old name still works, with a warning); older releases only know the old one.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
@@ -239,8 +255,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         f"{time.time() - t_load:.1f} s")
 
     ddp = DDP(model, device_ids=[device.index] if backend == "nccl" else None,
-              init_sync=False, forward_sync_buffers=cfg.comm.broadcast_buffers,
-              bucket_cap_mb=cfg.comm.bucket_mb, find_unused_parameters=False)
+              init_sync=False, bucket_cap_mb=cfg.comm.bucket_mb, find_unused_parameters=False,
+              **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
     try:
         sync = attach(ddp, cfg.comm.strategy, **cfg.comm.options)
     except ValueError as exc:
@@ -347,11 +363,12 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            ta = time.perf_counter()
             sync.after_step()
-            exposed += time.perf_counter() - ta
             step_s = time.perf_counter() - t0
             stats = sync.stats()
+            # what the backward pass could not see: waits inside after_step (periodic
+            # sync) and inside hooks before the last bucket was ready (two-phase)
+            exposed += stats["comm_s"] - last_stats["comm_s"]
             rec = {"step": step, "rank": rank, "world_size": world,
                    "strategy": stats.get("strategy", cfg.comm.strategy),
                    "loss": sum(losses) / len(losses), "lr": sched.get_last_lr()[0],

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""GPU figures for the planner and the README (run on a CUDA machine).
+
+    python bench/gpu_check.py [--steps 10]
+
+1. Compute time of one training step of the embedded default's architecture
+   (SmolLM2-135M config, random weights: the weights do not change the
+   timing) + LoRA r=8 on q/k/v/o, batch 4 x 64 tokens, fp32 and bf16
+   autocast: the compute_s a GPU node brings to the cost model.  A GPU step
+   is ~100x shorter than a CPU one, so the same 3.7 MB sync dominates sooner.
+2. Encode+decode time of lorasync's compressors on the 921,600-value adapter
+   gradient on the GPU (int8, onebit, topk 1%).
+Medians over repeats, CUDA-synchronised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from lorasync.comm import compress as C  # noqa: E402
+from lorasync.config import LoraSettings  # noqa: E402
+from lorasync.train.model import add_lora  # noqa: E402
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def step_time(steps: int, bf16: bool) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig.from_json_file(os.path.join(os.path.dirname(__file__), "assets",
+                                                  "smollm2-135m-config.json"))
+    torch.manual_seed(0)
+    model = add_lora(LlamaForCausalLM(cfg), LoraSettings(), seed=0).cuda()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, cfg.vocab_size, (4, 64), device="cuda")
+
+    def one():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    timed(one, 3)  # warm-up
+    t = timed(one, steps)
+    return {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+
+
+def codecs(repeats: int) -> dict:
+    n = 921_600
+    x = torch.randn(n, device="cuda")
+    res = {}
+    for name, block in (("int8", 256), ("onebit", 512)):
+        bid, nb = C.uniform_block_ids(n, block)
+        bid = bid.cuda() if isinstance(bid, torch.Tensor) else bid
+        if name == "int8":
+            fn = lambda: C.int8_decode(*C.int8_encode(x, bid, nb), bid)  # noqa: E731
+        else:
+            fn = lambda: C.onebit_decode(*C.onebit_encode(x, bid, nb)[:2], bid)  # noqa: E731
+        fn()
+        res[name] = statistics.median(timed(fn, repeats))
+    k = n // 100
+    fn = lambda: C.topk_decode(*C.topk_encode(x, k), n)  # noqa: E731
+    fn()
+    res["topk_1pct"] = statistics.median(timed(fn, repeats))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: run this on a GPU machine")
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "step_fp32": step_time(a.steps, False), "step_bf16": step_time(a.steps, True),
+           "codec_s": codecs(20)}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
