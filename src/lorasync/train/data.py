@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from lorasync.errors import DataError
 
 __all__ = ["Example", "demo_rows", "read_jsonl", "encode_rows", "load_datasets",
-           "step_batches", "steps_per_epoch", "collate"]
+           "batches_at", "step_batches", "steps_per_epoch", "collate"]
 
 IGNORE = -100
 
@@ -214,22 +214,41 @@ def steps_per_epoch(n: int, global_batch: int) -> int:
     return n // global_batch
 
 
-def step_batches(step: int, *, n: int, seed: int, rank: int, world: int, batch_size: int,
-                 grad_accum: int) -> list[list[int]]:
-    """Example indices of this rank's micro-batches for optimizer step ``step`` (1-based).
-
-    Each epoch is a permutation of the data seeded by (seed, epoch); a step
-    takes the next world*batch*accum of it and rank r gets every world-th one,
-    so the union over ranks is exactly one global batch.
-    """
+def _permutation(seed: int, epoch: int, n: int):
     import numpy as np
 
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def batches_at(offset: int, *, n: int, seed: int, rank: int, world: int, batch_size: int,
+               grad_accum: int) -> list[list[int]]:
+    """This rank's micro-batches of the global batch that starts at sample ``offset``.
+
+    The data is an endless stream of permutations, one per epoch, seeded by
+    (seed, epoch); a step takes the next world*batch*accum samples of it and
+    rank r gets every world-th one, so the union over ranks is exactly one
+    global batch.  Only the offset (samples consumed so far) is needed to
+    know what comes next, which makes resume exact, also when the number of
+    micro-batches per step changes during the run (adaptive accumulation).
+    """
     g = world * batch_size * grad_accum
-    spe = steps_per_epoch(n, g)
-    epoch, off = divmod(step - 1, spe)
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    mine = perm[off * g:(off + 1) * g][rank::world].tolist()
+    idx: list[int] = []
+    pos = offset
+    while len(idx) < g:
+        epoch, off = divmod(pos, n)
+        take = min(g - len(idx), n - off)
+        idx += _permutation(seed, epoch, n)[off:off + take].tolist()
+        pos += take
+    mine = idx[rank::world]
     return [mine[i * batch_size:(i + 1) * batch_size] for i in range(grad_accum)]
+
+
+def step_batches(step: int, *, n: int, seed: int, rank: int, world: int, batch_size: int,
+                 grad_accum: int) -> list[list[int]]:
+    """``batches_at`` for step ``step`` (1-based) of a run with fixed accumulation."""
+    offset = (step - 1) * world * batch_size * grad_accum
+    return batches_at(offset, n=n, seed=seed, rank=rank, world=world, batch_size=batch_size,
+                      grad_accum=grad_accum)
 
 
 def collate(examples: list[Example], pad_id: int):

@@ -205,7 +205,7 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
     from lorasync.monitor.metrics import RankStream, write_merged
     from lorasync.monitor.sinks import open_sinks
     from lorasync.train import checkpoint as ckpt
-    from lorasync.train.data import collate, load_datasets, step_batches, steps_per_epoch
+    from lorasync.train.data import batches_at, collate, load_datasets, steps_per_epoch
     from lorasync.train.model import adapter_param_count, add_lora, load_base
 
     rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
@@ -230,6 +230,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         raise LorasyncError(f"--resume: {run_dir} has no complete checkpoint; start a new run "
                             "without --resume")
     start_step = 0
+    sample_offset = 0  # global samples consumed: the data position
+    accum = tc.grad_accum
     meta: dict = {}
     if resume_from:
         meta = ckpt.read_meta(resume_from)
@@ -281,6 +283,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         sched.load_state_dict(st["scheduler"])
         sync.load_state_dict(st["sync"])
         _set_rng_state(st["rng"])
+        sample_offset = st.get("sample_offset", start_step * global_batch)
+        accum = st.get("grad_accum", accum)
         log(f"resumed from {resume_from} at step {start_step}")
 
     if not resume_from:
@@ -320,7 +324,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         state = {"adapter": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
                              if "lora_" in n},
                  "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "sync": sync.state_dict(), "rng": _rng_state(), "step": step}
+                 "sync": sync.state_dict(), "rng": _rng_state(), "step": step,
+                 "sample_offset": sample_offset, "grad_accum": accum}
         ckpt.save(run_dir, step, state, {"eval_before": eval_before, "total_steps": total_steps},
                   rank=rank, local_rank=local_rank, world_size=world, barrier=barrier,
                   keep=tc.keep_ckpts)
@@ -336,8 +341,9 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
     try:
         for step in range(start_step + 1, end_step + 1):
             t0 = time.perf_counter()
-            micro = step_batches(step, n=len(train_set), seed=tc.seed, rank=rank, world=world,
-                                 batch_size=tc.batch_size, grad_accum=tc.grad_accum)
+            micro = batches_at(sample_offset, n=len(train_set), seed=tc.seed, rank=rank,
+                               world=world, batch_size=tc.batch_size, grad_accum=accum)
+            sample_offset += world * tc.batch_size * accum
             losses, samples, tokens, data_s, exposed = [], 0, 0, 0.0, 0.0
             for i, idx in enumerate(micro):
                 td = time.perf_counter()
