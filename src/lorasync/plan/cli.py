@@ -36,6 +36,11 @@ from lorasync.plan.units import (
     fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate, parse_size,
 )
 
+
+from lorasync.config import CommConfig as _CommConfig
+
+_TRAIN_BUCKET_MB = _CommConfig().bucket_mb  # one source of truth: the trainer's default
+
 __all__ = ["add_arguments", "run", "build_plan", "format_plan"]
 
 #: DESIGN.md: SmolLM2-135M + LoRA r=8, 4 x 64 tokens per rank per step on one
@@ -86,8 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 4)")
     g.add_argument("--backward-share", type=float, default=2 / 3, metavar="F",
                    help="share of compute in the backward pass (default 0.667)")
-    g.add_argument("--bucket-mb", type=float, default=4.0, metavar="MB",
-                   help="DDP bucket size in MiB, as the trainer's --bucket-mb (default 4)")
+    g.add_argument("--bucket-mb", type=float, default=_TRAIN_BUCKET_MB, metavar="MB",
+                   help="DDP bucket size in MiB, as the trainer's --bucket-mb "
+                        f"(default {_TRAIN_BUCKET_MB:g}, the trainer's default)")
     g.add_argument("--first-bucket-mb", type=float, metavar="MB",
                    help="first bucket's cap (plain DDP with default buckets: 1)")
 
