@@ -14,7 +14,7 @@ from lorasync.plan.costmodel import (
 from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, Link, Measurements, choose, net_from_probe, plan, rank, what_if_net,
 )
-from lorasync.plan.units import parse_count, parse_duration, parse_rate, parse_size
+from lorasync.plan.units import parse_count, parse_size
 
 N = 921_600
 SMOL = lora_matrices(MODELS["smollm2-135m"], 8)
@@ -258,34 +258,7 @@ def test_bad_probe_names_the_field(probe, field):
 
 # --------------------------------------------------------------------------- units
 
-@pytest.mark.parametrize("text, Bps", [
-    ("10mbit", 1.25e6), ("1gbit", 1.25e8), ("100Mbit/s", 1.25e7), ("12.5MB/s", 12.5e6),
-    ("1Gbps", 1.25e8), ("10kbit", 1250), ("1MiB/s", 1 << 20), ("100gbit", 1.25e10),
-])
-def test_parse_rate(text, Bps):
-    assert parse_rate(text) == pytest.approx(Bps)
-
-
-@pytest.mark.parametrize("text", ["10", "mbit", "10mbps", "10 furlongs", "-1mbit", "0mbit"])
-def test_parse_rate_rejects(text):
-    with pytest.raises(ConfigError) as e:
-        parse_rate(text, "--rate")
-    assert e.value.field == "--rate"
-
-
-@pytest.mark.parametrize("text, s", [("30ms", 0.03), ("0.03s", 0.03), ("200us", 2e-4),
-                                     ("1min", 60.0), ("0ms", 0.0)])
-def test_parse_duration(text, s):
-    assert parse_duration(text) == pytest.approx(s)
-
-
-def test_parse_duration_needs_a_unit_unless_seconds_are_the_default():
-    with pytest.raises(ConfigError):
-        parse_duration("30", "--rtt")
-    assert parse_duration("1.25", "--compute-s", bare_seconds=True) == 1.25
-    with pytest.raises(ConfigError):
-        parse_duration("0", "--compute-s", bare_seconds=True, allow_zero=False)
-
+# Rates and durations: the table for every command is in test_units.py.
 
 def test_parse_size_and_count():
     assert parse_size("3MiB") == 3 * MiB

@@ -42,15 +42,15 @@ def values(root):
     return {k: h.sysctl(k) for k in tune.SYSCTL_SCOPE}
 
 
-@pytest.mark.parametrize("text,bps", [
-    ("100mbit", 100e6), ("10gbit", 10e9), ("1Gb/s", 1e9), ("125MB/s", 1e9), ("12.5mbps", 100e6),
-    ("20 mbit", 20e6), ("1e9bit", 1e9),
-])
+# The spellings are tested once, for every command, in test_units.py; here
+# tune's own: the field names, bits/s, a unit always required.
+
+@pytest.mark.parametrize("text,bps", [("100mbit", 100e6), ("10gbit", 10e9), ("125MB/s", 1e9)])
 def test_parse_rate(text, bps):
     assert tune.parse_rate(text) == pytest.approx(bps)
 
 
-@pytest.mark.parametrize("text", ["100", "fast", "-1mbit", "0mbit", "10 furlongs"])
+@pytest.mark.parametrize("text", ["100", "fast", "-1mbit", "0mbit", "10 furlongs", "12.5mbps"])
 def test_parse_rate_rejects(text):
     with pytest.raises(ConfigError, match="--rate"):
         tune.parse_rate(text)
@@ -58,12 +58,14 @@ def test_parse_rate_rejects(text):
 
 def test_parse_duration_and_tc_rate():
     assert tune.parse_duration("40ms") == pytest.approx(0.04)
-    assert tune.parse_duration("250us") == pytest.approx(250e-6)
-    assert tune.parse_duration("1.5s") == 1.5
     with pytest.raises(ConfigError, match="--rtt"):
         tune.parse_duration("40")
+    with pytest.raises(ConfigError, match="--rtt"):
+        tune.parse_duration("-1ms")
     assert tune.tc_rate(10e9) == "10gbit" and tune.tc_rate(100e6) == "100mbit"
     assert tune.tc_rate(1.5e6) == "1500kbit"
+    for bps in (10e9, 100e6, 1.5e6, 123e3):  # what tc_rate writes, --rate reads back
+        assert tune.parse_rate(tune.tc_rate(bps)) == pytest.approx(bps, rel=1e-3)
 
 
 def test_scope_table_matches_what_the_kernel_does_here():

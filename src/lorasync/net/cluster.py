@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
+from lorasync.plan.units import parse_duration, parse_rate_bps
 
 __all__ = [
     "Cluster",
@@ -78,35 +79,14 @@ _MAX_GSO = 65536  # largest skb TCP hands a veth; queues must hold a few
 
 # ---------------------------------------------------------------- parsing
 
-_RATE_UNITS = {  # tc's decimal units; bits unless marked B/s
-    "": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-    "k": 10**3, "m": 10**6, "g": 10**9,
-    "kibit": 2**10, "mibit": 2**20, "gibit": 2**30,
-    "b/s": 8, "kb/s": 8 * 10**3, "mb/s": 8 * 10**6, "gb/s": 8 * 10**9,
-}
-
-
 def parse_rate(text: str | int | float, field: str = "rate") -> int:
-    """``"100mbit"`` -> 100_000_000 (bits/s).
+    """``"100mbit"`` -> 100_000_000 (bits/s), for tc.
 
-    Units as tc writes them: bit, kbit, mbit, gbit, tbit (decimal), kibit,
-    mibit, gibit; bytes as ``MB/s``.  ``mbps`` is refused because tc reads it
-    as megabytes and people mean megabits.
+    The units are :mod:`lorasync.plan.units`' (the same for every command;
+    ``mbps`` is refused as ambiguous); as in tc a bare number is bits/s.
+    Only the range is this module's: tc/htb shapes 8kbit..100gbit.
     """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        s = str(text).strip().lower().replace(" ", "")
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z/]*)", s)
-        if not m:
-            raise ConfigError(field, text, "write a rate such as 10mbit, 100mbit or 1gbit")
-        num, unit = m.groups()
-        if unit.endswith("bps"):
-            raise ConfigError(field, text, f"'{unit}' is ambiguous (tc reads it as bytes/s); "
-                              f"write {num}{unit[:-3]}bit for bits/s or {num}{unit[:-3].upper()}B/s for bytes/s")
-        if unit not in _RATE_UNITS:
-            raise ConfigError(field, text, "unknown unit; use bit, kbit, mbit, gbit or MB/s")
-        value = float(num) * _RATE_UNITS[unit]
+    value = parse_rate_bps(text, field, bare_bits=True)
     if not 8000 <= value <= 100e9:
         raise ConfigError(field, text, "must be between 8kbit and 100gbit")
     return int(value)
@@ -124,14 +104,11 @@ def format_rate(bps: float | None) -> str:
 
 
 def parse_delay(text: str | int | float, field: str = "delay") -> float:
-    """``"20ms"`` -> 0.02 (seconds); also ``us``, ``s``; bare numbers are ms, like tc."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)(us|ms|s|)", str(text).strip().lower())
-        if not m:
-            raise ConfigError(field, text, "write a time such as 20ms, 500us or 0.1s")
-        value = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1e-3}[m.group(2)]
+    """``"20ms"`` -> 0.02 (seconds), units as :func:`lorasync.plan.units.parse_duration`;
+    a bare number in a string is ms, like tc; an int/float is seconds (``ClusterSpec.delay_s``).
+    """
+    numeric = isinstance(text, (int, float)) and not isinstance(text, bool)
+    value = parse_duration(text, field, bare="s" if numeric else "ms")
     if not 0 <= value <= 5:
         raise ConfigError(field, text, "must be between 0 and 5s")
     return value

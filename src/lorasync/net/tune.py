@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +27,8 @@ from typing import Callable
 
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.net.hostinfo import HostInfo
+from lorasync.plan.units import parse_duration as _parse_duration
+from lorasync.plan.units import parse_rate_bps
 
 __all__ = [
     "SYSCTL_SCOPE",
@@ -106,35 +107,17 @@ class Recommendation:
 
 
 # -- units -------------------------------------------------------------------
-_RATE_UNITS = {  # tc(8) spelling: "bit" units are bits, "bps" units are BYTES per second
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9,  # lower-cased "Mb/s": bits
-}
-
-
 def parse_rate(text: str, field: str = "--rate") -> float:
-    """A link rate in bits per second: ``100mbit``, ``10gbit``, ``1Gb/s``,
-    ``12.5MB/s`` (bytes), or tc's ``mbps`` (= megaBYTES per second)."""
-    s = str(text).strip()
-    m = re.fullmatch(r"([\d.]+(?:e[+-]?\d+)?)\s*([A-Za-z/]*)", s)
-    if m:
-        num, unit = float(m.group(1)), m.group(2)
-        if re.fullmatch(r"[kKmMgGtT]?B/s", unit):  # capital B: bytes
-            mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit[:-3].lower()] * 8
-        else:
-            mult = _RATE_UNITS.get(unit.lower())
-        if mult and num > 0:
-            return num * mult
-    raise ConfigError(field, text, "give a rate with a unit, e.g. 100mbit, 10gbit, 1Gb/s or 125MB/s")
+    """A link rate in bits per second (``100mbit``, ``1Gb/s``, ``12.5MB/s``):
+    :func:`lorasync.plan.units.parse_rate_bps`, the rule every command shares
+    (``mbps`` is refused as ambiguous; a unit is required)."""
+    return parse_rate_bps(text, field)
 
 
 def parse_duration(text: str, field: str = "--rtt") -> float:
-    """A duration in seconds: ``40ms``, ``0.5s``, ``250us``."""
-    m = re.fullmatch(r"\s*([\d.]+(?:e[+-]?\d+)?)\s*(s|ms|us|µs|ns)\s*", str(text))
-    if not m or float(m.group(1)) < 0:
-        raise ConfigError(field, text, "give a duration with a unit, e.g. 40ms, 0.2s or 500us")
-    return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}[m.group(2)]
+    """A duration in seconds (``40ms``, ``0.5s``, ``250us``), unit required:
+    :func:`lorasync.plan.units.parse_duration`."""
+    return _parse_duration(text, field)
 
 
 def format_rate(bps: float) -> str:

@@ -1,19 +1,32 @@
 """Parsing and printing of rates, durations, sizes and counts (pure, no I/O).
 
-One place for the units the planner accepts, so that ``--rate 10mbit`` means
-the same everywhere:
+The one place for the units every command accepts, so that ``--rate 100mbit``
+means the same to ``plan``, ``tune``, ``doctor``, ``cluster`` and ``bench``
+(``net.cluster`` and ``net.tune`` call these parsers and only add their own
+range checks):
 
-* rates: ``10mbit``, ``1gbit``, ``100Mbit/s``, ``1Gbps``, ``12.5MB/s``,
-  ``1MiB/s``.  ``bit`` and ``bps`` (with a capital or ``k`` prefix) are bits,
-  ``B`` is bytes; prefixes are decimal (k, M, G, T), ``Ki``/``Mi``/``Gi`` are
-  binary.  Lower-case ``mbps``/``gbps`` are refused: ``tc`` reads them as
-  *bytes* per second and most people mean bits, so the user must say which.
-* durations: ``30ms``, ``0.03s``, ``200us``, ``1min``; a bare number is
-  refused for latencies (``--rtt 30`` is almost always a mistake).
+* rates (:func:`parse_rate_bps` -> bits/s, :func:`parse_rate_Bps` -> bytes/s):
+
+  - bits: tc's ``bit kbit mbit gbit tbit`` and ``kibit mibit gibit tibit``
+    (prefix in any case, ``/s`` optional: ``100Mbit/s``), and ``Kb/s Mb/s
+    Gb/s Tb/s`` / ``Kbps Mbps Gbps Tbps`` with a *capital* prefix;
+  - bytes: a capital ``B`` with ``/s`` or ``ps``: ``12.5MB/s``, ``1MiB/s``,
+    ``125MBps``;
+  - refused as ambiguous: a lower-case ``b`` after a lower-case or no prefix,
+    ``mbps kbps gbps bps mb/s kb/s b/s``: tc reads ``mbps`` as megaBYTES/s,
+    most people mean megabits; the error says to write ``100mbit`` or
+    ``12.5MB/s``;
+  - prefixes are decimal (k/K, m/M, g/G, t/T: ``m`` is mega, as in tc),
+    ``Ki Mi Gi Ti`` binary; a bare number is refused unless the caller passes
+    ``bare_bits=True`` (tc's convention, bits/s: ``cluster``).
+* durations (:func:`parse_duration` -> seconds): ``30ms``, ``0.03s``,
+  ``200us``, ``1min``, ``2h`` (unit in any case); a bare number is refused
+  unless the caller names its unit with ``bare="s"`` or ``bare="ms"``
+  (``cluster``'s delay keeps tc's bare milliseconds).
 * sizes: ``4MiB``, ``3.7MB``, ``65536``.
 * counts: ``921600``, ``921_600``, ``0.92M``, ``7B``-style suffixes k/M/G.
 
-Every parser raises ``lorasync.errors.ConfigError`` naming the field.
+Every parser raises ``lorasync.errors.ConfigError(field, value, fix)``.
 """
 
 from __future__ import annotations
@@ -24,21 +37,20 @@ import re
 from lorasync.errors import ConfigError
 
 __all__ = [
-    "parse_rate", "parse_duration", "parse_size", "parse_count",
-    "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count",
+    "parse_rate_bps", "parse_rate_Bps", "parse_rate", "parse_duration", "parse_size",
+    "parse_count", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count",
 ]
 
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _DEC = {"": 1.0, "k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "g": 1e9, "G": 1e9, "t": 1e12, "T": 1e12}
 _BIN = {"Ki": 1024.0, "Mi": 1024.0**2, "Gi": 1024.0**3, "Ti": 1024.0**4}
 
-_RATE_FIX = "write a number and a unit, e.g. 10mbit, 1gbit, 100Mbit/s, 1Gbps or 12.5MB/s"
+_RATE_FIX = "write a number and a unit, e.g. 10mbit, 1gbit, 100Mbit/s or 12.5MB/s"
 
 
-def _split(text: str, field: str, fix: str) -> tuple[float, str]:
-    if not isinstance(text, str):
-        text = str(text)
-    m = re.fullmatch(r"\s*" + _NUM + r"\s*([A-Za-zµ/]*)\s*", text)
+def _split(text, field: str, fix: str) -> tuple[float, str]:
+    s = text if isinstance(text, str) else str(text)
+    m = re.fullmatch(r"\s*" + _NUM + r"\s*([A-Za-zµ/]*)\s*", s)
     if not m:
         raise ConfigError(field, text, fix)
     value = float(m.group(1))
@@ -47,53 +59,125 @@ def _split(text: str, field: str, fix: str) -> tuple[float, str]:
     return value, m.group(2)
 
 
-def parse_rate(text: str, field: str = "rate") -> float:
-    """A link rate -> bytes per second."""
-    value, unit = _split(text, field, _RATE_FIX)
-    u = unit[:-2] if unit.endswith("/s") else unit
-    if not u:
-        raise ConfigError(field, text, "give a unit: " + _RATE_FIX)
-    bits: bool
-    if u.lower().endswith("bit"):                       # 10mbit, 100Mbit/s, 1Gibit
-        bits, prefix = True, u[:-3]
-    elif u.endswith("bps") and u[:-3] in ("", "k", "K", "M", "G", "T"):   # 1Gbps (bits)
-        bits, prefix = True, u[:-3]
-    elif u.endswith("bps"):                             # mbps / gbps: tc says bytes
-        raise ConfigError(field, text, "ambiguous (tc reads 'mbps' as bytes/s): write "
-                          "10mbit or 10Mbit/s for bits, 1.25MB/s for bytes")
-    elif u.endswith("Bps") or u.endswith("B"):          # 12.5MB/s, 12.5MBps, 1MiB/s
-        bits, prefix = False, u[:-3] if u.endswith("Bps") else u[:-1]
-    else:
+def _prefix_scale(prefix: str) -> float | None:
+    if len(prefix) == 2 and prefix[1] in "iI":          # kibit, MiB/s: binary
+        return _BIN.get(prefix[0].upper() + "i")
+    return _DEC.get(prefix)
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _rate_bits(text, field: str, bare_bits: bool) -> float:
+    """The one rate rule; returns bits per second."""
+    if isinstance(text, bool):
         raise ConfigError(field, text, _RATE_FIX)
-    scale = _BIN.get(prefix) or _BIN.get(prefix[:1].upper() + prefix[1:]) or _DEC.get(prefix)
+    if isinstance(text, (int, float)):
+        if not bare_bits:
+            raise ConfigError(field, text, "give a unit: " + _RATE_FIX)
+        value, unit = float(text), ""
+    else:
+        value, unit = _split(text, field, _RATE_FIX)
+    per_s = unit.endswith("/s")
+    u = unit[:-2] if per_s else unit
+    if not u:
+        if per_s or not bare_bits:
+            raise ConfigError(field, text, f"give a unit: {_num(value)}mbit for megabits/s, "
+                              f"{_num(value)}MB/s for megabytes/s")
+        bits, prefix = True, ""
+    elif u.lower().endswith("bits"):                    # 10Mbits/s
+        bits, prefix = True, u[:-4]
+    elif u.lower().endswith("bit"):                     # 10mbit, 100Mbit/s, 1Gibit
+        bits, prefix = True, u[:-3]
+    elif u.endswith("Bps") or (per_s and u.endswith("B")):   # 12.5MB/s, 125MBps, 1MiB/s
+        bits, prefix = False, u[:-3] if u.endswith("Bps") else u[:-1]
+    elif u.endswith("bps") or (per_s and u.endswith("b")):   # Mbps, Gb/s; mbps is ambiguous
+        bits, prefix = True, u[:-3] if u.endswith("bps") else u[:-1]
+        if not prefix[:1].isupper():
+            p = prefix.lower()
+            mbit = f"{_num(value)}{p}bit"
+            mbyte = f"{_num(value)}{p[:1].upper()}{p[1:]}B/s"
+            scale = _prefix_scale(p) or 1.0
+            as_bytes = _fmt_Bps(value * scale / 8)
+            raise ConfigError(field, text,
+                              f"'{unit}' is ambiguous (tc reads it as bytes/s, most people mean "
+                              f"bits/s): write {mbit} for bits/s (= {as_bytes}) or {mbyte} for "
+                              f"bytes/s")
+    else:
+        raise ConfigError(field, text, "unknown unit " + repr(unit) + "; " + _RATE_FIX)
+    scale = _prefix_scale(prefix)
     if scale is None:
         raise ConfigError(field, text, "unknown prefix " + repr(prefix) + "; " + _RATE_FIX)
-    bps = value * scale / (8.0 if bits else 1.0)
-    if bps <= 0:
-        raise ConfigError(field, text, "a rate must be > 0")
-    return bps
+    rate = value * scale * (1.0 if bits else 8.0)
+    if rate <= 0:
+        raise ConfigError(field, text, "a rate must be > 0, e.g. 10mbit")
+    return rate
+
+
+def _fmt_Bps(Bps: float) -> str:
+    """Bytes/s as the shortest decimal ``MB/s``-style spelling: ``12.5MB/s``."""
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if Bps >= scale:
+            return f"{Bps / scale:g}{unit}"
+    return f"{Bps:g}B/s"
+
+
+def parse_rate_bps(text, field: str = "rate", *, bare_bits: bool = False) -> float:
+    """A link rate -> BITS per second (``"100mbit"`` -> 1e8).
+
+    ``bare_bits``: a bare number (``"8000"``, or an int/float) is bits/s, as
+    in tc; otherwise a unit is required.
+    """
+    return _rate_bits(text, field, bare_bits)
+
+
+def parse_rate_Bps(text, field: str = "rate", *, bare_bits: bool = False) -> float:
+    """A link rate -> BYTES per second (``"100mbit"`` -> 1.25e7); same rules as
+    :func:`parse_rate_bps`."""
+    return _rate_bits(text, field, bare_bits) / 8.0
+
+
+def parse_rate(text, field: str = "rate") -> float:
+    """Bytes per second: the planner's historical name for :func:`parse_rate_Bps`."""
+    return parse_rate_Bps(text, field)
 
 
 _TIME = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9,
          "min": 60.0, "h": 3600.0}
+_DURATION_FIX = "write a number and a unit, e.g. 30ms, 0.03s or 200us"
 
 
 def parse_duration(text, field: str = "time", bare_seconds: bool = False,
-                   allow_zero: bool = True) -> float:
-    """A duration -> seconds.  A bare number is seconds only if ``bare_seconds``."""
-    fix = "write a number and a unit, e.g. 30ms, 0.03s or 200us"
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+                   allow_zero: bool = True, *, bare: str | None = None) -> float:
+    """A duration -> seconds.
+
+    A bare number (or an int/float) is refused unless the caller says what it
+    is: ``bare="s"`` (or the older ``bare_seconds=True``) or ``bare="ms"``
+    (tc's convention).  Negative durations are refused, zero unless
+    ``allow_zero``.
+    """
+    if bare_seconds:
+        bare = bare or "s"
+    if bare is not None and bare not in _TIME:
+        raise ValueError(f"bare={bare!r}: not a time unit")
+    if isinstance(text, bool):
+        raise ConfigError(field, text, _DURATION_FIX)
+    if isinstance(text, (int, float)):
         value, unit = float(text), ""
+        if not math.isfinite(value):
+            raise ConfigError(field, text, _DURATION_FIX)
     else:
-        value, unit = _split(text, field, fix)
+        value, unit = _split(text, field, _DURATION_FIX)
     if not unit:
-        if not bare_seconds:
-            raise ConfigError(field, text, "give a unit: " + fix)
-        seconds = value
-    elif unit in _TIME:
-        seconds = value * _TIME[unit]
+        if bare is None:
+            raise ConfigError(field, text, f"give a unit: {_num(value)}ms or {_num(value)}s")
+        seconds = value * _TIME[bare]
     else:
-        raise ConfigError(field, text, fix)
+        u = unit if unit in _TIME else unit.lower()
+        if u not in _TIME:
+            raise ConfigError(field, text, "unknown unit " + repr(unit) + "; " + _DURATION_FIX)
+        seconds = value * _TIME[u]
     if seconds < 0 or (seconds == 0 and not allow_zero):
         raise ConfigError(field, text, "must be > 0" if not allow_zero else "must be >= 0")
     return seconds

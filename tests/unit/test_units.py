@@ -1,0 +1,160 @@
+"""The one table of rate and duration spellings (lorasync.plan.units), and the
+check that every command that takes a rate or a time reads it the same way:
+``cluster`` (bits/s, tc's 8kbit..100gbit, bare numbers = bits and ms),
+``tune``/``doctor`` (bits/s, --rate/--rtt) and ``plan`` (bytes/s).  The callers'
+own tests check only their ranges and conventions."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorasync.errors import ConfigError
+from lorasync.net import cluster, tune
+from lorasync.plan import units
+from lorasync.plan.units import parse_duration, parse_rate, parse_rate_Bps, parse_rate_bps
+
+# text -> bits per second
+RATES = [
+    ("100mbit", 1e8), ("100Mbit", 1e8), ("100MBIT", 1e8), ("100Mbit/s", 1e8), ("100Mbits/s", 1e8),
+    ("100Mb/s", 1e8), ("100Mbps", 1e8), ("1Gbps", 1e9), ("1Gb/s", 1e9), ("10Kbps", 1e4),
+    ("10gbit", 1e10), ("1.5gbit", 1.5e9), ("500kbit", 5e5), ("10kbit", 1e4), ("8000bit", 8000),
+    ("1tbit", 1e12), ("100gbit", 1e11), ("1kibit", 1024), ("1mibit", 2**20), ("1Gibit", 2**30),
+    ("12.5MB/s", 1e8), ("125MB/s", 1e9), ("125MBps", 1e9), ("1MiB/s", 8 * 2**20), ("10kB/s", 8e4),
+    (" 2 gbit ", 2e9), ("20 mbit", 2e7), ("1e9bit", 1e9),
+]
+
+# text -> a piece of the fix; bare numbers are in BARE_RATES (cluster reads them as bits)
+BAD_RATES = [
+    ("100mbps", "ambiguous"), ("12.5mbps", "ambiguous"), ("100kbps", "ambiguous"),
+    ("1gbps", "ambiguous"), ("100bps", "ambiguous"), ("100mb/s", "ambiguous"),
+    ("100kb/s", "ambiguous"), ("mbit", "10mbit"), ("fast", "10mbit"), ("", "10mbit"),
+    ("100 furlongs", "unit"), ("-5mbit", "10mbit"), ("0mbit", "> 0"), ("100m", "unit"),
+    ("12.5MB", "unit"), ("1Xbit", "prefix"), ("100Mbit/h", "unit"),
+]
+BARE_RATES = ["100", "8000", "1e6"]
+
+# text -> seconds
+DURATIONS = [
+    ("30ms", 0.03), ("0.03s", 0.03), ("200us", 2e-4), ("200µs", 2e-4), ("100ns", 1e-7),
+    ("1sec", 1.0), ("1.5s", 1.5), ("1min", 60.0), ("2h", 7200.0), ("0ms", 0.0), ("20MS", 0.02),
+    ("250 us", 250e-6), ("5s", 5.0),
+]
+BAD_DURATIONS = [("ms", "30ms"), ("20 parsecs", "unit"), ("-1ms", "30ms"), ("", "30ms"),
+                 ("1 fortnight", "unit")]
+BARE_DURATIONS = ["30", "0.5"]
+
+
+# --------------------------------------------------------------------------- rates
+
+@pytest.mark.parametrize("text, bps", RATES)
+def test_rate_in_bits_and_bytes(text, bps):
+    assert parse_rate_bps(text) == pytest.approx(bps)
+    assert parse_rate_Bps(text) == pytest.approx(bps / 8)
+    assert parse_rate(text) == parse_rate_Bps(text)  # the planner's name: bytes/s
+
+
+@pytest.mark.parametrize("text, hint", BAD_RATES)
+def test_rate_refused_names_field_value_and_fix(text, hint):
+    for parse in (parse_rate_bps, parse_rate_Bps):
+        with pytest.raises(ConfigError) as e:
+            parse(text, "--rate")
+        assert e.value.field == "--rate" and e.value.value == text and hint in e.value.fix
+        assert str(e.value).startswith("--rate: ")
+
+
+def test_mbps_fix_says_what_to_write():
+    with pytest.raises(ConfigError) as e:
+        parse_rate_bps("100mbps", "--rate")
+    assert "100mbit" in e.value.fix and "12.5MB/s" in e.value.fix and "100MB/s" in e.value.fix
+    with pytest.raises(ConfigError) as e:
+        parse_rate_bps("1gbps")
+    assert "1gbit" in e.value.fix and "125MB/s" in e.value.fix
+
+
+@pytest.mark.parametrize("text", BARE_RATES + [8000, 1.5e6])
+def test_bare_rate_needs_the_callers_word(text):
+    with pytest.raises(ConfigError, match="unit"):
+        parse_rate_bps(text)
+    assert parse_rate_bps(text, bare_bits=True) == pytest.approx(float(text))
+    assert parse_rate_Bps(text, bare_bits=True) == pytest.approx(float(text) / 8)
+
+
+@pytest.mark.parametrize("text", ["100mbps", "100mb/s", "fast", True])
+def test_bare_bits_does_not_loosen_anything_else(text):
+    with pytest.raises(ConfigError):
+        parse_rate_bps(text, bare_bits=True)
+
+
+# --------------------------------------------------------------------------- durations
+
+@pytest.mark.parametrize("text, s", DURATIONS)
+def test_duration(text, s):
+    assert parse_duration(text) == pytest.approx(s)
+
+
+@pytest.mark.parametrize("text, hint", BAD_DURATIONS)
+def test_duration_refused_names_field_value_and_fix(text, hint):
+    with pytest.raises(ConfigError) as e:
+        parse_duration(text, "--rtt")
+    assert e.value.field == "--rtt" and e.value.value == text and hint in e.value.fix
+
+
+@pytest.mark.parametrize("text", BARE_DURATIONS + [30, 0.5])
+def test_bare_duration_needs_the_callers_unit(text):
+    with pytest.raises(ConfigError) as e:
+        parse_duration(text, "--rtt")
+    assert "ms" in e.value.fix and "s" in e.value.fix
+    assert parse_duration(text, bare="s") == pytest.approx(float(text))
+    assert parse_duration(text, bare_seconds=True) == pytest.approx(float(text))
+    assert parse_duration(text, bare="ms") == pytest.approx(float(text) / 1000)
+
+
+def test_duration_zero_and_sign():
+    assert parse_duration("1.25", "--compute-s", bare_seconds=True) == 1.25
+    with pytest.raises(ConfigError, match="> 0"):
+        parse_duration("0", "--compute-s", bare_seconds=True, allow_zero=False)
+    with pytest.raises(ConfigError, match=">= 0"):
+        parse_duration(-1.0, bare="s")
+    with pytest.raises(ConfigError):
+        parse_duration(True, bare="s")
+    with pytest.raises(ValueError):
+        parse_duration("1", bare="parsecs")
+
+
+# --------------------------------------------------------------------------- every caller agrees
+
+@pytest.mark.parametrize("text, bps", RATES)
+def test_callers_read_a_rate_the_same(text, bps):
+    assert tune.parse_rate(text) == pytest.approx(bps)
+    if 8000 <= bps <= 100e9:
+        assert cluster.parse_rate(text) == int(bps)
+    else:
+        with pytest.raises(ConfigError, match="between"):
+            cluster.parse_rate(text)
+
+
+@pytest.mark.parametrize("text, hint", BAD_RATES)
+def test_callers_refuse_a_rate_the_same(text, hint):
+    for parse, field in ((tune.parse_rate, "--rate"), (cluster.parse_rate, "rate"),
+                         (units.parse_rate, "rate")):
+        with pytest.raises(ConfigError) as e:
+            parse(text)
+        assert e.value.field == field and hint in e.value.fix
+
+
+@pytest.mark.parametrize("text, s", DURATIONS)
+def test_callers_read_a_duration_the_same(text, s):
+    assert tune.parse_duration(text) == pytest.approx(s)
+    if s <= 5:
+        assert cluster.parse_delay(text) == pytest.approx(s)
+    else:
+        with pytest.raises(ConfigError, match="between"):
+            cluster.parse_delay(text)
+
+
+@pytest.mark.parametrize("text, hint", BAD_DURATIONS)
+def test_callers_refuse_a_duration_the_same(text, hint):
+    for parse, field in ((tune.parse_duration, "--rtt"), (cluster.parse_delay, "delay")):
+        with pytest.raises(ConfigError) as e:
+            parse(text)
+        assert e.value.field == field and hint in e.value.fix
