@@ -26,6 +26,7 @@ from lorasync.comm import (lowprec, periodic, powersgd, reference, topk,  # noqa
                            torch_hooks, twophase)
 from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
 from lorasync.comm.formula import collectives_formula, wire_bytes_formula
+from lorasync.plan import auto as _auto  # noqa: E402,F401  (registers "auto": plan/auto.py)
 
 __all__ = ["attach", "Sync", "HookSync", "strategy_names", "get_strategy",
            "wire_bytes_formula", "collectives_formula"]

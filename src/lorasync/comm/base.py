@@ -87,7 +87,8 @@ class Sync:
     options: dict[str, Any] = {}
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel,
-                 process_group: dist.ProcessGroup | None = None, **options: Any):
+                 process_group: dist.ProcessGroup | None = None, *,
+                 _register_hook: bool = True, **options: Any):
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             known = ", ".join(sorted(self.options)) or "none"
@@ -121,6 +122,11 @@ class Sync:
         self._steps = 0
         self._syncs = 0
         self.last_ready_time: float | None = None
+        # False: a per-step strategy prepares its state but leaves the DDP hook
+        # to its caller; ``auto`` (plan/auto.py) builds its strategies so,
+        # since DDP takes one comm hook per model, and hands each bucket to
+        # the current one's ``_on_bucket`` from its own hook
+        self._register_hook = _register_hook
         self._validate()
         self._install()
 
@@ -328,7 +334,8 @@ class HookSync(Sync):
         self._bucket_numels: list[int] = []
         self._pending: tuple[Any, Callable[[], torch.futures.Future], torch.futures.Future] | None = None
         self._setup()
-        self.ddp.register_comm_hook(self, _hook)
+        if self._register_hook:
+            self.ddp.register_comm_hook(self, _hook)
 
     def _setup(self) -> None:
         """Allocate strategy state (after option validation)."""

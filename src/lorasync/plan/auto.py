@@ -1,0 +1,918 @@
+"""``--comm auto``: measure the network, pick a sync strategy, re-plan while training.
+
+Two halves:
+
+* pure functions (measurements in, decisions out, unit-tested without a
+  process group): :func:`fit_probe`, :func:`probe_size`, :func:`probe_every`,
+  :func:`workload_for`, :func:`encode_ns_for`, :func:`decide`,
+  :func:`drifted`, :func:`suggest_accum`, :func:`parse_candidates`,
+  :func:`parse_force`;
+* :class:`Auto`, the ``auto`` strategy (a :class:`~lorasync.comm.base.Sync`).
+
+What ``Auto`` does, in order:
+
+1. At attach: a quick probe of the group (``net.probe.run_probe(quick=True)``,
+   a few seconds; ``probe=live`` uses the 1 KiB + 256 KiB all-reduce probe
+   below instead, ``probe=none`` skips it), then ``measure_steps`` steps
+   (default 3) under a start strategy to measure compute time: ``local``
+   with an infinite period when it is a candidate (nothing on the wire, so
+   compute is measured without contention; its ``finish()`` averages the
+   adapter once, like one all-reduce step), else the first lossless candidate.
+2. At the end of those steps, and then every ``interval`` steps (K, default
+   10), at a boundary inside ``after_step`` (never in a future callback):
+   every rank all-reduces what it measured over the last K steps (compute,
+   time beyond compute, encode) -- max over ranks -- so every rank holds the
+   same numbers; a small timed probe runs when due (below); the planner's
+   rule (:func:`lorasync.plan.planner.choose`: best predicted throughput, a
+   lossless strategy within ``lossless_margin`` of the best, keep the current
+   one unless another gains more than ``switch_margin``) picks the strategy;
+   rank 0's pick is broadcast (4 bytes) so the ranks cannot disagree.
+3. A switch happens only there, between optimizer steps, when no two-phase
+   bucket is pending (a completed backward drains them all):
+
+   * a periodic strategy (local, diloco) is ``finish()``-ed first: its
+     replicas are averaged, so every rank continues from the same adapter;
+   * error feedback is carried, not dropped: the old strategy's residual (on
+     every rank its worker residual ``e_r``, plus ``n * s_r`` for the server
+     residual of the shard it owns, int8/onebit) is added to that rank's
+     gradient of the next step before the new strategy sends it, so the
+     averaged update of that step contains ``mean(e) + s``, exactly what the
+     old strategy still owed (or the new strategy's own residual keeps it).
+     A new periodic strategy averages no gradients, so the residual is
+     all-reduced once (fp32, counted in ``wire_bytes``) and the mean added on
+     every rank;
+   * the new strategy is built fresh (``_register_hook=False``: DDP takes one
+     comm hook per model, so ``Auto`` registers one hook and hands every
+     bucket to the current strategy's ``_on_bucket``);
+   * ``stats()`` then reports the new strategy's name in ``strategy``, and
+     ``switches`` / ``last_switch`` ``{"from", "to", "reason", "step"}``,
+     which the trainer copies into that step's metrics record; rank 0 logs a
+     line to stderr.
+
+How a network change is seen (exposed sync time alone is ambiguous when sync
+overlaps with backward or happens every few steps): the per-step time beyond
+compute (wall time of the step minus compute, so evaluations and checkpoints
+between steps cancel out) is compared with the cost model's prediction for
+the current strategy, calibrated on it while it runs.  A drift of more than
+``DRIFT`` of the step triggers a probe at the boundary: three 1 KiB
+all-reduces (latency) and one of 256 KiB to 4 MiB (bandwidth; never smaller,
+because a shaper's token bucket lets the first tens of KiB through at line
+rate), timed and max-reduced over ranks.  Without a trigger the probe runs
+every m K-step windows, m chosen so it costs about ``PROBE_BUDGET`` (1%) of
+the step time.  Its bytes (and those of the boundary all-reduces) count in
+``wire_bytes`` and separately in ``stats()["auto_bytes"]``.
+
+The cost model is corrected by what it sees: the time per step beyond
+compute that the current strategy costs over its prediction is kept per
+strategy (as extra encode time, which adds to the step unhidden), so a
+strategy that was slower than predicted is not picked again on the same
+prediction; a probe that finds the bandwidth changed by more than 1.5x
+forgets the corrections of the other strategies.
+
+Options (``--comm-opt KEY=VALUE``): ``candidates`` (comma list, default
+allreduce,fp16,int8,onebit,topk,powersgd,local,diloco), ``interval`` (K; 0 =
+decide once), ``measure_steps``, ``start``, ``probe`` (quick | live | none),
+``lossless_margin`` (0.05), ``switch_margin`` (0.10), ``batch_size``
+(samples per rank per step, only for the samples/s in log lines),
+``force_switch_at`` (``STEP:NAME[,STEP:NAME]``, for tests), ``log``; and any
+candidate's own options as ``NAME.OPTION``, e.g. ``topk.ratio=0.001``.
+
+Adaptive accumulation: :meth:`Auto.suggested_accum` (see there) gives the
+trainer the number of micro-batches per optimizer step for the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lorasync.comm.base import Sync, _hook, get_strategy, register
+from lorasync.errors import LorasyncError
+from lorasync.plan.costmodel import (
+    ENCODE_NS, PERIODIC, STRATEGIES, Net, Prediction, Workload, predict,
+    strategy_options,
+)
+from lorasync.plan.planner import Measurements, choose
+from lorasync.plan.units import fmt_duration, fmt_rate
+
+__all__ = [
+    "Auto", "DEFAULT_CANDIDATES", "Window", "Decision", "fit_probe", "probe_size",
+    "probe_every", "with_priors", "workload_for", "encode_ns_for", "decide", "drifted", "link_changed",
+    "suggest_accum", "describe",
+    "parse_candidates", "parse_force",
+]
+
+DEFAULT_CANDIDATES = ("allreduce", "fp16", "int8", "onebit", "topk", "powersgd", "local",
+                      "diloco")
+#: latency probe payload (three of them, the fastest counts)
+SMALL_PROBE_BYTES = 1024
+#: bandwidth probe payload bounds; a token-bucket shaper (tbf/htb, 32 KiB
+#: bursts here) lets the first KiBs through at line rate, so smaller
+#: transfers would read a cut link as a fast one
+MIN_PROBE_BYTES = 256 << 10
+MAX_PROBE_BYTES = 4 << 20
+#: share of the training time the periodic (untriggered) probe may take
+PROBE_BUDGET = 0.01
+#: time beyond compute that moved by more than this share of the step
+#: (calibrated / not yet calibrated prediction) triggers a probe
+DRIFT = 0.2
+DRIFT_UNCALIBRATED = 0.5
+#: a probe this many times faster or slower than the last forgets the
+#: per-strategy corrections measured on the old link
+BANDWIDTH_CHANGE = 1.5
+#: an infinite period: the start strategy ``local`` only syncs at the switch
+_NEVER = 10 ** 9
+
+
+# --------------------------------------------------------------------------- pure parts
+
+def parse_candidates(value: Any, field: str = "candidates") -> tuple[str, ...]:
+    """``"allreduce,topk"`` or a list -> a validated tuple of strategy names."""
+    if isinstance(value, str):
+        names = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        names = [str(v).strip() for v in value]
+    else:
+        raise ValueError(f"auto: option {field}={value!r} must be a comma-separated list of "
+                         f"strategies, e.g. allreduce,fp16,topk")
+    if not names:
+        raise ValueError(f"auto: option {field} is empty; name at least one strategy")
+    for n in names:
+        if n not in STRATEGIES:
+            raise ValueError(f"auto: option {field}: {n!r} cannot be chosen automatically; "
+                             f"use some of {', '.join(STRATEGIES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"auto: option {field}={value!r} names a strategy twice")
+    return tuple(names)
+
+
+def parse_force(value: Any) -> dict[int, str]:
+    """``"10:int8,20:allreduce"`` (or ``{10: "int8"}``) -> ``{10: "int8", 20: "allreduce"}``."""
+    if value in (None, "", {}):
+        return {}
+    items: list[tuple[Any, Any]]
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, str):
+        items = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            step, sep, name = part.partition(":")
+            if not sep:
+                raise ValueError(f"auto: option force_switch_at={value!r}: write STEP:NAME, "
+                                 "e.g. 10:int8 (comma-separated for several)")
+            items.append((step.strip(), name.strip()))
+    else:
+        raise ValueError(f"auto: option force_switch_at={value!r}: write STEP:NAME, e.g. 10:int8")
+    out: dict[int, str] = {}
+    for step, name in items:
+        try:
+            s = int(step)
+        except (TypeError, ValueError):
+            s = 0
+        if s < 1:
+            raise ValueError(f"auto: option force_switch_at: step {step!r} must be an integer >= 1")
+        if name not in STRATEGIES:
+            raise ValueError(f"auto: option force_switch_at: {name!r} is not one of "
+                             f"{', '.join(STRATEGIES)}")
+        out[s] = name
+    return out
+
+
+def fit_probe(t_small: float, t_large: float, small_bytes: float, large_bytes: float,
+              world_size: int) -> tuple[float, float]:
+    """``(alpha_s, bandwidth_Bps)`` from two ring all-reduce timings.
+
+    Ring all-reduce of P bytes: ``2(n-1) alpha + 2(n-1)/n P / bandwidth``.
+    When the large transfer was not slower than the small one (a fast link,
+    timer noise), its bus bandwidth is taken: a lower bound, never zero.
+    """
+    n = int(world_size)
+    if n < 2:
+        raise ValueError(f"world_size: a probe needs at least 2 ranks, got {world_size}")
+    if not (large_bytes > small_bytes >= 0):
+        raise ValueError(f"probe sizes: need large > small >= 0, got {large_bytes}, {small_bytes}")
+    if not (t_small > 0 and t_large > 0):
+        raise ValueError(f"probe times: must be > 0, got {t_small}, {t_large}")
+    f = 2.0 * (n - 1) / n
+    dt = t_large - t_small
+    if dt > 0:
+        beta = dt / (f * (large_bytes - small_bytes))
+    else:
+        beta = t_large / (f * large_bytes)
+    alpha = max(0.0, (t_small - f * small_bytes * beta) / (2 * (n - 1)))
+    return alpha, 1.0 / beta
+
+
+def probe_size(bandwidth_Bps: float, step_s: float, interval: int,
+               budget: float = PROBE_BUDGET) -> int:
+    """Bytes of the bandwidth probe: about ``budget`` of ``interval`` steps'
+    time at the current bandwidth, a power of two in [256 KiB, 4 MiB]."""
+    target = bandwidth_Bps * budget * max(1, interval) * max(step_s, 0.0)
+    if target <= MIN_PROBE_BYTES:
+        return MIN_PROBE_BYTES
+    return int(min(MAX_PROBE_BYTES, 2 ** math.floor(math.log2(target))))
+
+
+def probe_every(probe_s: float, step_s: float, interval: int,
+                budget: float = PROBE_BUDGET) -> int:
+    """Windows of ``interval`` steps between untriggered probes so that a
+    probe of ``probe_s`` costs about ``budget`` of the training time."""
+    window = budget * max(1, interval) * step_s
+    if window <= 0:
+        return 1
+    return max(1, math.ceil(probe_s / window))
+
+
+def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: int) -> float:
+    """The cost model's encode time of ``name`` (ns per element per sync) plus
+    ``extra_s`` per optimizer step that it was measured to cost beyond its
+    prediction (never below zero)."""
+    opts = strategy_options(name, options)
+    ns = ENCODE_NS[name] * (opts["rank"] if name == "powersgd" else 1)
+    per_sync = opts["period"] if name in PERIODIC else 1
+    return max(0.0, ns + extra_s * 1e9 * per_sync / numel)
+
+
+def with_priors(extra: Mapping[str, float], names: Sequence[str]) -> dict[str, float]:
+    """Per-strategy corrections for ``names``: the measured one where there is
+    one, else the smallest measured in the same class (per-step or periodic),
+    else none.  What one strategy cost beyond the model -- ranks waiting for
+    each other every sync, a slower overlap than modelled -- mostly hits the
+    others of its class too, and a strategy must not look better than one
+    that was measured only because it was not measured yet."""
+    out: dict[str, float] = {}
+    for name in names:
+        if name in extra:
+            out[name] = float(extra[name])
+            continue
+        periodic = name in PERIODIC
+        same = [v for k, v in extra.items() if (k in PERIODIC) == periodic]
+        if same:
+            out[name] = min(same)
+    return out
+
+
+def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = (),
+                 bucket_cap_bytes: int = 25 << 20, matrices=None,
+                 options: Mapping[str, Mapping[str, Any]] | None = None,
+                 extra_s: Mapping[str, float] | None = None, batch_size: int = 1) -> Workload:
+    """A cost-model ``Workload`` from what a running job knows about itself.
+
+    ``bucket_sizes``: elements per DDP bucket in ready order (a strategy's
+    ``bucket_sizes``), else DDP's cap; ``extra_s``: measured per-step cost
+    beyond the prediction, per strategy (see :func:`encode_ns_for`).
+    """
+    options = {k: dict(v) for k, v in (options or {}).items()}
+    if bucket_sizes:
+        bucket_bytes = 4 * max(bucket_sizes)
+        first = 4 * bucket_sizes[0]
+    else:
+        bucket_bytes, first = int(bucket_cap_bytes), None
+    encode = {name: encode_ns_for(name, options.get(name, {}), x, numel)
+              for name, x in (extra_s or {}).items()}
+    return Workload(adapter_params=int(numel), compute_s=max(float(compute_s), 1e-6),
+                    batch_size=int(batch_size), bucket_bytes=int(bucket_bytes),
+                    first_bucket_bytes=first, matrices=matrices, encode_ns=encode,
+                    options=options)
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the ranks measured over the last window of steps (the same numbers
+    on every rank after the all-reduce)."""
+
+    #: median compute per optimizer step (forward, backward, optimizer, data;
+    #: no sync, no encode), slowest rank
+    compute_s: float
+    #: mean time per step beyond compute (sync waited on, encode, periodic
+    #: syncs in after_step), on the rank that waited least
+    overhead_s: float
+    #: steps measured
+    steps: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    strategy: str
+    options: dict
+    #: whether this is a change of strategy
+    switch: bool
+    #: the planner's reason (lossless preference, hysteresis, ...)
+    rule: str
+    prediction: Prediction
+    #: the strategy in use, as predicted on the same measurements (None at start)
+    current: Prediction | None
+    ranking: tuple[Prediction, ...]
+
+
+def decide(net: Net, workload: Workload, current: str | None, candidates: Sequence[str], *,
+           lossless_margin: float = 0.05, switch_margin: float = 0.10,
+           fresh: bool = False) -> Decision:
+    """The strategy to use from now on.
+
+    The pick is ``planner.choose``'s on these measurements (best predicted
+    throughput; a lossless strategy within ``lossless_margin`` of the best).
+    ``fresh`` (the first choice, or the link changed): that pick, whatever is
+    in use.  Otherwise (a routine re-evaluation) the strategy in use stays
+    unless the pick is predicted more than ``switch_margin`` faster -- in
+    either direction, lossy to lossless included, so noisy measurements
+    cannot make it flap.  A current strategy that is not a candidate is
+    always left.
+    """
+    cands = tuple(candidates)
+    rec = choose(Measurements(net, workload, candidates=cands),
+                 lossless_margin=lossless_margin)
+    cur = None
+    if current is not None:
+        cur = next((p for p in rec.ranking if p.strategy == current), None)
+        if cur is None:
+            cur = predict(current, net, workload)
+    pick, rule = rec.prediction, rec.reason
+    if not fresh and current in cands and pick.strategy != current \
+            and pick.samples_per_s <= (1 + switch_margin) * cur.samples_per_s:
+        gain = pick.samples_per_s / cur.samples_per_s - 1
+        rule = (f"keep {current}: {pick.strategy} would gain {gain:.1%}, not more than "
+                f"{switch_margin:.0%}")
+        pick = cur
+    return Decision(strategy=pick.strategy, options=pick.options,
+                    switch=current is None or pick.strategy != current, rule=rule,
+                    prediction=pick, current=cur, ranking=rec.ranking)
+
+
+def drifted(overhead_s: float, predicted_overhead_s: float, step_s: float,
+            calibrated: bool = True) -> bool:
+    """Whether the time per step beyond compute moved away from the prediction
+    for the strategy in use by more than ``DRIFT`` of the step (the link
+    changed, or something else did: either way, measure again)."""
+    tol = DRIFT if calibrated else DRIFT_UNCALIBRATED
+    return abs(overhead_s - predicted_overhead_s) > tol * max(step_s, 1e-9) + 2e-3
+
+
+def link_changed(previous: Net, net: Net, numel: int, step_s: float) -> bool:
+    """Whether a new probe describes another link for this job: bandwidth off
+    by more than ``BANDWIDTH_CHANGE`` either way *and* enough to move an fp32
+    sync of the adapter by more than ``DRIFT`` of the step (on a fast link
+    the estimate is noisy and irrelevant)."""
+    ratio = net.bandwidth_Bps / previous.bandwidth_Bps
+    if 1 / BANDWIDTH_CHANGE <= ratio <= BANDWIDTH_CHANGE:
+        return False
+    moved = abs(4.0 * numel / net.bandwidth_Bps - 4.0 * numel / previous.bandwidth_Bps)
+    return moved > DRIFT * step_s
+
+
+def suggest_accum(current: int, compute_s: float, overhead_s: float, *, max_accum: int,
+                  min_accum: int = 1, target: float = 0.9, slack: float = 0.05) -> int:
+    """Micro-batches per optimizer step for the next steps.
+
+    ``compute_s`` and ``overhead_s`` (sync time waited per step) were measured
+    at ``current`` micro-batches per step.  More micro-batches per sync when
+    the step spends less than ``target - slack`` of its time computing, fewer
+    when it spends more than ``target + slack``; the new value is the fewest
+    that reach ``target`` (the sync per step stays, compute grows with the
+    micro-batches), bounded by [min_accum, max_accum] -- the user's range of
+    effective batch sizes.  Returns ``current`` (clamped) when no change is due.
+    """
+    for name, v in (("current", current), ("max_accum", max_accum), ("min_accum", min_accum)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    if min_accum > max_accum:
+        raise ValueError(f"min_accum ({min_accum}) must not exceed max_accum ({max_accum})")
+    if not 0 < target < 1:
+        raise ValueError(f"target: must be in (0, 1), got {target!r}")
+    cur = min(max(current, min_accum), max_accum)
+    if not (compute_s > 0) or not math.isfinite(overhead_s):
+        return cur
+    overhead = max(0.0, overhead_s)
+    per_micro = compute_s / current
+    eff = compute_s / (compute_s + overhead)
+    need = math.ceil(target / (1 - target) * overhead / per_micro - 1e-9) if overhead else 1
+    need = min(max(need, min_accum), max_accum)
+    if need > cur and eff < target - slack:
+        return need
+    if need < cur and eff > target + slack:
+        return need
+    return cur
+
+
+def _fmt_Bps(bps: float) -> str:
+    return f"{bps / 1e6:.3g} MB/s ({fmt_rate(bps)})"
+
+
+def _pred_text(p: Prediction) -> str:
+    return f"{p.strategy} {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync)"
+
+
+def describe(d: Decision, net: Net, compute_s: float, previous: Net | None = None,
+             initial: bool = False) -> str:
+    """One line: what was measured, what was picked and why."""
+    if previous is not None and previous.bandwidth_Bps != net.bandwidth_Bps:
+        bw = f"bandwidth {_fmt_Bps(previous.bandwidth_Bps)} -> {_fmt_Bps(net.bandwidth_Bps)}"
+    else:
+        bw = f"bandwidth {_fmt_Bps(net.bandwidth_Bps)}"
+    head = (f"{'initial choice: ' if initial else ''}{bw}, alpha {fmt_duration(net.alpha_s)}, "
+            f"compute {compute_s:.3g} s/step")
+    p = d.prediction
+    parts = [f"{p.strategy} predicted {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync, "
+             f"{p.samples_per_s:.3g} samples/s)"]
+    if d.current is not None and d.current.strategy != p.strategy:
+        parts.append(f"vs {_pred_text(d.current)}")
+    others = [q for q in d.ranking if q.strategy not in (p.strategy, getattr(d.current, "strategy",
+                                                                             None))][:2]
+    if others:
+        parts.append("others: " + ", ".join(_pred_text(q) for q in others))
+    return f"{head}: {'; '.join(parts)}; {d.rule}"
+
+
+# --------------------------------------------------------------------------- the strategy
+
+def _residual(child: Sync) -> torch.Tensor | None:
+    """What an error-feedback strategy still owes, per rank, in gradient units
+    over the canonical flat parameters: adding it to this rank's gradient
+    before an averaging sync delivers mean(e) + s (see the module docstring)."""
+    sd = child.state_dict()
+    n = child.world_size
+    if "worker_residual" in sd:          # int8, onebit
+        return sd["worker_residual"].float() + n * sd["server_residual"].float()
+    if "residual" in sd:                 # topk
+        return sd["residual"].float().clone()
+    if "error" in sd:                    # powersgd: per compressed matrix
+        flat = torch.zeros(child.numel)
+        for i, e in sd["error"].items():
+            i = int(i)
+            flat[child._offsets[i]:child._offsets[i + 1]] = e.reshape(-1)
+        return flat
+    return None
+
+
+_COUNTERS = ("wire_bytes", "fp32_bytes", "comm_s", "encode_s", "syncs")
+
+
+@register
+class Auto(Sync):
+    """Picks and switches sync strategies from live measurements (module docstring)."""
+
+    name = "auto"
+    per_step = False   # depends on the strategy in use
+    lossless = False
+    options = {
+        "candidates": ",".join(DEFAULT_CANDIDATES),
+        "interval": 10,
+        "measure_steps": 3,
+        "start": "",
+        "probe": "quick",
+        "lossless_margin": 0.05,
+        "switch_margin": 0.10,
+        "batch_size": 1,
+        "force_switch_at": "",
+        "log": True,
+    }
+
+    def __init__(self, ddp, process_group=None, *, _register_hook: bool = True, **options: Any):
+        if not _register_hook:
+            raise ValueError("auto: cannot run inside another strategy")
+        plain, nested = {}, {}
+        for key, value in options.items():
+            name, dot, opt = key.partition(".")
+            if dot:
+                nested.setdefault(name, {})[opt] = value
+            else:
+                plain[key] = value
+        self._nested = nested
+        super().__init__(ddp, process_group=process_group, **plain)
+
+    # -- set-up ---------------------------------------------------------------
+    def _validate(self) -> None:
+        o = self.opts
+        self._candidates = parse_candidates(o["candidates"])
+        self._interval = self._int_opt("interval", 0)
+        self._measure = self._int_opt("measure_steps", 0)
+        self._int_opt("batch_size", 1)
+        self._lossless_margin = self._float_opt("lossless_margin", 0.0, 1.0, hi_open=True)
+        self._switch_margin = self._float_opt("switch_margin", 0.0, 10.0)
+        if o["probe"] not in ("quick", "live", "none"):
+            raise ValueError(f"auto: option probe={o['probe']!r} must be quick, live or none")
+        if not isinstance(o["log"], bool):
+            raise ValueError(f"auto: option log={o['log']!r} must be True or False")
+        self._force = parse_force(o["force_switch_at"])
+        start = o["start"]
+        if start and start not in STRATEGIES:
+            raise ValueError(f"auto: option start={start!r} must be one of {', '.join(STRATEGIES)}")
+        for name, opts in self._nested.items():
+            if name not in STRATEGIES:
+                raise ValueError(f"auto: option {name}.{next(iter(opts))}: {name!r} is not a "
+                                 f"strategy auto can use ({', '.join(STRATEGIES)})")
+            allowed = get_strategy(name).options
+            for key in opts:
+                if key not in allowed:
+                    raise ValueError(f"auto: option {name}.{key} does not apply to {name} "
+                                     f"(it takes: {', '.join(sorted(allowed)) or 'none'})")
+            try:
+                strategy_options(name, opts)
+            except LorasyncError as e:
+                raise ValueError(f"auto: option {name}.*: {e}") from None
+
+    def _install(self) -> None:
+        self._child_opts: dict[str, dict] = {k: dict(v) for k, v in self._nested.items()}
+        self._retired = dict.fromkeys(_COUNTERS, 0)
+        self._auto_bytes = 0
+        self._probes = 0
+        self._switches = 0
+        self._last_switch: dict | None = None
+        self._carry: torch.Tensor | None = None
+        self._carry_left: set[int] = set()
+        self._t_ready: float | None = None
+        self._mark: dict | None = None
+        self._samples: list[dict] = []
+        self._generation = 0
+        self._net: Net | None = None
+        self._extra: dict[str, float] = {}
+        self._fixed_s = 0.0
+        self._next_probe = 0
+        self._accum_basis: tuple[int, float, float] | None = None
+        self._accum_advice: tuple[int, int] | None = None
+        self._bucket_sizes: list[int] = []
+        self._matrices = tuple((p.shape[0], p.numel() // p.shape[0])
+                               for p in self.params if p.dim() >= 2) or None
+        # every candidate once, without a hook: option values and backend
+        # support are checked now, not at a switch in the middle of a run
+        usable = []
+        for name in self._candidates:
+            try:
+                self._build(name)
+            except ValueError as e:
+                if name in self._child_opts:
+                    raise ValueError(f"auto: {e}") from None
+                self._log(f"auto: leaving out {name}: {e}")
+                continue
+            usable.append(name)
+        if not usable:
+            raise ValueError("auto: none of the candidates can run here")
+        self._candidates = tuple(usable)
+        self.ddp.register_comm_hook(self, _hook)
+        t0 = time.perf_counter()
+        self._start_net = self._start_probe()
+        probe_s = time.perf_counter() - t0
+        # the start strategy, for measure_steps steps
+        start = self.opts["start"] or ("local" if "local" in self._candidates else next(
+            (c for c in ("allreduce", "fp16", "bf16") if c in self._candidates),
+            self._candidates[0]))
+        measuring = self._measure > 0
+        opts = ({"period": _NEVER} if measuring and start == "local" and not self.opts["start"]
+                else self._child_opts.get(start, {}))
+        self._child = self._build(start, opts)
+        self._child_options = dict(opts)
+        self._measuring = measuring
+        self._next_eval = self._measure if measuring else self._interval
+        what = (f"probe {_fmt_Bps(self._start_net.bandwidth_Bps)}, alpha "
+                f"{fmt_duration(self._start_net.alpha_s)} ({probe_s:.1f} s)"
+                if self._start_net else f"no start probe (probe={self.opts['probe']})")
+        plan = (f"measuring compute with {start} for {self._measure} steps, then choosing among "
+                f"{', '.join(self._candidates)}" if measuring else
+                f"starting with {start}" + (f", re-planning every {self._interval} steps"
+                                            if self._interval else ""))
+        self._log(f"auto: {what}; {plan}")
+
+    def _start_probe(self) -> Net | None:
+        if self.world_size < 2 or self.opts["probe"] == "none":
+            return None
+        if self.opts["probe"] == "live":
+            return self._live_probe(MIN_PROBE_BYTES)[0]
+        from lorasync.net.probe import run_probe
+        from lorasync.plan.planner import net_from_probe
+
+        res = run_probe(self.group, quick=True)
+        if not res.get("model"):
+            return self._live_probe(MIN_PROBE_BYTES)[0]
+        return net_from_probe(res, world_size=self.world_size)[0]
+
+    def _build(self, name: str, options: Mapping[str, Any] | None = None) -> Sync:
+        opts = self._child_opts.get(name, {}) if options is None else options
+        return get_strategy(name)(self.ddp, process_group=self.group, _register_hook=False,
+                                  **opts)
+
+    def _log(self, msg: str) -> None:
+        if self.rank == 0 and self.opts["log"]:
+            print(msg, file=sys.stderr, flush=True)
+
+    # -- the one DDP hook -------------------------------------------------------
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._ready()
+        self._t_ready = self.last_ready_time
+        if self._carry is not None:
+            buf = bucket.buffer()
+            off = 0
+            for p in bucket.parameters():
+                i = self._pindex[id(p)]
+                m = self._numels[i]
+                if i in self._carry_left:
+                    a = self._offsets[i]
+                    buf[off:off + m].add_(self._carry[a:a + m].to(buf.dtype))
+                    self._carry_left.discard(i)
+                off += m
+            if not self._carry_left:
+                self._carry = None
+        return self._child._on_bucket(bucket)
+
+    # -- measurements -------------------------------------------------------------
+    def _child_counters(self) -> dict[str, float]:
+        st = self._child.stats()
+        return {k: st[k] for k in _COUNTERS}
+
+    def _allreduce_max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        self._sent_auto(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def _sent_auto(self, *tensors: torch.Tensor) -> None:
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            self._wire_bytes += n
+            self._auto_bytes += n
+
+    def _live_probe(self, nbytes: int) -> tuple[Net, float]:
+        """Three small all-reduces and one large, timed; max over ranks."""
+        small = torch.zeros(SMALL_PROBE_BYTES // 4)
+        large = torch.zeros(nbytes // 4)
+        t_start = time.perf_counter()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dist.all_reduce(small, group=self.group)
+            ts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dist.all_reduce(large, group=self.group)
+        tl = time.perf_counter() - t0
+        self._sent_auto(small, small, small, large)
+        t_small, t_large, spent = self._allreduce_max([min(ts), tl, time.perf_counter() - t_start])
+        self._add_comm(time.perf_counter() - t_start)
+        self._probes += 1
+        alpha, bw = fit_probe(t_small, t_large, SMALL_PROBE_BYTES, nbytes, self.world_size)
+        return Net(alpha_s=alpha, bandwidth_Bps=bw, world_size=self.world_size), spent
+
+    def _window(self) -> Window | None:
+        """This window's samples, reduced over ranks (identical on every rank)."""
+        mine = [s for s in self._samples if s["gen"] == self._generation]
+        if mine:
+            comp = statistics.median(s["compute"] for s in mine)
+            over = statistics.fmean(s["wall"] - s["compute"] for s in mine)
+            vals = [1.0, comp, -over, float(len(mine))]
+        else:
+            vals = [0.0, 0.0, -1e30, 0.0]
+        ok, comp, neg_over, steps = self._allreduce_max(vals)
+        self._samples = []
+        if not ok or comp <= 0:
+            return None
+        return Window(compute_s=comp, overhead_s=max(0.0, -neg_over), steps=int(steps))
+
+    # -- the step ---------------------------------------------------------------
+    def after_step(self) -> None:
+        super().after_step()
+        child = self._child
+        gen = self._generation
+        at_entry = self._child_counters()
+        child.after_step()
+        t_mid = time.perf_counter()
+        sizes = getattr(child, "bucket_sizes", None)
+        if sizes:
+            self._bucket_sizes = sizes
+        m = self._mark
+        # the first step after attach, resume or a switch is a warm-up (DDP's
+        # first iteration, new index caches): not measured
+        if m is not None and not m["first"] and self._t_ready is not None \
+                and self._t_ready > m["t"]:
+            blocked = at_entry["comm_s"] - m["comm_s"]          # two-phase waits in backward
+            raw = max(0.0, self._t_ready - m["t"] - blocked)
+            enc = at_entry["encode_s"] - m["encode_s"]           # encode inside the hooks
+            compute = max(0.5 * raw, raw - enc)
+            self._samples.append({"gen": gen, "compute": compute, "wall": t_mid - m["t"]})
+            del self._samples[:-256]
+        self._t_ready = None
+        if not self._carry_left:
+            self._carry = None
+        self._boundary()
+        self._mark = {"t": time.perf_counter(), "first": self._generation != gen,
+                      **self._child_counters()}
+
+    def _boundary(self) -> None:
+        s = self._steps
+        forced = self._force.get(s)
+        if forced is not None:
+            self._switch(forced, self._child_opts.get(forced, {}),
+                         f"forced by option force_switch_at at step {s}")
+            return
+        if not self._next_eval or s < self._next_eval:
+            return
+        initial = self._measuring
+        self._next_eval = s + self._interval if self._interval else 0
+        w = self._window()
+        if w is None:
+            return
+        self._evaluate(w, initial)
+
+    def _workload(self, compute_s: float, extra: Mapping[str, float] | None = None) -> Workload:
+        names = sorted(set(self._candidates) | {self._child.name})
+        return workload_for(
+            self.numel, compute_s, bucket_sizes=self._bucket_sizes,
+            bucket_cap_bytes=getattr(self.ddp, "bucket_bytes_cap", 25 << 20),
+            matrices=self._matrices,
+            options={c: self._child_opts.get(c, {}) for c in names},
+            extra_s=with_priors(self._extra if extra is None else extra, names),
+            batch_size=self.opts["batch_size"])
+
+    def _evaluate(self, w: Window, initial: bool) -> None:
+        s = self._steps
+        cur = self._child.name
+        if initial and not getattr(self._child, "communicates", True):
+            # the start strategy sent nothing: what the step took beyond compute
+            # (end of backward, optimizer step) is the same under every
+            # strategy, so it is compute to the cost model, not sync
+            self._fixed_s = w.overhead_s
+        comp = w.compute_s + self._fixed_s
+        over = max(0.0, w.overhead_s - self._fixed_s)
+        step = comp + over
+        k = self._interval or 10
+        prev = self._net
+        net = self._net or self._start_net
+        probed = False
+        if self.world_size > 1:
+            due = net is None or s >= self._next_probe
+            if not due and not initial:
+                p = predict(cur, net, self._workload(comp))
+                due = drifted(over, p.step_s - p.compute_s, p.step_s,
+                              calibrated=cur in self._extra)
+            if due and not (initial and self._start_net is not None):
+                size = probe_size(net.bandwidth_Bps if net else 0.0, step, k)
+                net, spent = self._live_probe(size)
+                probed = True
+                self._next_probe = s + probe_every(spent, step, k) * k
+            elif initial:
+                self._next_probe = s + k
+        else:
+            net = Net(alpha_s=0.0, bandwidth_Bps=1e12, world_size=1)
+        changed = probed and prev is not None and link_changed(prev, net, self.numel, step)
+        if changed:
+            # corrections measured on the old link no longer hold (the one in use
+            # is measured again below)
+            self._extra = {x: v for x, v in self._extra.items() if x == cur}
+        self._net = net
+        # calibrate the strategy in use: what it costs beyond its prediction
+        if not self._measuring and cur in self._candidates:
+            base = {x: v for x, v in self._extra.items() if x != cur}
+            p = predict(cur, net, self._workload(comp, {**base, cur: 0.0}))
+            x = over - (p.step_s - p.compute_s)
+            self._extra[cur] = x if cur not in self._extra or probed else 0.5 * (
+                self._extra[cur] + x)
+        wl = self._workload(comp)
+        d = decide(net, wl, None if initial else cur, self._candidates,
+                   lossless_margin=self._lossless_margin, switch_margin=self._switch_margin,
+                   fresh=initial or changed)
+        pick = d.strategy if (d.switch or initial) else cur
+        # rank 0's pick is everybody's (the inputs are identical; this makes sure)
+        t = torch.tensor([self._candidates.index(pick) if pick in self._candidates else -1],
+                         dtype=torch.int32)
+        self._sent_auto(t)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                       group=self.group)
+        idx = int(t.item())
+        if idx >= 0 and self._candidates[idx] != pick:
+            pick = self._candidates[idx]
+        reason = describe(d, net, comp, previous=prev if probed else None, initial=initial)
+        overhead = over
+        opts = self._child_opts.get(pick, {})
+        if pick != cur or opts != self._child_options:
+            self._switch(pick, opts, reason)
+            np_ = d.prediction if d.strategy == pick else predict(pick, net, wl)
+            overhead = np_.step_s - np_.compute_s
+        elif initial:
+            self._measuring = False
+            self._log(f"auto: step {s}: keep {cur}: {reason}")
+        self._accum_basis = (s, comp, overhead)
+
+    # -- switching ----------------------------------------------------------------
+    def _switch(self, to: str, options: Mapping[str, Any], reason: str) -> None:
+        old = self._child
+        frm = old.name
+        old.finish()   # periodic: average the replicas; two-phase: nothing pending
+        carry = _residual(old)
+        for k, v in old.stats().items():
+            if k in _COUNTERS:
+                self._retired[k] += v
+        self._child = self._build(to, options)
+        self._child_options = dict(options)
+        self._generation += 1
+        self._measuring = False
+        self._carry, self._carry_left = None, set()   # (always sent by now: one per step)
+        if carry is not None and bool(carry.abs().max() > 0):
+            if not self._child.per_step:
+                # gradients are not averaged every step now: average the debt once
+                carry = carry.div_(self.world_size)
+                self._sent_auto(carry)
+                t0 = time.perf_counter()
+                dist.all_reduce(carry, group=self.group)
+                self._add_comm(time.perf_counter() - t0)
+            self._carry = carry
+            self._carry_left = set(range(len(self.params)))
+        self._switches += 1
+        self._last_switch = {"from": frm, "to": to, "reason": reason, "step": self._steps}
+        self._log(f"auto: step {self._steps}: {frm} -> {to}: {reason}")
+
+    # -- public API -----------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        """Name of the strategy in use."""
+        return self._child.name
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        return list(self._bucket_sizes)
+
+    def suggested_accum(self, current: int, max_accum: int, min_accum: int = 1) -> int:
+        """Micro-batches (grad_accum) for the next optimizer step.
+
+        Call after every ``after_step()`` with the grad_accum of the step that
+        just ended; use the result from the next step on.  The value changes
+        only right after a K-step boundary, identically on every rank (it is
+        computed from all-reduced measurements and the arguments), and stays
+        in [min_accum, max_accum]: more micro-batches per sync while the
+        step waits more than ~15% on sync, fewer when it waits under ~5%
+        (see :func:`suggest_accum`).  Until the first decision it returns
+        ``current``.  The measurements assume grad_accum changed only when
+        this advised it (at most once per window).
+        """
+        basis = self._accum_basis
+        if basis is None:
+            return min(max(current, min_accum), max_accum)
+        step, compute, overhead = basis
+        if self._accum_advice is None or self._accum_advice[0] != step:
+            self._accum_advice = (step, suggest_accum(current, compute, overhead,
+                                                      max_accum=max_accum, min_accum=min_accum))
+        return min(max(self._accum_advice[1], min_accum), max_accum)
+
+    def finish(self) -> None:
+        self._child.finish()
+        self._carry, self._carry_left = None, set()
+
+    def stats(self) -> dict[str, Any]:
+        c = self._child.stats()
+        with self._lock:
+            own = {"wire_bytes": self._wire_bytes, "fp32_bytes": self._fp32_bytes,
+                   "comm_s": self._comm_s, "encode_s": self._encode_s, "syncs": self._syncs}
+            auto_bytes = self._auto_bytes
+        out: dict[str, Any] = {"strategy": c["strategy"]}
+        for k in _COUNTERS:
+            out[k] = self._retired[k] + own[k] + c[k]
+        out.update(steps=self._steps, switches=self._switches,
+                   last_switch=dict(self._last_switch) if self._last_switch else None,
+                   auto_bytes=auto_bytes, probes=self._probes)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "child": self._child.name, "child_options": dict(self._child_options),
+            "child_state": self._child.state_dict(), "measuring": self._measuring,
+            "next_eval": self._next_eval, "next_probe": self._next_probe,
+            "net": None if self._net is None else [self._net.alpha_s, self._net.bandwidth_Bps],
+            "extra": dict(self._extra), "fixed_s": self._fixed_s, "switches": self._switches,
+            "last_switch": dict(self._last_switch) if self._last_switch else None,
+            "carry": None if self._carry is None else self._carry.clone(),
+            "carry_left": sorted(self._carry_left),
+            "accum_basis": self._accum_basis,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        name, opts = state["child"], dict(state.get("child_options") or {})
+        if name not in STRATEGIES:
+            raise ValueError(f"state_dict: auto saved strategy {name!r}, which it cannot run")
+        if name != self._child.name or opts != self._child_options:
+            self._child = self._build(name, opts)
+            self._child_options = opts
+        self._child.load_state_dict(state["child_state"])
+        self._generation += 1
+        self._samples, self._mark = [], None
+        self._measuring = bool(state.get("measuring", False))
+        self._next_eval = int(state.get("next_eval", 0))
+        self._next_probe = int(state.get("next_probe", 0))
+        net = state.get("net")
+        if net is not None:
+            self._net = Net(alpha_s=float(net[0]), bandwidth_Bps=float(net[1]),
+                            world_size=self.world_size)
+        self._extra = {k: float(v) for k, v in (state.get("extra") or {}).items()}
+        self._fixed_s = float(state.get("fixed_s", 0.0))
+        self._switches = int(state.get("switches", 0))
+        self._last_switch = state.get("last_switch")
+        carry = state.get("carry")
+        self._carry = None if carry is None else carry.clone()
+        self._carry_left = set(state.get("carry_left") or []) if carry is not None else set()
+        basis = state.get("accum_basis")
+        self._accum_basis = tuple(basis) if basis else None
+        self._accum_advice = None

@@ -1,0 +1,279 @@
+"""The auto controller's pure parts: measurements in, decisions out.
+
+No process group: probe timings, windows and link changes are synthetic.
+The strategy itself (hooks, switches, resume) is tested in tests/dist/test_auto.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lorasync.plan import auto as A
+from lorasync.plan.costmodel import MODELS, Net, lora_matrices, predict
+
+N = 921_600                       # SmolLM2-135M + LoRA r=8 on q/k/v/o
+SMOL = lora_matrices(MODELS["smollm2-135m"], 8)
+COMPUTE = 1.3                     # s per step, as measured on this machine
+MB100, MB10 = 100e6 / 8 * 0.93, 10e6 / 8 * 0.93
+
+
+def wl(compute=COMPUTE, **kw):
+    return A.workload_for(N, compute, bucket_sizes=[262_144, 262_144, 262_144, 134_656],
+                          matrices=SMOL, batch_size=4, **kw)
+
+
+def timings(bw, alpha, n=2, small=A.SMALL_PROBE_BYTES, large=A.MIN_PROBE_BYTES):
+    """What a ring all-reduce of each probe size takes on this link."""
+    f = 2 * (n - 1) / n
+    return (2 * (n - 1) * alpha + f * small / bw, 2 * (n - 1) * alpha + f * large / bw)
+
+
+# --------------------------------------------------------------------------- probe fit
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("bw,alpha", [(MB10, 2e-4), (MB100, 5e-5), (1.1e8, 1e-3)])
+def test_fit_probe_recovers_alpha_and_bandwidth(n, bw, alpha):
+    ts, tl = timings(bw, alpha, n)
+    a, b = A.fit_probe(ts, tl, A.SMALL_PROBE_BYTES, A.MIN_PROBE_BYTES, n)
+    assert a == pytest.approx(alpha, rel=1e-6)
+    assert b == pytest.approx(bw, rel=1e-6)
+
+
+def test_fit_probe_flat_times_give_a_lower_bound_not_infinity():
+    # a very fast link: the large all-reduce was not slower (timer noise)
+    a, b = A.fit_probe(1e-3, 0.9e-3, 1024, 1 << 20, 2)
+    assert math.isfinite(b) and b == pytest.approx((1 << 20) / 0.9e-3)
+    assert a >= 0
+
+
+@pytest.mark.parametrize("args", [(1e-3, 2e-3, 1024, 1024, 2), (0, 1e-3, 1024, 4096, 2),
+                                  (1e-3, 2e-3, 1024, 4096, 1)])
+def test_fit_probe_rejects_nonsense(args):
+    with pytest.raises(ValueError):
+        A.fit_probe(*args)
+
+
+def test_probe_size_and_cadence_follow_the_budget():
+    # slow link: never below 256 KiB (a shaper's burst would flatter it)
+    assert A.probe_size(MB10, COMPUTE, 10) == A.MIN_PROBE_BYTES
+    # 100 Mbit/s, 10 steps of 1.3 s, 1%: ~1.5 MB -> 1 MiB (a power of two)
+    assert A.probe_size(MB100, COMPUTE, 10) == 1 << 20
+    assert A.probe_size(1e10, COMPUTE, 10) == A.MAX_PROBE_BYTES
+    # a 0.22 s probe every 10 steps of 1.3 s would be 1.7%: every second window
+    assert A.probe_every(0.22, COMPUTE, 10) == 2
+    assert A.probe_every(0.01, COMPUTE, 10) == 1
+    # tiny steps: rarely (a drift still triggers one at once)
+    assert A.probe_every(0.22, 0.02, 10) == 110
+
+
+# --------------------------------------------------------------------------- decisions
+
+def test_first_choice_prefers_lossless_within_5_percent():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    d = A.decide(net, wl(), None, A.DEFAULT_CANDIDATES)
+    best = d.ranking[0]
+    assert d.switch
+    assert d.prediction.lossless and not best.lossless
+    assert d.prediction.samples_per_s >= 0.95 * best.samples_per_s
+    assert "lossless" in d.rule
+
+
+def test_first_choice_on_a_slow_link_is_a_compressor():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB10, world_size=2)
+    d = A.decide(net, wl(), None, A.DEFAULT_CANDIDATES)
+    assert d.strategy in ("topk", "onebit", "int8", "powersgd")
+    assert d.prediction.samples_per_s == max(p.samples_per_s for p in d.ranking)
+
+
+def test_candidates_restrict_the_choice():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB10, world_size=2)
+    d = A.decide(net, wl(), None, ("allreduce", "fp16"))
+    assert d.strategy == "fp16"
+
+
+def test_routine_reevaluation_keeps_current_unless_gain_exceeds_margin():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    w = wl()
+    ranking = {p.strategy: p for p in A.decide(net, w, None, A.DEFAULT_CANDIDATES).ranking}
+    # topk in use, the lossless pick is better by less than 10%: stay (no flapping)
+    d = A.decide(net, w, "topk", A.DEFAULT_CANDIDATES)
+    assert not d.switch and d.strategy == "topk" and d.rule.startswith("keep topk")
+    # a fresh decision (the link changed) takes the planner's pick
+    f = A.decide(net, w, "topk", A.DEFAULT_CANDIDATES, fresh=True)
+    assert f.switch and f.strategy == A.decide(net, w, None, A.DEFAULT_CANDIDATES).strategy
+    # allreduce in use on a 10 Mbit/s link: the compressors gain far more than 10%
+    slow = Net(alpha_s=2e-4, bandwidth_Bps=MB10, world_size=2)
+    s = A.decide(slow, w, "allreduce", A.DEFAULT_CANDIDATES)
+    assert s.switch and s.strategy != "allreduce"
+    assert s.prediction.samples_per_s > 1.1 * s.current.samples_per_s
+    assert ranking  # ranking is complete
+    assert {p.strategy for p in s.ranking} == set(A.DEFAULT_CANDIDATES)
+
+
+def test_hysteresis_does_not_flap_on_noisy_measurements():
+    """Bandwidth and compute jitter +-15% around a point where two strategies
+    are close: routine re-evaluations switch at most once."""
+    import random
+
+    rng = random.Random(0)
+    cur = A.decide(Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2), wl(), None,
+                   A.DEFAULT_CANDIDATES).strategy
+    switches = 0
+    for _ in range(200):
+        net = Net(alpha_s=2e-4 * rng.uniform(0.85, 1.15),
+                  bandwidth_Bps=MB100 * rng.uniform(0.85, 1.15), world_size=2)
+        d = A.decide(net, wl(COMPUTE * rng.uniform(0.85, 1.15)), cur, A.DEFAULT_CANDIDATES)
+        if d.switch:
+            switches += 1
+            cur = d.strategy
+    assert switches <= 1
+
+
+def test_current_outside_candidates_is_always_left():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    d = A.decide(net, wl(), "bf16", ("allreduce", "fp16"))
+    assert d.switch and d.strategy in ("allreduce", "fp16")
+
+
+# --------------------------------------------------------------------------- change detection
+
+def test_network_change_detected_from_synthetic_timings():
+    """100 Mbit/s -> 10 Mbit/s: the step time of the strategy in use drifts,
+    the probe timings give the new link, the decision changes, the reason
+    names the bandwidth."""
+    n = 2
+    before = Net(*A.fit_probe(*timings(MB100, 2e-4), A.SMALL_PROBE_BYTES,
+                              A.MIN_PROBE_BYTES, n), world_size=n)
+    first = A.decide(before, wl(), None, A.DEFAULT_CANDIDATES)
+    p = first.prediction
+    # a window on the old link: time beyond compute as predicted, no drift
+    assert not A.drifted(p.step_s - p.compute_s, p.step_s - p.compute_s, p.step_s)
+    # the link is cut: the same strategy now costs what the model says for 10 Mbit/s
+    cut = Net(alpha_s=2e-4, bandwidth_Bps=MB10, world_size=n)
+    on_cut = predict(first.strategy, cut, wl())
+    assert A.drifted(on_cut.step_s - on_cut.compute_s, p.step_s - p.compute_s, p.step_s)
+    after = Net(*A.fit_probe(*timings(MB10, 2e-4), A.SMALL_PROBE_BYTES, A.MIN_PROBE_BYTES, n),
+                world_size=n)
+    assert A.link_changed(before, after, N, p.step_s)
+    d = A.decide(after, wl(), first.strategy, A.DEFAULT_CANDIDATES, fresh=True)
+    assert d.switch and d.strategy != first.strategy
+    assert d.prediction.samples_per_s > 1.2 * d.current.samples_per_s
+    reason = A.describe(d, after, COMPUTE, previous=before)
+    assert "bandwidth" in reason and "->" in reason and d.strategy in reason
+    # and back up: the lossless choice returns
+    back = A.decide(before, wl(), d.strategy, A.DEFAULT_CANDIDATES,
+                    fresh=A.link_changed(after, before, N, p.step_s))
+    assert back.strategy == first.strategy
+
+
+def test_link_changed_ignores_noise_and_irrelevant_fast_links():
+    a = Net(alpha_s=1e-4, bandwidth_Bps=MB100, world_size=2)
+    assert not A.link_changed(a, Net(alpha_s=1e-4, bandwidth_Bps=MB100 * 1.3, world_size=2),
+                              N, COMPUTE)
+    # 1 GB/s vs 300 MB/s: 3x, but the adapter's sync moves by ~8 ms of a 1.3 s step
+    assert not A.link_changed(Net(alpha_s=1e-4, bandwidth_Bps=1e9, world_size=2),
+                              Net(alpha_s=1e-4, bandwidth_Bps=3e8, world_size=2), N, COMPUTE)
+
+
+def test_drift_tolerance_is_looser_before_calibration():
+    assert A.drifted(0.5, 0.1, 1.4, calibrated=True)
+    assert not A.drifted(0.5, 0.1, 1.4, calibrated=False)
+    assert A.drifted(0.9, 0.1, 1.4, calibrated=False)
+    # a few ms of jitter on tiny steps never counts
+    assert not A.drifted(0.0025, 0.001, 0.005)
+
+
+# --------------------------------------------------------------------------- calibration
+
+def test_measured_extra_cost_is_charged_to_the_strategy():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    plain = predict("fp16", net, wl())
+    slow = predict("fp16", net, wl(extra_s={"fp16": 0.2}))
+    assert slow.step_s == pytest.approx(plain.step_s + 0.2, rel=1e-6)
+    # periodic: the extra per step is spread over the period's syncs
+    assert A.encode_ns_for("local", {"period": 8}, 0.1, N) == pytest.approx(
+        1.0 + 0.1 * 1e9 * 8 / N)
+    assert A.encode_ns_for("powersgd", {"rank": 2}, -1.0, N) == 0.0   # never negative
+
+
+def test_unmeasured_strategies_inherit_their_class_minimum():
+    got = A.with_priors({"fp16": 0.05, "allreduce": 0.08, "local": 0.01},
+                        ["allreduce", "fp16", "topk", "local", "diloco"])
+    assert got == {"allreduce": 0.08, "fp16": 0.05, "topk": 0.05, "local": 0.01,
+                   "diloco": 0.01}
+    assert A.with_priors({}, ["topk"]) == {}
+
+
+def test_workload_from_bucket_sizes():
+    w = A.workload_for(1000, 0.5, bucket_sizes=[100, 400, 400, 100])
+    assert w.bucket_bytes == 1600 and w.first_bucket_bytes == 400
+    w = A.workload_for(1000, 0.5, bucket_cap_bytes=1 << 20)
+    assert w.bucket_bytes == 1 << 20 and w.first_bucket_bytes is None
+
+
+# --------------------------------------------------------------------------- accumulation
+
+def test_accum_goes_up_when_sync_bound_and_back_down():
+    # 1.3 s compute, 1.6 s sync at accum 1: 45% computing -> enough micro-batches for 90%
+    up = A.suggest_accum(1, 1.3, 1.6, max_accum=64)
+    assert up == math.ceil(9 * 1.6 / 1.3)
+    assert up * 1.3 / (up * 1.3 + 1.6) >= 0.9
+    # the sync becomes cheap (the link recovered): back down to the fewest that reach 90%
+    assert A.suggest_accum(up, up * 1.3, 0.05, max_accum=64) == 1
+    # bounded by the user's range
+    assert A.suggest_accum(1, 1.3, 1.6, max_accum=4) == 4
+    assert A.suggest_accum(8, 8 * 1.3, 0.0, max_accum=16, min_accum=2) == 2
+    assert A.suggest_accum(1, 1.3, 0.0, max_accum=16, min_accum=2) == 2
+
+
+def test_accum_is_stable_near_the_target():
+    # 88% computing: within the slack, no change either way
+    c = 1.3
+    assert A.suggest_accum(3, 3 * c, 3 * c * (1 / 0.88 - 1), max_accum=16) == 3
+    assert A.suggest_accum(3, 3 * c, 3 * c * (1 / 0.93 - 1), max_accum=16) == 3
+    # following the advice reaches a fixed point
+    a = 1
+    for _ in range(5):
+        a = A.suggest_accum(a, a * c, 2.0, max_accum=64)
+    assert a == A.suggest_accum(a, a * c, 2.0, max_accum=64)
+
+
+@pytest.mark.parametrize("kw", [dict(current=0), dict(max_accum=0), dict(min_accum=5, max_accum=4),
+                                dict(target=1.0)])
+def test_accum_rejects_bad_arguments(kw):
+    args = dict(current=1, compute_s=1.0, overhead_s=1.0, max_accum=8)
+    args.update(kw)
+    with pytest.raises(ValueError):
+        A.suggest_accum(**args)
+
+
+# --------------------------------------------------------------------------- options
+
+def test_parse_candidates_and_force():
+    assert A.parse_candidates("allreduce, topk") == ("allreduce", "topk")
+    assert A.parse_candidates(["fp16"]) == ("fp16",)
+    assert A.parse_force("10:int8,20:allreduce") == {10: "int8", 20: "allreduce"}
+    assert A.parse_force({5: "local"}) == {5: "local"}
+    assert A.parse_force("") == {}
+
+
+@pytest.mark.parametrize("value,word", [("", "empty"), ("allreduce,bogus", "bogus"),
+                                        ("auto", "auto"), ("fp16,fp16", "twice"),
+                                        (3, "comma")])
+def test_parse_candidates_errors_name_the_problem(value, word):
+    with pytest.raises(ValueError, match=word):
+        A.parse_candidates(value)
+
+
+@pytest.mark.parametrize("value", ["10", "x:int8", "0:int8", "5:bogus"])
+def test_parse_force_errors(value):
+    with pytest.raises(ValueError, match="force_switch_at"):
+        A.parse_force(value)
+
+
+def test_auto_is_a_registered_strategy():
+    from lorasync.comm import strategy_names
+
+    assert "auto" in strategy_names()
