@@ -127,7 +127,11 @@ class _TwoPhase(HookSync):
     def _unpack(self, data: torch.Tensor, plan: dict[str, Any]):
         cb = plan["code_bytes"]
         codes = data[:, :cb].contiguous()
-        scales = data[:, cb:].contiguous().view(torch.float32).reshape(-1)
+        # a fresh row-major copy, not .contiguous(): with one rank the slice
+        # counts as contiguous but starts at byte cb, and its row stride need
+        # not be a multiple of 4 either (float32 views need both)
+        scales = data[:, cb:].clone(memory_format=torch.contiguous_format)
+        scales = scales.view(torch.float32).reshape(-1)
         return codes.reshape(-1), scales
 
     # -- the two phases -------------------------------------------------------
