@@ -9,6 +9,12 @@ its own blocks (see :func:`param_blocks`), which keeps the compressed value of
 an element independent of how DDP happens to bucket the parameters (DDP's
 first iteration uses a different bucket layout from later ones, and a resumed
 run starts with that first layout again).
+
+Device: every function works on the device of its inputs (CPU, CUDA, meta)
+and allocates nothing elsewhere; block ids, counts and ``sum_index`` must be
+on that device too.  None synchronises with the host, except the
+conveniences documented as doing so (``count=None`` or no ``sum_index``
+with block ids given as a tensor).
 """
 
 from __future__ import annotations
@@ -18,14 +24,23 @@ import math
 import torch
 
 __all__ = [
-    "param_blocks", "uniform_block_ids",
+    "param_blocks", "uniform_block_ids", "block_sum_index",
     "int8_encode", "int8_decode",
     "onebit_encode", "onebit_decode", "pack_bits", "unpack_bits",
     "topk_encode", "topk_decode",
     "orthogonalize_",
 ]
 
-_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8, device="cpu")
+_SHIFTS_ON: dict[torch.device, torch.Tensor] = {_SHIFTS.device: _SHIFTS}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """The bit shifts of :func:`pack_bits` on ``device`` (copied there once)."""
+    t = _SHIFTS_ON.get(device)
+    if t is None:
+        t = _SHIFTS_ON[device] = _SHIFTS.to(device)
+    return t
 
 
 def param_blocks(numel: int, block: int, world_size: int, align: int = 1) -> tuple[int, int]:
@@ -46,10 +61,27 @@ def param_blocks(numel: int, block: int, world_size: int, align: int = 1) -> tup
     return nb, bs
 
 
-def uniform_block_ids(numel: int, block: int) -> tuple[torch.Tensor, int]:
-    """Block ids for consecutive blocks of ``block`` elements (last one partial)."""
+def uniform_block_ids(numel: int, block: int,
+                      device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
+    """Block ids for consecutive blocks of ``block`` elements (last one partial),
+    on ``device`` (default: the CPU)."""
     nblocks = math.ceil(numel / block)
-    return torch.arange(numel) // block, nblocks
+    return torch.arange(numel, device=device or "cpu") // block, nblocks
+
+
+def block_sum_index(bid: torch.Tensor, nblocks: int) -> tuple[torch.Tensor, int]:
+    """Where :func:`_block_sum` puts each element of blocks given by ids:
+    ``(position in the nblocks x width padded matrix, width)``.
+
+    Reads the largest block size back to the host (one sync on a GPU), so a
+    caller with fixed block ids computes this once and passes it as
+    ``sum_index`` to :func:`onebit_encode`.
+    """
+    sizes = torch.bincount(bid, minlength=nblocks)
+    width = 1 << (int(sizes.max()) - 1).bit_length()  # host sync, see above
+    starts = torch.cumsum(sizes, 0) - sizes
+    col = torch.arange(bid.numel(), device=bid.device) - starts.index_select(0, bid)
+    return bid * width + col, width
 
 
 # -- per-block helpers ----------------------------------------------------------
@@ -61,17 +93,20 @@ Blocks = "int | torch.Tensor"
 def _block_amax(xabs: torch.Tensor, bid, nblocks: int) -> torch.Tensor:
     if isinstance(bid, int):
         return xabs.view(-1, bid).amax(dim=1)
-    return torch.zeros(nblocks, dtype=torch.float32).scatter_reduce_(
+    return torch.zeros(nblocks, dtype=torch.float32, device=xabs.device).scatter_reduce_(
         0, bid, xabs, "amax", include_self=True)
 
 
-def _block_sum(x: torch.Tensor, bid, nblocks: int) -> torch.Tensor:
+def _block_sum(x: torch.Tensor, bid, nblocks: int,
+               sum_index: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Per-block sums in a fixed order: each block zero-padded to a power of
     two and halved pairwise.  Adding the zero padding is exact, so a block
     gives the same bits whatever the padded width -- in particular on the
     reshape path and the block-id path, so a sum does not depend on DDP's
     bucket layout (``sum``/``index_add_`` order their additions by shape).
-    Blocks given by ids must be contiguous and in increasing order.
+    Blocks given by ids must be contiguous and in increasing order;
+    ``sum_index`` (:func:`block_sum_index` of ``bid``) saves recomputing
+    their layout and its host sync.
     """
     if isinstance(bid, int):
         width = 1 << (bid - 1).bit_length()
@@ -79,11 +114,8 @@ def _block_sum(x: torch.Tensor, bid, nblocks: int) -> torch.Tensor:
         if width != bid:
             m = torch.nn.functional.pad(m, (0, width - bid))
     else:
-        sizes = torch.bincount(bid, minlength=nblocks)
-        width = 1 << (int(sizes.max()) - 1).bit_length()
-        starts = torch.cumsum(sizes, 0) - sizes
-        col = torch.arange(bid.numel()) - starts.index_select(0, bid)
-        m = torch.zeros(nblocks * width, dtype=x.dtype).index_copy_(0, bid * width + col, x)
+        pos, width = sum_index if sum_index is not None else block_sum_index(bid, nblocks)
+        m = torch.zeros(nblocks * width, dtype=x.dtype, device=x.device).index_copy_(0, pos, x)
         m = m.view(nblocks, width)
     while m.shape[1] > 1:
         h = m.shape[1] // 2
@@ -118,26 +150,28 @@ def int8_decode(q: torch.Tensor, scale: torch.Tensor, bid) -> torch.Tensor:
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor (length a multiple of 8) into uint8, MSB first."""
     b = bits.reshape(-1, 8).to(torch.uint8)
-    return (b << _SHIFTS).sum(dim=1, dtype=torch.uint8)
+    return (b << _shifts(b.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    return ((packed.reshape(-1, 1) >> _SHIFTS) & 1).reshape(-1).bool()
+    return ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).reshape(-1).bool()
 
 
-def onebit_encode(x: torch.Tensor, bid, nblocks: int,
-                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def onebit_encode(x: torch.Tensor, bid, nblocks: int, count: torch.Tensor | None = None,
+                  sum_index: tuple[torch.Tensor, int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Signs (``x >= 0`` -> +), bit-packed, and one scale per block: mean |x|.
 
     ``count`` (elements per block that are real, not padding) makes the mean
-    ignore zero padding; default: all elements count.  ``x`` must have a
-    multiple of 8 elements.
+    ignore zero padding; default: all elements count (with block ids as a
+    tensor that default costs a host sync on a GPU: pass ``count``).  ``x``
+    must have a multiple of 8 elements; ``sum_index``: see :func:`_block_sum`.
     """
     x = x.reshape(-1).float()
     if count is None:
-        count = (torch.full((nblocks,), float(bid)) if isinstance(bid, int)
+        count = (torch.full((nblocks,), float(bid), device=x.device) if isinstance(bid, int)
                  else torch.bincount(bid, minlength=nblocks).float())
-    scale = _block_sum(x.abs(), bid, nblocks) / count.clamp(min=1)
+    scale = _block_sum(x.abs(), bid, nblocks, sum_index) / count.clamp(min=1)
     return pack_bits(x >= 0), scale
 
 
@@ -155,7 +189,7 @@ def topk_encode(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_decode(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:
-    out = torch.zeros(numel, dtype=vals.dtype)
+    out = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
     return out.index_add_(0, idx.reshape(-1).long(), vals.reshape(-1))
 
 
