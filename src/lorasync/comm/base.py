@@ -105,6 +105,8 @@ class Sync:
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"{self.name}: the DDP module has no parameter that requires grad")
+        # state and temporaries live where the gradients are (DDP's buckets)
+        self.device = self.params[0].device
         self.fp32_param_bytes = sum(p.numel() for p in self.params) * 4
         # canonical flat layout of the trainable parameters (state lives here)
         self._pindex = {id(p): i for i, p in enumerate(self.params)}
@@ -166,13 +168,21 @@ class Sync:
         every rank calls attach, so every rank takes part.
         """
         try:
-            dist.all_reduce(torch.zeros(1, dtype=dtype), group=self.group)
+            dist.all_reduce(torch.zeros(1, dtype=dtype, device=self._probe_device()),
+                            group=self.group)
         except (RuntimeError, ValueError, TypeError) as e:
             backend = dist.get_backend(self.group)
             raise ValueError(
                 f"{self.name}: {option}: backend {backend!r} cannot all-reduce {dtype} "
                 f"({str(e).splitlines()[0][:120]}); use allreduce or int8 instead"
             ) from None
+
+    def _probe_device(self) -> torch.device:
+        """Device for attach-time probes: the gradients' (what the collectives
+        will carry), but NCCL takes CUDA tensors only."""
+        if self.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return self.device
 
     # -- accounting helpers ---------------------------------------------------
     def _sent(self, *tensors: torch.Tensor) -> None:
@@ -260,7 +270,33 @@ class _Layout:
         for i in pids:
             self.offsets.append(self.offsets[-1] + numels[i])
         self.numel = self.offsets[-1]
-        self.cache: dict[str, Any] = {}  # per-strategy precomputed indices
+        self.cache: dict[Any, Any] = {}  # per-strategy precomputed indices, per device
+
+    def plan(self, key: str, device: torch.device, build: Callable[[], Any]) -> Any:
+        """A strategy's precomputed index tensors for this layout on ``device``:
+        ``build()`` makes them on the host, once (cheap there, and no device
+        syncs); each device gets its own copy, once."""
+        plan = self.cache.get((key, device))
+        if plan is None:
+            plan = self.cache.get((key, _HOST))
+            if plan is None:
+                plan = build()
+            plan = self.cache[(key, device)] = to_device(plan, device)
+        return plan
+
+
+_HOST = torch.device("cpu")
+
+
+def to_device(v: Any, device: torch.device) -> Any:
+    """``v`` with every tensor in it (nested in dicts, lists, tuples) on ``device``."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device)
+    if isinstance(v, dict):
+        return {k: to_device(x, device) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(to_device(x, device) for x in v)
+    return v
 
 
 class _Residual:
@@ -272,16 +308,23 @@ class _Residual:
     layout (after its first iteration, after a resume) or for ``state``.  The
     canonical vector has one extra dump slot (index ``numel``) that padding
     maps to and that stays zero.
+
+    It lives on the device of the ``cpos`` it is used with (``device`` at
+    first; moved, once, if a layout on another device asks for rows);
+    ``state`` returns a CPU copy and ``load`` takes values on any device.
     """
 
-    def __init__(self, numel: int, nparams: int):
-        self.canon = torch.zeros(numel + 1)
+    def __init__(self, numel: int, nparams: int, device: torch.device | str = "cpu"):
+        self.canon = torch.zeros(numel + 1, device=device)
         self._holder: list[int | None] = [None] * nparams   # layout id holding each param
         self._rows: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
 
     def rows(self, lay: "_Layout", cpos: torch.Tensor) -> torch.Tensor:
         """The residual for ``lay`` in row order (``cpos``: canonical position
         of every row element, ``numel`` for padding); update it in place."""
+        if cpos.device != self.canon.device:
+            self._flush_all()  # back to canonical order, then move
+            self.canon = self.canon.to(cpos.device)
         entry = self._rows.get(lay.id)
         if entry is not None:
             return entry[2]
@@ -300,10 +343,13 @@ class _Residual:
         for i in pids:
             self._holder[i] = None
 
-    def state(self) -> torch.Tensor:
+    def _flush_all(self) -> None:
         for lid in list(self._rows):
             self._flush(lid)
-        return self.canon[:-1].clone()
+
+    def state(self) -> torch.Tensor:
+        self._flush_all()
+        return self.canon[:-1].to("cpu", copy=True)
 
     def load(self, values: torch.Tensor) -> None:
         self._rows.clear()

@@ -24,6 +24,9 @@ Only the wait at the apply step counts as ``comm_s``.
 last sync, or streaming corrections), averages the adapter in fp32 so every
 rank ends with the same weights.  Replicas must start identical (DDP with
 ``init_sync=False`` assumes the trainer built them from one seed).
+
+Anchor, momentum and pending payloads live on the adapter's device;
+``state_dict`` holds CPU copies, which ``load_state_dict`` moves back.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lorasync.comm.base import HookSync, _Layout, completed, register
+from lorasync.comm.base import _HOST, HookSync, _Layout, completed, register
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -141,8 +144,8 @@ class _Periodic(HookSync):
         sd = {**super().state_dict(), "dirty": self._dirty, "pending": None}
         if self._pending is not None:  # a streaming sync in flight: finish receiving it
             self._wait_pending()
-            sd["pending"] = {"payload": self._pending["payload"].clone(),
-                             "snapshot": self._pending["snapshot"].clone(),
+            sd["pending"] = {"payload": self._pending["payload"].to(_HOST, copy=True),
+                             "snapshot": self._pending["snapshot"].to(_HOST, copy=True),
                              "apply_at": self._pending["apply_at"]}
         return sd
 
@@ -151,7 +154,8 @@ class _Periodic(HookSync):
         self._dirty = bool(state.get("dirty", True))
         p = state.get("pending")
         self._pending = None if p is None else {
-            "work": None, "payload": p["payload"].clone(), "snapshot": p["snapshot"].clone(),
+            "work": None, "payload": p["payload"].to(self.device, copy=True),
+            "snapshot": p["snapshot"].to(self.device, copy=True),
             "apply_at": int(p["apply_at"])}
 
 
@@ -203,10 +207,10 @@ class DiLoCo(_Periodic):
         self._anchor = avg.clone()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "anchor": self._anchor.clone(),
-                "outer_momentum_buffer": self._momentum.clone()}
+        return {**super().state_dict(), "anchor": self._anchor.to(_HOST, copy=True),
+                "outer_momentum_buffer": self._momentum.to(_HOST, copy=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._anchor = state["anchor"].clone()
-        self._momentum = state["outer_momentum_buffer"].clone()
+        self._anchor = state["anchor"].to(self.device, copy=True)
+        self._momentum = state["outer_momentum_buffer"].to(self.device, copy=True)

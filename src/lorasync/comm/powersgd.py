@@ -29,18 +29,25 @@ State is per parameter (error e, warm-start Q), independent of DDP's bucket
 layout; matrices of equal shape are processed as one batch (bmm).  Step 1 of LoRA has exactly-zero lora_A gradients (B starts at 0),
 which would leave a warm-started Q at zero forever; a Q column that comes
 back all-zero (or non-finite) is re-drawn from a seed every rank shares.
+
+Device: error, Q, index plans and the re-draw generator live on the
+gradients' device (so a re-drawn Q depends on the device type, the same on
+every rank).  Whether a new Q is usable is known on the device; the host
+learns it through a copy that is not waited for, read when Q is next needed
+(a step later, long done), so the hook never waits for the GPU.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lorasync.comm import compress as C
-from lorasync.comm.base import HookSync, _Layout, _Residual, completed, register
+from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, completed, register
 
 
 @register
@@ -68,45 +75,58 @@ class PowerSGD(HookSync):
                     self._shape.append((a, b))
                     continue
             self._shape.append(None)
-        self._E = _Residual(self.numel, len(self.params))  # zero outside compressed matrices
+        # zero outside compressed matrices
+        self._E = _Residual(self.numel, len(self.params), self.device)
         self._Q: dict[int, torch.Tensor] = {}
+        # new Qs of finished buckets: (param ids, Qs g x b x k, usable per param)
+        self._q_new: deque[tuple[list[int], torch.Tensor, _HostCopy]] = deque()
 
-    def _new_q(self, i: int, b: int) -> torch.Tensor:
+    def _new_q(self, i: int, b: int, device: torch.device) -> torch.Tensor:
         # same seed on every rank; varies with the step so a re-draw differs
-        g = torch.Generator().manual_seed(1_000_003 * i + self._steps)
-        return C.orthogonalize_(torch.randn(b, self.opts["rank"], generator=g))
+        g = torch.Generator(device=device).manual_seed(1_000_003 * i + self._steps)
+        return C.orthogonalize_(torch.randn(b, self.opts["rank"], generator=g, device=device))
 
-    def _plan(self, lay: _Layout) -> dict[str, Any]:
+    def _take_new_q(self) -> None:
+        """Keep the usable new Qs (drop the others: re-drawn when next needed)."""
+        while self._q_new:
+            pids, q, ok = self._q_new.popleft()
+            for i, qi, good in zip(pids, q.unbind(0), ok.get()):
+                if good:
+                    self._Q[i] = qi
+                else:
+                    self._Q.pop(i, None)
+
+    def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
         """Per layout: the uncompressed elements, and the compressed matrices
         grouped by shape (one batched matmul per shape; LoRA has few shapes)."""
-        plan = lay.cache.get("psgd")
-        if plan is not None:
-            return plan
+        return lay.plan("psgd", device, lambda: self._host_plan(lay))
+
+    def _host_plan(self, lay: _Layout) -> dict[str, Any]:
         unc, groups = [], {}
         for i, off in zip(lay.pids, lay.offsets):
             shape = self._shape[i]
             if shape is None:
-                unc.append(torch.arange(off, off + self._numels[i]))
+                unc.append(torch.arange(off, off + self._numels[i], device=_HOST))
             else:
                 groups.setdefault(shape, []).append((i, off))
         plan_groups, cpos = [], []
         for (a, b), members in groups.items():
-            ar = torch.arange(a * b)
+            ar = torch.arange(a * b, device=_HOST)
             plan_groups.append(dict(a=a, b=b, pids=[i for i, _ in members],
                                     bidx=torch.cat([ar + off for _, off in members])))
             cpos.append(torch.cat([ar + self._offsets[i] for i, _ in members]))
-        plan = lay.cache["psgd"] = dict(
-            unc=torch.cat(unc) if unc else torch.empty(0, dtype=torch.long),
+        return dict(
+            unc=torch.cat(unc) if unc else torch.empty(0, dtype=torch.long, device=_HOST),
             groups=plan_groups,
-            cpos=torch.cat(cpos) if cpos else torch.empty(0, dtype=torch.long))
-        return plan
+            cpos=torch.cat(cpos) if cpos else torch.empty(0, dtype=torch.long, device=_HOST))
 
     def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
         n, k = self.world_size, self.opts["rank"]
         buf = bucket.buffer()
         t0 = time.perf_counter()
-        plan = self._plan(lay)
+        plan = self._plan(lay, buf.device)
         groups = plan["groups"]
+        self._take_new_q()
         err = self._E.rows(lay, plan["cpos"]) if groups else None
         ms, ps, pos = [], [], 0
         for grp in groups:
@@ -115,7 +135,7 @@ class PowerSGD(HookSync):
             m = buf.index_select(0, grp["bidx"]).float().add_(err[pos:pos + size]).view(g, a, b)
             pos += size
             qs = [self._Q.get(i) if self.opts["warm_start"] else None for i in grp["pids"]]
-            q = torch.stack([x if x is not None else self._new_q(i, b)
+            q = torch.stack([x if x is not None else self._new_q(i, b, buf.device)
                              for x, i in zip(qs, grp["pids"])])
             ms.append(m)
             ps.append(torch.bmm(m, q))
@@ -160,11 +180,7 @@ class PowerSGD(HookSync):
                     epos += size
                     buf.index_copy_(0, grp["bidx"], approx.reshape(-1).to(buf.dtype))
                     ok = torch.isfinite(q).all(dim=(1, 2)) & (q.norm(dim=1) > 0).all(dim=1)
-                    for i, qi, good in zip(grp["pids"], q.unbind(0), ok.tolist()):
-                        if good:
-                            self._Q[i] = qi.clone()
-                        else:
-                            self._Q.pop(i, None)
+                    self._q_new.append((grp["pids"], q.clone(), _HostCopy(ok)))
                 self._add_encode(time.perf_counter() - t2)
                 return buf
 
@@ -177,17 +193,41 @@ class PowerSGD(HookSync):
         flat = self._E.state()
         err = {i: flat[self._offsets[i]:self._offsets[i + 1]].view(self._shape[i]).clone()
                for i in range(len(self.params)) if self._shape[i] is not None}
+        self._take_new_q()
         return {**super().state_dict(), "rank_k": self.opts["rank"], "error": err,
-                "q": {i: q.clone() for i, q in self._Q.items()}}
+                "q": {i: q.to(_HOST, copy=True) for i, q in self._Q.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if state.get("rank_k", self.opts["rank"]) != self.opts["rank"]:
             raise ValueError(f"state_dict: saved with rank={state['rank_k']}, this run has "
                              f"rank={self.opts['rank']}; pass the same rank option")
-        flat = torch.zeros(self.numel)
+        flat = torch.zeros(self.numel, device=_HOST)
         for i, e in state["error"].items():
             i = int(i)
             flat[self._offsets[i]:self._offsets[i + 1]] = e.reshape(-1)
         self._E.load(flat)
-        self._Q = {int(i): q.clone() for i, q in state["q"].items()}
+        self._q_new.clear()
+        self._Q = {int(i): q.to(self.device, copy=True) for i, q in state["q"].items()}
+
+
+class _HostCopy:
+    """A small device tensor on its way to the host: the copy is issued
+    without waiting; ``get()`` waits for it (on a GPU: for an event recorded
+    right after it) and returns it as a list."""
+
+    __slots__ = ("_t", "_done")
+
+    def __init__(self, t: torch.Tensor):
+        self._done = None
+        if t.device.type == "cuda":
+            self._t = t.to(_HOST, non_blocking=True)  # into pinned memory
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(t.device))
+        else:
+            self._t = t.to(_HOST)  # CPU: no copy; other devices: a blocking one
+
+    def get(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._t.tolist()

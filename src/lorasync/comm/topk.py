@@ -10,6 +10,8 @@ rank order, which gives every rank the same bits.
 
 k is chosen per parameter (not per bucket), so which entries are sent does not
 depend on DDP's bucket layout (which changes after the first iteration).
+
+The residual, index plans and buffers live on the gradients' device.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync.comm import compress as C
-from lorasync.comm.base import HookSync, _Layout, _Residual, register
+from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
 
 
 @register
@@ -37,29 +39,29 @@ class TopK(HookSync):
     def _setup(self) -> None:
         ratio = float(self.opts["ratio"])
         self._k = [max(1, math.ceil(ratio * m)) for m in self._numels]
-        self._E = _Residual(self.numel, len(self.params))
+        self._E = _Residual(self.numel, len(self.params), self.device)
 
-    def _plan(self, lay: _Layout) -> dict[str, Any]:
+    def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
         """Parameters of one bucket grouped by size (one batched top-k a size)."""
-        plan = lay.cache.get("topk")
-        if plan is None:
-            groups: dict[int, list[tuple[int, int]]] = {}
-            for i, boff in zip(lay.pids, lay.offsets):
-                groups.setdefault(self._numels[i], []).append((i, boff))
-            rows, cpos = [], []
-            for m, members in groups.items():
-                ar = torch.arange(m)
-                bpos = torch.stack([ar + boff for _, boff in members])
-                cpos.append(torch.stack([ar + self._offsets[i] for i, _ in members]).reshape(-1))
-                rows.append((bpos, bpos.reshape(-1), self._k[members[0][0]]))
-            plan = lay.cache["topk"] = {"groups": rows, "cpos": torch.cat(cpos)}
-        return plan
+        return lay.plan("topk", device, lambda: self._host_plan(lay))
+
+    def _host_plan(self, lay: _Layout) -> dict[str, Any]:
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for i, boff in zip(lay.pids, lay.offsets):
+            groups.setdefault(self._numels[i], []).append((i, boff))
+        rows, cpos = [], []
+        for m, members in groups.items():
+            ar = torch.arange(m, device=_HOST)
+            bpos = torch.stack([ar + boff for _, boff in members])
+            cpos.append(torch.stack([ar + self._offsets[i] for i, _ in members]).reshape(-1))
+            rows.append((bpos, bpos.reshape(-1), self._k[members[0][0]]))
+        return {"groups": rows, "cpos": torch.cat(cpos)}
 
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
         n = self.world_size
         buf = bucket.buffer()
         t0 = time.perf_counter()
-        plan = self._plan(lay)
+        plan = self._plan(lay, buf.device)
         e = self._E.rows(lay, plan["cpos"])
         pos, vals, off = [], [], 0
         for bpos, bflat, k in plan["groups"]:
@@ -73,7 +75,7 @@ class TopK(HookSync):
             vals.append(v.reshape(-1))
         payload = torch.cat([torch.cat(pos).to(torch.int32),
                              torch.cat(vals).view(torch.int32)])
-        out = torch.empty(n * payload.numel(), dtype=torch.int32)
+        out = torch.empty(n * payload.numel(), dtype=torch.int32, device=payload.device)
         self._add_encode(time.perf_counter() - t0)
         self._sent(payload)
         fut = dist.all_gather_into_tensor(out, payload, group=self.group, async_op=True).get_future()
@@ -81,7 +83,7 @@ class TopK(HookSync):
         def _decode(_f: torch.futures.Future) -> torch.Tensor:
             t1 = time.perf_counter()
             rows = out.view(n, 2, -1)
-            res = torch.zeros(lay.numel)
+            res = torch.zeros(lay.numel, device=buf.device)
             for j in range(n):  # rank order: the same sums on every rank
                 res.index_add_(0, rows[j, 0].long(), rows[j, 1].view(torch.float32))
             buf.copy_(res.div_(n))

@@ -22,6 +22,10 @@ multiple of world_size blocks, so each rank owns an equal slice of every
 parameter), and the owner of an element is fixed by the parameter alone.
 Compressed values and residual ownership therefore do not depend on DDP's
 bucket layout, which changes after the first iteration and again on resume.
+
+Residuals, index plans and collective buffers live on the gradients' device
+(CPU with gloo, the rank's GPU with NCCL); index plans are worked out on the
+host once per bucket layout and copied to that device once.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync.comm import compress as C
-from lorasync.comm.base import HookSync, _Layout, _Residual, register
+from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
 
 
 class _TwoPhase(HookSync):
@@ -42,8 +46,12 @@ class _TwoPhase(HookSync):
     options = {"block": 256, "warmup_steps": 0}
 
     # -- codec, per subclass --------------------------------------------------
-    def _encode(self, x, bid, nblocks, count):  # -> (codes, scales)
+    def _encode(self, x, bid, nblocks, count, sum_index=None):  # -> (codes, scales)
         raise NotImplementedError
+
+    def _sum_index(self, bid: torch.Tensor, nblocks: int):
+        """What ``_encode`` needs precomputed for block ids ``bid`` (host)."""
+        return None
 
     def _decode(self, codes, scales, bid):
         raise NotImplementedError
@@ -59,26 +67,27 @@ class _TwoPhase(HookSync):
     def _setup(self) -> None:
         n = self.world_size
         self._blocks = [C.param_blocks(m, self.opts["block"], n, self.align) for m in self._numels]
-        self._E = _Residual(self.numel, len(self.params))   # worker residual, every element
-        self._S = _Residual(self.numel, len(self.params))   # server residual, my shard only
+        self._E = _Residual(self.numel, len(self.params), self.device)  # worker, every element
+        self._S = _Residual(self.numel, len(self.params), self.device)  # server, my shard only
         # all_to_all_single is in gloo, NCCL and MPI; probe, since a backend
         # without it would otherwise fail mid-backward
         try:
-            x = torch.zeros(n, dtype=torch.uint8)
+            x = torch.zeros(n, dtype=torch.uint8, device=self._probe_device())
             dist.all_to_all_single(torch.empty_like(x), x, group=self.group)
             self.phase1_collective = "all_to_all"
         except (RuntimeError, NotImplementedError, ValueError):
             self.phase1_collective = "all_gather"
 
-    def _plan(self, lay: _Layout) -> dict[str, Any]:
-        """Index tensors for one bucket layout (computed once per layout).
+    def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
+        """Index tensors for one bucket layout on ``device`` (computed once
+        per layout on the host, copied once per device).
 
         Rows: row r holds, for every parameter of the bucket in bucket order,
         the slice of its (padded) blocks that rank r owns.
         """
-        plan = lay.cache.get("tp")
-        if plan is not None:
-            return plan
+        return lay.plan("tp", device, lambda: self._host_plan(lay))
+
+    def _host_plan(self, lay: _Layout) -> dict[str, Any]:
         n, M, N = self.world_size, lay.numel, self.numel
         bpos, cpos, bid = [[] for _ in range(n)], [[] for _ in range(n)], []
         nblk = 0
@@ -89,35 +98,39 @@ class _TwoPhase(HookSync):
             sizes.add(bs)
             chunk = nb * bs // n
             for r in range(n):
-                t = torch.arange(r * chunk, (r + 1) * chunk)
+                t = torch.arange(r * chunk, (r + 1) * chunk, device=_HOST)
                 real = t < m
                 bpos[r].append(torch.where(real, t + boff, M))
                 cpos[r].append(torch.where(real, t + coff, N))
-            bid.append(torch.arange(nblk, nblk + nb // n).repeat_interleave(bs))
+            bid.append(torch.arange(nblk, nblk + nb // n, device=_HOST).repeat_interleave(bs))
             nblk += nb // n
         bpos_t = torch.stack([torch.cat(b) for b in bpos])
         cpos_t = torch.stack([torch.cat(c) for c in cpos])
         L = bpos_t.shape[1]
         valid = bpos_t < M
-        flat = torch.arange(n * L)
-        inv = torch.empty(M, dtype=torch.long)
+        flat = torch.arange(n * L, device=_HOST)
+        inv = torch.empty(M, dtype=torch.long, device=_HOST)
         inv[bpos_t.reshape(-1)[valid.reshape(-1)]] = flat[valid.reshape(-1)]
+        ranks = torch.arange(n, device=_HOST).unsqueeze(1)
         if len(sizes) == 1:  # every block the same size: reshape instead of gathers
             blk_row = blk_full = sizes.pop()
+            sum_row = sum_full = None
         else:
             blk_row = torch.cat(bid)
-            blk_full = (blk_row.unsqueeze(0) + nblk * torch.arange(n).unsqueeze(1)).reshape(-1)
-        bid_full = (torch.cat(bid).unsqueeze(0) + nblk * torch.arange(n).unsqueeze(1)).reshape(-1)
-        count = torch.zeros(n * nblk).index_add_(0, bid_full, valid.reshape(-1).float())
+            blk_full = (blk_row.unsqueeze(0) + nblk * ranks).reshape(-1)
+            sum_row = self._sum_index(blk_row, nblk)
+            sum_full = self._sum_index(blk_full, n * nblk)
+        bid_full = (torch.cat(bid).unsqueeze(0) + nblk * ranks).reshape(-1)
+        count = torch.zeros(n * nblk, device=_HOST).index_add_(0, bid_full,
+                                                              valid.reshape(-1).float())
         r = self.rank
-        plan = dict(
+        return dict(
             L=L, nblk=nblk, bpos=bpos_t.reshape(-1), cpos=cpos_t.reshape(-1), inv=inv,
-            blk_row=blk_row, blk_full=blk_full, count=count, my_cpos=cpos_t[r].contiguous(),
+            blk_row=blk_row, blk_full=blk_full, sum_row=sum_row, sum_full=sum_full,
+            count=count, my_cpos=cpos_t[r].contiguous(),
             pad=~valid.reshape(-1), my_pad=~valid[r], has_pad=bool((~valid).any()),
             my_count=count[r * nblk:(r + 1) * nblk], code_bytes=self._code_bytes(L),
         )
-        lay.cache["tp"] = plan
-        return plan
 
     # -- packing: one uint8 row per shard = [codes | fp32 scales] -------------
     def _pack(self, codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
@@ -137,13 +150,14 @@ class _TwoPhase(HookSync):
     # -- the two phases -------------------------------------------------------
     def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
         n, r = self.world_size, self.rank
-        plan = self._plan(lay)
         buf = bucket.buffer()
+        plan = self._plan(lay, buf.device)
         t0 = time.perf_counter()
         u = torch.cat([buf, buf.new_zeros(1)]).float().index_select(0, plan["bpos"])
         e = self._E.rows(lay, plan["cpos"])
         u += e                                                   # padding stays 0
-        codes, scales = self._encode(u, plan["blk_full"], n * plan["nblk"], plan["count"])
+        codes, scales = self._encode(u, plan["blk_full"], n * plan["nblk"], plan["count"],
+                                     plan["sum_full"])
         torch.sub(u, self._decode(codes, scales, plan["blk_full"]), out=e)
         if plan["has_pad"]:
             e.masked_fill_(plan["pad"], 0.0)
@@ -155,7 +169,7 @@ class _TwoPhase(HookSync):
             work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
             take = lambda: recv  # noqa: E731
         else:
-            gathered = torch.empty((n,) + tuple(send.shape), dtype=torch.uint8)
+            gathered = torch.empty((n,) + tuple(send.shape), dtype=torch.uint8, device=send.device)
             work = dist.all_gather_into_tensor(gathered, send, group=self.group, async_op=True)
             take = lambda: gathered[:, r]  # noqa: E731
 
@@ -171,12 +185,13 @@ class _TwoPhase(HookSync):
             v += s
             if plan["has_pad"]:
                 v.masked_fill_(plan["my_pad"], 0.0)
-            c2, s2 = self._encode(v, plan["blk_row"], plan["nblk"], plan["my_count"])
+            c2, s2 = self._encode(v, plan["blk_row"], plan["nblk"], plan["my_count"],
+                                  plan["sum_row"])
             torch.sub(v, self._decode(c2, s2, plan["blk_row"]), out=s)
             if plan["has_pad"]:
                 s.masked_fill_(plan["my_pad"], 0.0)
             send2 = self._pack(c2, s2, 1)
-            out = torch.empty((n, send2.shape[1]), dtype=torch.uint8)
+            out = torch.empty((n, send2.shape[1]), dtype=torch.uint8, device=send2.device)
             self._add_encode(time.perf_counter() - t1)
             self._sent(send2)
             fut = dist.all_gather_into_tensor(out, send2, group=self.group,
@@ -215,7 +230,7 @@ class Int8(_TwoPhase):
     name = "int8"
     options = {"block": 256, "warmup_steps": 0}
 
-    def _encode(self, x, bid, nblocks, count):
+    def _encode(self, x, bid, nblocks, count, sum_index=None):
         return C.int8_encode(x, bid, nblocks)
 
     def _decode(self, codes, scales, bid):
@@ -237,8 +252,11 @@ class OneBit(_TwoPhase):
     align = 8
     options = {"block": 512, "warmup_steps": 0}
 
-    def _encode(self, x, bid, nblocks, count):
-        return C.onebit_encode(x, bid, nblocks, count)
+    def _encode(self, x, bid, nblocks, count, sum_index=None):
+        return C.onebit_encode(x, bid, nblocks, count, sum_index)
+
+    def _sum_index(self, bid, nblocks):
+        return C.block_sum_index(bid, nblocks)
 
     def _decode(self, codes, scales, bid):
         return C.onebit_decode(codes, scales, bid)

@@ -1,0 +1,147 @@
+"""The strategies create every tensor on an explicitly named device.
+
+NCCL hands the hooks CUDA buffers; a tensor a strategy makes without naming a
+device lands on the CPU and then breaks the run (device mismatch) or quietly
+moves data through the host.  Without a GPU that cannot be run, so:
+
+* statically: every ``torch.<factory>(...)`` call in ``lorasync/comm`` passes
+  ``device=``;
+* dynamically: every strategy runs a few steps (variable batch shapes), a
+  state_dict round trip and ``finish()`` on a 1-rank gloo group in this
+  process, with the comm modules' ``torch`` wrapped so that a factory call
+  without a device (or with ``device=None``) is recorded; afterwards every
+  tensor of the strategy's state is on the parameters' device and every
+  tensor of its state_dict on the CPU.
+
+tests/gpu/test_nccl_strategies.py runs the same strategies on a GPU with NCCL.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lorasync
+import lorasync.comm as comm_pkg
+from lorasync.comm import base as comm_base
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))
+import _strat_model as M  # noqa: E402
+
+COMM_DIR = Path(comm_pkg.__file__).parent
+FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", "randn", "rand",
+             "randint", "randperm", "eye", "linspace", "logspace", "empty_strided", "Generator"}
+STRATEGIES = [
+    ("allreduce", {}), ("fp16", {}), ("bf16", {}), ("int8", {"block": 32}),
+    ("onebit", {"block": 32}), ("topk", {"ratio": 0.1}), ("powersgd", {"rank": 1}),
+    ("local", {"period": 2}), ("local", {"period": 3, "streaming": True}),
+    ("diloco", {"period": 2}), ("diloco", {"period": 3, "streaming": True}),
+    ("torch_fp16", {}), ("torch_powersgd", {}), ("none", {}),
+]
+
+
+def test_every_factory_call_in_comm_names_a_device():
+    missing = []
+    for path in sorted(COMM_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and node.func.attr in FACTORIES
+                    and not any(k.arg == "device" for k in node.keywords)):
+                missing.append(f"{path.name}:{node.lineno} torch.{node.func.attr}")
+    assert not missing, "factory calls without device=: " + ", ".join(missing)
+
+
+class _CheckedTorch:
+    """Stands in for ``torch`` inside the comm modules; records factory calls
+    that do not name a device."""
+
+    def __init__(self, seen: list[str]):
+        self._seen = seen
+
+    def __getattr__(self, name):
+        real = getattr(torch, name)
+        if name not in FACTORIES:
+            return real
+        seen = self._seen
+
+        def checked(*args, **kwargs):
+            if kwargs.get("device") is None:
+                f = sys._getframe(1)
+                seen.append(f"{Path(f.f_code.co_filename).name}:{f.f_lineno} torch.{name}")
+            return real(*args, **kwargs)
+        return checked
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tensors(obj, path="", depth=0, seen=None):
+    """(path, tensor) for every tensor reachable from obj's attributes/containers."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}[{k!r}]", depth + 1, seen)
+    elif isinstance(obj, (list, tuple)) or type(obj).__name__ == "deque":
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{path}[{i}]", depth + 1, seen)
+    elif isinstance(obj, (comm_base.Sync, comm_base._Residual, comm_base._Layout)):
+        names = getattr(obj, "__dict__", {}) or {s: getattr(obj, s) for s in obj.__slots__}
+        for k, v in names.items():
+            if k in ("ddp", "params", "group", "state"):  # not the strategy's own state
+                continue
+            yield from _tensors(v, f"{path}.{k}", depth + 1, seen)
+
+
+@pytest.mark.parametrize("name,opts", STRATEGIES, ids=[
+    f"{n}{'_streaming' if o.get('streaming') else ''}" for n, o in STRATEGIES])
+def test_strategy_creates_tensors_with_explicit_devices(group, monkeypatch, name, opts):
+    seen: list[str] = []
+    fake = _CheckedTorch(seen)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("lorasync.comm") and \
+                getattr(mod, "torch", None) is torch:
+            monkeypatch.setattr(mod, "torch", fake)
+    teach = M.teacher(0)
+    model = M.build(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sync = lorasync.attach(ddp, name, **opts)
+
+    def step(s):
+        x, y = M.batch(s, 0, True, teach)
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync.after_step()
+
+    for s in range(1, 5):
+        step(s)
+    sd = sync.state_dict()
+    sync2 = lorasync.attach(torch.nn.parallel.DistributedDataParallel(
+        M.build(0), init_sync=False, bucket_cap_mb=0.001), name, **opts)
+    sync2.load_state_dict(sd)
+    for s in range(5, 7):
+        step(s)
+    sync.finish()
+    assert not seen, f"{name}: tensors created without a device: {sorted(set(seen))}"
+    for where, t in [*_tensors(sync, "sync"), *_tensors(sync2, "sync2")]:
+        assert t.device == sync.device or t.device.type == "meta", (where, t.device)
+    for where, t in _tensors(sd, "state_dict"):
+        assert t.device.type == "cpu", (where, t.device)
