@@ -14,10 +14,12 @@ What ``Auto`` does, in order:
 1. At attach: a quick probe of the group (``net.probe.run_probe(quick=True)``,
    a few seconds; ``probe=live`` uses the 1 KiB + 256 KiB all-reduce probe
    below instead, ``probe=none`` skips it), then ``measure_steps`` steps
-   (default 3) under a start strategy to measure compute time: ``local``
-   with an infinite period when it is a candidate (nothing on the wire, so
-   compute is measured without contention; its ``finish()`` averages the
-   adapter once, like one all-reduce step), else the first lossless candidate.
+   (default 3; the first is DDP's warm-up and not measured) under a start
+   strategy to measure compute time: the lossless candidate that sends the
+   fewest bytes (fp16, else allreduce), or ``start``.  Compute is the time
+   from the end of the previous ``after_step`` to the moment the last bucket
+   became ready (``last_ready_time``), less what a two-phase hook blocked and
+   the encode time spent in the hooks; everything else the step took is sync.
 2. At the end of those steps, and then every ``interval`` steps (K, default
    10), at a boundary inside ``after_step`` (never in a future callback):
    every rank all-reduces what it measured over the last K steps (compute,
@@ -32,6 +34,10 @@ What ``Auto`` does, in order:
 
    * a periodic strategy (local, diloco) is ``finish()``-ed first: its
      replicas are averaged, so every rank continues from the same adapter;
+     their inner optimizer moments are rank-local too, so when a per-step
+     strategy follows, the optimizer given to :meth:`Auto.set_optimizer` has
+     its state averaged as well (without it replicas drift apart slowly and
+     ``finish()`` averages the adapter at the end);
    * error feedback is carried, not dropped: the old strategy's residual (on
      every rank its worker residual ``e_r``, plus ``n * s_r`` for the server
      residual of the shard it owns, int8/onebit) is added to that rank's
@@ -128,7 +134,6 @@ DRIFT_UNCALIBRATED = 0.5
 #: per-strategy corrections measured on the old link
 BANDWIDTH_CHANGE = 1.5
 #: an infinite period: the start strategy ``local`` only syncs at the switch
-_NEVER = 10 ** 9
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -526,6 +531,10 @@ class Auto(Sync):
         self._switches = 0
         self._last_switch: dict | None = None
         self._carry: torch.Tensor | None = None
+        self._optimizer = None
+        #: replicas may differ: a periodic strategy ran and its rank-local
+        #: optimizer moments were not averaged when it was left
+        self._may_differ = False
         self._carry_left: set[int] = set()
         self._t_ready: float | None = None
         self._mark: dict | None = None
@@ -559,16 +568,18 @@ class Auto(Sync):
         t0 = time.perf_counter()
         self._start_net = self._start_probe()
         probe_s = time.perf_counter() - t0
-        # the start strategy, for measure_steps steps
-        start = self.opts["start"] or ("local" if "local" in self._candidates else next(
-            (c for c in ("allreduce", "fp16", "bf16") if c in self._candidates),
-            self._candidates[0]))
+        # the start strategy, for measure_steps steps: lossless, fewest bytes
+        # (not local SGD, which sends nothing: leaving it costs an average of
+        # the adapter and of the optimizer moments, more than a few fp16 steps)
+        start = self.opts["start"] or next(
+            (c for c in ("fp16", "bf16", "allreduce") if c in self._candidates),
+            next((c for c in self._candidates if c not in PERIODIC), self._candidates[0]))
         measuring = self._measure > 0
-        opts = ({"period": _NEVER} if measuring and start == "local" and not self.opts["start"]
-                else self._child_opts.get(start, {}))
+        opts = self._child_opts.get(start, {})
         self._child = self._build(start, opts)
         self._child_options = dict(opts)
         self._measuring = measuring
+        self._may_differ = not self._child.per_step
         self._next_eval = self._measure if measuring else self._interval
         what = (f"probe {_fmt_Bps(self._start_net.bandwidth_Bps)}, alpha "
                 f"{fmt_duration(self._start_net.alpha_s)} ({probe_s:.1f} s)"
@@ -613,7 +624,7 @@ class Auto(Sync):
                 m = self._numels[i]
                 if i in self._carry_left:
                     a = self._offsets[i]
-                    buf[off:off + m].add_(self._carry[a:a + m].to(buf.dtype))
+                    buf[off:off + m].add_(self._carry[a:a + m].to(buf.device, buf.dtype))
                     self._carry_left.discard(i)
                 off += m
             if not self._carry_left:
@@ -625,11 +636,19 @@ class Auto(Sync):
         st = self._child.stats()
         return {k: st[k] for k in _COUNTERS}
 
+    def _comm_device(self) -> torch.device:
+        """Where auto's own collectives run: the gradients' device (NCCL takes
+        CUDA tensors only)."""
+        dev = self.params[0].device
+        if dev.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return dev
+
     def _allreduce_max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         self._sent_auto(t)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.tolist()
+        return t.cpu().tolist()
 
     def _sent_auto(self, *tensors: torch.Tensor) -> None:
         n = sum(t.numel() * t.element_size() for t in tensors)
@@ -639,16 +658,19 @@ class Auto(Sync):
 
     def _live_probe(self, nbytes: int) -> tuple[Net, float]:
         """Three small all-reduces and one large, timed; max over ranks."""
-        small = torch.zeros(SMALL_PROBE_BYTES // 4)
-        large = torch.zeros(nbytes // 4)
+        dev = self._comm_device()
+        small = torch.zeros(SMALL_PROBE_BYTES // 4, device=dev)
+        large = torch.zeros(nbytes // 4, device=dev)
         t_start = time.perf_counter()
         ts = []
         for _ in range(3):
             t0 = time.perf_counter()
             dist.all_reduce(small, group=self.group)
+            self._sync_device(dev)
             ts.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         dist.all_reduce(large, group=self.group)
+        self._sync_device(dev)
         tl = time.perf_counter() - t0
         self._sent_auto(small, small, small, large)
         t_small, t_large, spent = self._allreduce_max([min(ts), tl, time.perf_counter() - t_start])
@@ -656,6 +678,11 @@ class Auto(Sync):
         self._probes += 1
         alpha, bw = fit_probe(t_small, t_large, SMALL_PROBE_BYTES, nbytes, self.world_size)
         return Net(alpha_s=alpha, bandwidth_Bps=bw, world_size=self.world_size), spent
+
+    @staticmethod
+    def _sync_device(dev: torch.device) -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def _window(self) -> Window | None:
         """This window's samples, reduced over ranks (identical on every rank)."""
@@ -731,9 +758,9 @@ class Auto(Sync):
         s = self._steps
         cur = self._child.name
         if initial and not getattr(self._child, "communicates", True):
-            # the start strategy sent nothing: what the step took beyond compute
-            # (end of backward, optimizer step) is the same under every
-            # strategy, so it is compute to the cost model, not sync
+            # the start strategy sent nothing (start=local): what the step took
+            # beyond compute (end of backward, optimizer step) is the same under
+            # every strategy, so it is compute to the cost model, not sync
             self._fixed_s = w.overhead_s
         comp = w.compute_s + self._fixed_s
         over = max(0.0, w.overhead_s - self._fixed_s)
@@ -777,7 +804,7 @@ class Auto(Sync):
         pick = d.strategy if (d.switch or initial) else cur
         # rank 0's pick is everybody's (the inputs are identical; this makes sure)
         t = torch.tensor([self._candidates.index(pick) if pick in self._candidates else -1],
-                         dtype=torch.int32)
+                         dtype=torch.int32, device=self._comm_device())
         self._sent_auto(t)
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
                        group=self.group)
@@ -806,6 +833,14 @@ class Auto(Sync):
             if k in _COUNTERS:
                 self._retired[k] += v
         self._child = self._build(to, options)
+        if not self._child.per_step:
+            self._may_differ = True
+        elif not old.per_step and self._optimizer is not None:
+            # the adapter is averaged (finish above); the inner optimizer's
+            # moments are rank-local under local SGD / DiLoCo: average them too,
+            # or identical gradients would still give different updates
+            self._average_optimizer_state()
+            self._may_differ = False
         self._child_options = dict(options)
         self._generation += 1
         self._measuring = False
@@ -813,7 +848,7 @@ class Auto(Sync):
         if carry is not None and bool(carry.abs().max() > 0):
             if not self._child.per_step:
                 # gradients are not averaged every step now: average the debt once
-                carry = carry.div_(self.world_size)
+                carry = carry.to(self._comm_device()).div_(self.world_size)
                 self._sent_auto(carry)
                 t0 = time.perf_counter()
                 dist.all_reduce(carry, group=self.group)
@@ -856,9 +891,53 @@ class Auto(Sync):
                                                       max_accum=max_accum, min_accum=min_accum))
         return min(max(self._accum_advice[1], min_accum), max_accum)
 
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Optional, recommended: the optimizer that steps the adapter.
+
+        Local SGD and DiLoCo train every rank with its own optimizer moments.
+        When auto leaves them for a per-step strategy it averages the adapter
+        (their ``finish()``) and, given the optimizer, its per-parameter state
+        tensors (AdamW: exp_avg, exp_avg_sq; 8 bytes/element, counted in
+        ``wire_bytes``), so that replicas stay bit-identical from then on.
+        Without it they drift apart slowly (identical gradients, different
+        moments) and ``finish()`` averages the adapter once more at the end.
+        """
+        self._optimizer = optimizer
+
+    def _average_optimizer_state(self) -> None:
+        tensors = []
+        for p in self.params:
+            st = self._optimizer.state.get(p, {})
+            for key in sorted(st):
+                v = st[key]
+                if isinstance(v, torch.Tensor) and v.is_floating_point() \
+                        and v.shape == p.shape:
+                    tensors.append(v)
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors]).to(self._comm_device())
+        flat.div_(self.world_size)
+        self._sent_auto(flat)
+        t0 = time.perf_counter()
+        dist.all_reduce(flat, group=self.group)
+        self._add_comm(time.perf_counter() - t0)
+        off = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
     def finish(self) -> None:
         self._child.finish()
         self._carry, self._carry_left = None, set()
+        if self._may_differ and self._child.per_step:
+            avg = self._flat_params().to(self._comm_device()).div_(self.world_size)
+            self._sent_auto(avg)
+            t0 = time.perf_counter()
+            dist.all_reduce(avg, group=self.group)
+            self._add_comm(time.perf_counter() - t0)
+            self._set_flat_params(avg)
+        self._may_differ = False
 
     def stats(self) -> dict[str, Any]:
         c = self._child.stats()
@@ -884,7 +963,7 @@ class Auto(Sync):
             "extra": dict(self._extra), "fixed_s": self._fixed_s, "switches": self._switches,
             "last_switch": dict(self._last_switch) if self._last_switch else None,
             "carry": None if self._carry is None else self._carry.clone(),
-            "carry_left": sorted(self._carry_left),
+            "carry_left": sorted(self._carry_left), "may_differ": self._may_differ,
             "accum_basis": self._accum_basis,
         }
 
@@ -913,6 +992,7 @@ class Auto(Sync):
         carry = state.get("carry")
         self._carry = None if carry is None else carry.clone()
         self._carry_left = set(state.get("carry_left") or []) if carry is not None else set()
+        self._may_differ = bool(state.get("may_differ", False))
         basis = state.get("accum_basis")
         self._accum_basis = tuple(basis) if basis else None
         self._accum_advice = None

@@ -1,0 +1,601 @@
+"""``--comm auto`` on real 2-rank gloo groups.
+
+Three kinds of test:
+
+* direct spawns (this file run as a script spawns the ranks once and runs
+  every scenario; the tests assert on what each rank recorded): the one-hook
+  mechanism (``_register_hook=False``), error feedback carried across a
+  switch (nothing lost), switches into and out of periodic strategies
+  (replicas identical, wire bytes of each strategy as its formula says),
+  resume from a checkpoint taken mid-way and at a switch step, and a default
+  ``auto`` that picks and trains;
+* ``lorasync train --model tiny --comm auto`` through torchrun, as a user runs
+  it: a choice is recorded, training works, forced switches, resume continues
+  with the same strategy and ends bit-identical to the uninterrupted run;
+* netns (root only): 2 emulated nodes at 1 Gbit/s cut to 10 Mbit/s mid-run
+  with ``Cluster.set_rate``; auto must record a switch whose reason names the
+  bandwidth, within a few K-step windows of the cut.
+
+    python tests/dist/test_auto.py OUT_DIR     # the worker, as the tests run it
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+WORKER_TIMEOUT_S = 240
+TINY = ["--model", "tiny", "--nproc", "2", "--batch-size", "2", "--eval-size", "8",
+        "--max-new-tokens", "4", "--no-progress"]
+
+
+# =========================================================================== worker
+
+def _ddp(model):
+    import torch
+    return torch.nn.parallel.DistributedDataParallel(
+        model, init_sync=False, broadcast_buffers=False, bucket_cap_mb=0.001)
+
+
+def _opt(model):
+    import torch
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _flat(model):
+    import torch
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+def _spread(flat):
+    import torch
+    import torch.distributed as dist
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return max(float((o - out[0]).abs().max()) for o in out)
+
+
+def _step(M, ddp, opt, sync, step, rank, variable, teach):
+    x, y = M.batch(step, rank, variable, teach)
+    ddp.module.jitter_s = M.jitter(step, rank) if variable else None
+    loss = ((ddp(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync.after_step()
+    return float(loss)
+
+
+def _eval(model, ev):
+    import torch
+    with torch.no_grad():
+        return float(((model(ev[0]) - ev[1]) ** 2).mean())
+
+
+QUIET = {"log": False}
+
+
+def _noop_hook(state, bucket):
+    raise AssertionError("never called")
+
+
+def scenario_hook_point(M):
+    """A strategy built with _register_hook=False leaves DDP without a hook."""
+    import lorasync
+    from lorasync.comm import get_strategy
+
+    out = {}
+    ddp = _ddp(M.build(0))
+    lorasync.attach(ddp, "int8")
+    try:
+        ddp.register_comm_hook(None, _noop_hook)
+        out["second_hook_refused"] = False
+    except RuntimeError:
+        out["second_hook_refused"] = True
+    ddp = _ddp(M.build(0))
+    get_strategy("int8")(ddp, _register_hook=False)
+    try:
+        ddp.register_comm_hook(None, _noop_hook)
+        out["free_after_no_register"] = True
+    except RuntimeError:
+        out["free_after_no_register"] = False
+    return out
+
+
+def _grads(model):
+    import torch
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+def scenario_mass(M, rank, teach, start, force, start_opts, steps=8):
+    """Sum of applied (synced) gradients + what the final strategy still owes
+    == sum of the true mean gradients, across a switch."""
+    import torch
+    import torch.distributed as dist
+
+    import lorasync
+    from lorasync.plan.auto import _residual
+
+    n = dist.get_world_size()
+    model, ref = M.build(0), M.build(0)
+    ddp = _ddp(model)
+    sync = lorasync.attach(ddp, "auto", candidates="allreduce", interval=0, measure_steps=0,
+                           probe="none", start=start, force_switch_at=force, **start_opts,
+                           **QUIET)
+    applied = torch.zeros(sync.numel, dtype=torch.float64)
+    true = torch.zeros_like(applied)
+    for s in range(1, steps + 1):
+        x, y = M.batch(s, rank, True, teach)
+        ((ddp(x) - y) ** 2).mean().backward()
+        applied += _grads(model).double()
+        model.zero_grad(set_to_none=True)
+        ((ref(x) - y) ** 2).mean().backward()
+        g = _grads(ref).double()
+        ref.zero_grad(set_to_none=True)
+        dist.all_reduce(g)
+        true += g / n
+        sync.after_step()
+    owed = _residual(sync._child)
+    resid = torch.zeros_like(applied) if owed is None else owed.double() / n
+    dist.all_reduce(resid)
+    st = sync.stats()
+    return {"max_err": float((applied + resid - true).abs().max()),
+            "scale": float(true.abs().max()), "owed_max": float(resid.abs().max()),
+            "switches": st["switches"], "last_switch": st["last_switch"],
+            "strategy": st["strategy"]}
+
+
+FORCE_PERIODIC = "5:local,12:diloco,20:topk,28:local,34:fp16"
+PERIODIC_STEPS = 40
+
+
+def scenario_periodic(M, rank, teach, ev, with_optimizer=True):
+    """Per-step -> periodic -> periodic -> per-step -> periodic -> per-step."""
+    import torch.distributed as dist
+
+    import lorasync
+    from lorasync.comm import wire_bytes_formula
+
+    model = M.build(0)
+    ddp, opt = _ddp(model), _opt(model)
+    sync = lorasync.attach(ddp, "auto", candidates="allreduce", interval=0, measure_steps=0,
+                           probe="none", start="allreduce", force_switch_at=FORCE_PERIODIC,
+                           **{"local.period": 3, "diloco.period": 4, "topk.ratio": 0.1},
+                           **QUIET)
+    if with_optimizer:
+        sync.set_optimizer(opt)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    before = _eval(model, ev)
+    last = sync.stats()
+    rec = []
+    for s in range(1, PERIODIC_STEPS + 1):
+        loss = _step(M, ddp, opt, sync, s, rank, False, teach)
+        st = sync.stats()
+        rec.append({"step": s, "loss": loss, "strategy": st["strategy"],
+                    "wire": st["wire_bytes"] - last["wire_bytes"],
+                    "auto": st["auto_bytes"] - last["auto_bytes"],
+                    "spread": _spread(_flat(model)), "switch": st["last_switch"]
+                    if st["switches"] != last["switches"] else None})
+        last = st
+    sync.finish()
+    finish_auto = sync.stats()["auto_bytes"] - last["auto_bytes"]
+    n = dist.get_world_size()
+    return {"records": rec, "eval_before": before, "eval_after": _eval(model, ev),
+            "finish_auto": finish_auto,
+            "spread_end": _spread(_flat(model)), "numel": sync.numel,
+            "formula": {k: wire_bytes_formula(k, shapes, n, **o) for k, o in
+                        (("allreduce", {}), ("topk", {"ratio": 0.1}), ("fp16", {}))},
+            "switches": sync.stats()["switches"]}
+
+
+RESUME_FORCE = "6:topk,14:fp16"
+
+
+def scenario_resume(M, rank, teach, at):
+    """Checkpoint at step ``at`` (6: the switch step, a carry pending), go on
+    to 18; a fresh DDP + optimizer + auto loads it and redoes the steps."""
+    import lorasync
+
+    kw = dict(candidates="allreduce", interval=0, measure_steps=0, probe="none", start="int8",
+              force_switch_at=RESUME_FORCE, **{"topk.ratio": 0.1}, **QUIET)
+    model = M.build(0)
+    ddp, opt = _ddp(model), _opt(model)
+    sync = lorasync.attach(ddp, "auto", **kw)
+    for s in range(1, at + 1):
+        _step(M, ddp, opt, sync, s, rank, True, teach)
+    ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+            copy.deepcopy(sync.state_dict()))
+    saved_child = sync.stats()["strategy"]
+    for s in range(at + 1, 19):
+        _step(M, ddp, opt, sync, s, rank, True, teach)
+    uninterrupted = _flat(model)
+    model2 = M.build(0)
+    model2.load_state_dict(ckpt[0])
+    ddp2, opt2 = _ddp(model2), _opt(model2)
+    opt2.load_state_dict(ckpt[1])
+    sync2 = lorasync.attach(ddp2, "auto", **kw)
+    sync2.load_state_dict(ckpt[2])
+    loaded_child = sync2.stats()["strategy"]
+    for s in range(at + 1, 19):
+        _step(M, ddp2, opt2, sync2, s, rank, True, teach)
+    return {"max_diff": float((uninterrupted - _flat(model2)).abs().max()),
+            "saved_child": saved_child, "loaded_child": loaded_child,
+            "end_child": sync2.stats()["strategy"], "carry_saved": ckpt[2]["carry"] is not None}
+
+
+def scenario_default(M, rank, teach, ev, steps=40):
+    """Plain ``attach(ddp, "auto")``: probe, measure, choose, train."""
+    import lorasync
+    from lorasync.plan.auto import DEFAULT_CANDIDATES
+
+    model = M.build(0)
+    ddp, opt = _ddp(model), _opt(model)
+    sync = lorasync.attach(ddp, "auto", log=rank == 0)
+    before = _eval(model, ev)
+    names = set()
+    for s in range(1, steps + 1):
+        _step(M, ddp, opt, sync, s, rank, False, teach)
+        names.add(sync.stats()["strategy"])
+    sync.finish()
+    st = sync.stats()
+    return {"eval_before": before, "eval_after": _eval(model, ev),
+            "spread_end": _spread(_flat(model)), "switches": st["switches"],
+            "first_switch_from": None, "strategies": sorted(names),
+            "candidates": list(DEFAULT_CANDIDATES), "probes": st["probes"],
+            "auto_bytes": st["auto_bytes"], "last_switch": st["last_switch"]}
+
+
+def _run_rank(rank, world, out_dir, port):
+    import torch
+    import torch.distributed as dist
+
+    import _strat_model as M
+
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    log = open(os.path.join(out_dir, f"progress{rank}.log"), "a", buffering=1)
+    res: dict = {}
+    teach = M.teacher(0)
+    ev = M.eval_set(teach)
+    try:
+        for name, fn in [
+            ("hook_point", lambda: scenario_hook_point(M)),
+            ("mass_int8_to_allreduce", lambda: scenario_mass(
+                M, rank, teach, "int8", "4:allreduce", {"int8.block": 32})),
+            ("mass_topk_to_int8", lambda: scenario_mass(
+                M, rank, teach, "topk", "4:int8", {"topk.ratio": 0.1, "int8.block": 32})),
+            ("mass_powersgd_to_onebit", lambda: scenario_mass(
+                M, rank, teach, "powersgd", "3:onebit", {"powersgd.rank": 1,
+                                                         "onebit.block": 32})),
+            ("periodic", lambda: scenario_periodic(M, rank, teach, ev)),
+            ("periodic_no_optimizer", lambda: scenario_periodic(M, rank, teach, ev, False)),
+            ("resume_at_switch", lambda: scenario_resume(M, rank, teach, 6)),
+            ("resume_mid", lambda: scenario_resume(M, rank, teach, 10)),
+            ("default", lambda: scenario_default(M, rank, teach, ev)),
+        ]:
+            log.write(f"start {name}\n")
+            res[name] = fn()
+            log.write(f"done {name}\n")
+    except Exception:
+        res["error"] = traceback.format_exc()
+        log.write("error\n" + res["error"])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+    log.close()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# =========================================================================== direct spawns
+
+pytestmark = pytest.mark.dist
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    if "res" not in _CACHE:
+        out = tmp_path_factory.mktemp("auto")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, __file__, str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            where = {p.name: p.read_text().strip().splitlines()[-1:]
+                     for p in sorted(out.glob("progress*.log"))}
+            _CACHE["res"] = {"error": f"auto worker hung (> {WORKER_TIMEOUT_S}s): {where}"}
+        else:
+            got = []
+            for r in range(2):
+                f = out / f"rank{r}.json"
+                if not f.exists():
+                    got = {"error": f"rank {r} wrote nothing (exit {proc.returncode}):\n"
+                                    f"{output[-4000:]}"}
+                    break
+                got.append(json.loads(f.read_text()))
+            if isinstance(got, list):
+                errs = [g["error"] for g in got if "error" in g]
+                got = {"error": errs[0]} if errs else {"ranks": got, "output": output}
+            _CACHE["res"] = got
+    res = _CACHE["res"]
+    if "error" in res:
+        pytest.fail(res["error"])
+    return res["ranks"]
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_register_hook_false_leaves_ddp_free(ranks):
+    for r in ranks:
+        assert r["hook_point"] == {"second_hook_refused": True, "free_after_no_register": True}
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name,to", [("mass_int8_to_allreduce", "allreduce"),
+                                     ("mass_topk_to_int8", "int8"),
+                                     ("mass_powersgd_to_onebit", "onebit")])
+def test_error_feedback_survives_a_switch(ranks, name, to):
+    for r in ranks:
+        m = r[name]
+        assert m["switches"] == 1 and m["strategy"] == to and m["last_switch"]["to"] == to
+        assert m["max_err"] <= 2e-6 * max(1.0, m["scale"]), m
+    if to == "allreduce":  # lossless after the switch: the debt was paid in full
+        assert ranks[0][name]["owed_max"] == 0.0
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_switches_through_periodic_strategies(ranks):
+    p = ranks[0]["periodic"]
+    recs = {r["step"]: r for r in p["records"]}
+    expect = {1: "allreduce", 5: "local", 11: "local", 12: "diloco", 19: "diloco",
+              20: "topk", 27: "topk", 28: "local", 33: "local", 34: "fp16", 40: "fp16"}
+    for s, name in expect.items():
+        assert recs[s]["strategy"] == name, (s, recs[s])
+    switched = [s for s, r in recs.items() if r["switch"]]
+    assert switched == [5, 12, 20, 28, 34]
+    assert recs[12]["switch"] == {"from": "local", "to": "diloco", "step": 12,
+                                  "reason": "forced by option force_switch_at at step 12"}
+    # replicas identical under per-step strategies, also after a periodic one
+    # (its finish() averages the adapter, set_optimizer's moments are averaged)
+    for s in list(range(1, 5)) + [12] + list(range(20, 28)) + list(range(34, 41)):
+        assert recs[s]["spread"] == 0.0, (s, recs[s])
+    assert any(recs[s]["spread"] > 0 for s in range(6, 12))  # local SGD drifts between syncs
+    assert p["spread_end"] == 0.0 and p["finish_auto"] == 0
+    # wire bytes: each strategy's formula; leaving topk for local sends its
+    # residual once (fp32, all-reduced: local averages no gradients); leaving
+    # a periodic strategy for a per-step one averages AdamW's two moments
+    f, n4 = p["formula"], 4 * p["numel"]
+    auto = {28: n4, 20: 2 * n4, 34: 2 * n4}
+    for r in recs.values():
+        assert r["auto"] == auto.get(r["step"], 0), r
+    assert all(recs[s]["wire"] == f["allreduce"] for s in range(1, 5))
+    assert all(recs[s]["wire"] == f["topk"] for s in range(21, 28))
+    assert recs[28]["wire"] == f["topk"] + n4
+    assert all(recs[s]["wire"] == f["fp16"] for s in range(35, 41))
+    assert recs[20]["wire"] == n4 + 2 * n4     # diloco's outer sync at its 8th step + moments
+    # training stays sane across all of it
+    losses = [r["loss"] for r in p["records"]]
+    assert all(x == x and x < 10 * losses[0] for x in losses)
+    assert p["eval_after"] < p["eval_before"] / 5
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_without_the_optimizer_replicas_are_averaged_at_the_end(ranks):
+    p = ranks[0]["periodic_no_optimizer"]
+    recs = {r["step"]: r for r in p["records"]}
+    assert recs[20]["spread"] == 0.0            # diloco's last outer step
+    assert any(recs[s]["spread"] > 0 for s in range(21, 28))   # moments differ: drift
+    assert p["spread_end"] == 0.0 and p["finish_auto"] == 4 * p["numel"]
+    assert p["eval_after"] < p["eval_before"] / 5
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name,child", [("resume_at_switch", "topk"), ("resume_mid", "topk")])
+def test_resume_continues_with_the_same_strategy(ranks, name, child):
+    for r in ranks:
+        res = r[name]
+        assert res["saved_child"] == res["loaded_child"] == child
+        assert res["end_child"] == "fp16"
+        assert res["max_diff"] == 0.0, res
+    assert ranks[0]["resume_at_switch"]["carry_saved"] is True
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_default_auto_picks_and_trains(ranks):
+    d = ranks[0]["default"]
+    assert set(d["strategies"]) <= set(d["candidates"])
+    assert d["eval_after"] < d["eval_before"] / 5
+    assert d["spread_end"] == 0.0
+    assert d["auto_bytes"] > 0
+
+
+# =========================================================================== CLI (torchrun)
+
+def _metrics(run):
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.mark.timeout(300)
+def test_cli_auto_chooses_records_and_trains(tmp_path):
+    from conftest import run_cli
+
+    run = str(tmp_path / "r")
+    p = run_cli("train", *TINY, "--comm", "auto", "--max-steps", "24", "--ckpt-interval", "0",
+                "--output-dir", run)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "auto: probe" in p.stderr and "measuring compute with fp16" in p.stderr
+    assert "auto: step 3: " in p.stderr and "initial choice: bandwidth" in p.stderr
+    recs = _metrics(run)
+    r0 = [r for r in recs if r["rank"] == 0]
+    assert all(r["strategy"] == "fp16" for r in r0 if r["step"] < 3)
+    first = next((r for r in r0 if "switch" in r), None)
+    if first is not None and first["step"] == 3:    # else fp16 was kept
+        assert first["switch"]["from"] == "fp16"
+        assert first["switch"]["reason"].startswith("initial choice: bandwidth")
+    for a, b in zip(r0, [r for r in recs if r["rank"] == 1]):
+        assert a["strategy"] == b["strategy"] and a.get("switch") == b.get("switch")
+    with open(os.path.join(run, "summary.json")) as fh:
+        s = json.load(fh)
+    assert s["strategy"] == "auto"
+    assert s["eval_after"]["eval_loss"] < s["eval_before"]["eval_loss"]
+
+
+FORCED = ["--comm", "auto", "--comm-opt", "candidates=allreduce", "--comm-opt", "interval=0",
+          "--comm-opt", "probe=live", "--comm-opt", "force_switch_at=8:int8,16:topk",
+          "--max-steps", "24", "--ckpt-interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def forced_runs(tmp_path_factory):
+    from conftest import run_cli
+
+    base = tmp_path_factory.mktemp("forced")
+    full, part = str(base / "full"), str(base / "part")
+    p = run_cli("train", *TINY, *FORCED, "--output-dir", full)
+    assert p.returncode == 0, p.stderr[-3000:]
+    q = run_cli("train", *TINY, *FORCED, "--stop-after", "12", "--output-dir", part)
+    assert q.returncode == 0, q.stderr[-3000:]
+    r = run_cli("train", *TINY, "--resume", "--output-dir", part)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return full, part
+
+
+@pytest.mark.timeout(400)
+def test_cli_forced_switches_follow_the_formulas(forced_runs):
+    import torch
+
+    from lorasync.comm import wire_bytes_formula
+
+    full, _ = forced_runs
+    ck = torch.load(os.path.join(full, "checkpoints/step-000024/rank0.pt"), weights_only=False)
+    ck1 = torch.load(os.path.join(full, "checkpoints/step-000024/rank1.pt"), weights_only=False)
+    shapes = [tuple(v.shape) for v in ck["adapter"].values()]
+    n4 = 4 * sum(v.numel() for v in ck["adapter"].values())
+    for k in ck["adapter"]:   # per-step strategies all along: replicas identical
+        assert torch.equal(ck["adapter"][k], ck1["adapter"][k]), k
+    recs = [r for r in _metrics(full) if r["rank"] == 0]
+    by = {r["step"]: r for r in recs}
+    assert [s for s, r in by.items() if "switch" in r] == [8, 16]
+    assert by[8]["switch"]["from"] == "allreduce" and by[8]["switch"]["to"] == "int8"
+    assert by[16]["switch"]["to"] == "topk"
+    int8 = wire_bytes_formula("int8", shapes, 2)
+    topk = wire_bytes_formula("topk", shapes, 2)
+    for s in range(1, 9):
+        assert by[s]["wire_bytes"] >= n4
+    assert all(by[s]["wire_bytes"] == n4 for s in (4, 5, 6, 7, 8))
+    assert all(by[s]["wire_bytes"] == int8 for s in range(9, 17))
+    assert all(by[s]["wire_bytes"] == topk for s in range(17, 25))
+    assert all(by[s]["strategy"] == ("allreduce" if s < 8 else "int8" if s < 16 else "topk")
+               for s in by)
+    losses = [by[s]["loss"] for s in sorted(by)]
+    assert all(x == x and x < 2 * losses[0] for x in losses)
+
+
+@pytest.mark.timeout(400)
+def test_cli_resume_continues_with_the_same_strategy(forced_runs):
+    from safetensors.torch import load_file
+
+    full, part = forced_runs
+    recs = [r for r in _metrics(part) if r["rank"] == 0]
+    by = {r["step"]: r for r in recs}
+    assert sorted(by) == list(range(1, 25))
+    assert by[13]["strategy"] == "int8" and "switch" not in by[13]
+    assert by[16]["switch"]["to"] == "topk"
+    a = load_file(os.path.join(full, "adapter", "adapter_model.safetensors"))
+    b = load_file(os.path.join(part, "adapter", "adapter_model.safetensors"))
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() == 0.0, k
+
+
+# =========================================================================== netns
+
+_why = ("needs root" if os.geteuid() != 0 else
+        "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_why is not None, reason=_why or "")
+@pytest.mark.timeout(420)
+def test_netns_rate_cut_makes_auto_switch(tmp_path):
+    """1 Gbit/s, then 10 Mbit/s from the test once the run passed step 10:
+    auto sees it and switches, and says it was the bandwidth."""
+    from lorasync.net.cluster import Cluster, ClusterSpec, down, launch_on_cluster
+
+    name = f"t{os.getpid() % 100000}auto"
+    run = str(tmp_path / "run")
+    argv = ["train", "--model", "tiny", "--batch-size", "2", "--eval-size", "0",
+            "--no-eval-before", "--no-progress", "--ckpt-interval", "0", "--max-steps", "90",
+            "--comm", "auto", "--comm-opt", "candidates=allreduce,fp16,topk",
+            "--output-dir", run]
+    cut_at: dict = {}
+    try:
+        c = Cluster.up(ClusterSpec(nodes=2, rate_bps="1gbit", name=name))
+        rc: dict = {}
+        t = threading.Thread(target=lambda: rc.setdefault(
+            "rc", launch_on_cluster(c, argv, timeout=360, log_dir=str(tmp_path / "logs"))))
+        t.start()
+        stream = Path(run) / "ranks" / "rank0.jsonl"
+        deadline = time.monotonic() + 300
+        while t.is_alive() and time.monotonic() < deadline and not cut_at:
+            try:
+                steps = [json.loads(x)["step"] for x in stream.read_text().splitlines() if x]
+            except (OSError, ValueError):
+                steps = []
+            if steps and max(steps) >= 10:
+                c.set_rate("10mbit")
+                cut_at["step"] = max(steps)
+            time.sleep(0.05)
+        t.join(400)
+        assert rc.get("rc") == 0, (rc, [p.read_text()[-2000:] for p in
+                                        (tmp_path / "logs").glob("*.log")])
+    finally:
+        down(name)
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"lsync-{name}-" not in out
+    recs = [r for r in _metrics(run) if r["rank"] == 0]
+    assert cut_at, "the run never reached step 10"
+    after = [r for r in recs if "switch" in r and r["step"] > cut_at["step"]]
+    assert after, [(r["step"], r.get("switch")) for r in recs if "switch" in r]
+    sw = after[0]
+    assert "bandwidth" in sw["switch"]["reason"] and "->" in sw["switch"]["reason"]
+    assert sw["step"] - cut_at["step"] <= 3 * 10 + 3   # within a few K-step windows
+    assert sw["switch"]["to"] != "allreduce"
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    mp.spawn(_run_rank, args=(2, out_dir, _free_port()), nprocs=2, join=True)
