@@ -110,6 +110,10 @@ class TrainConfig:
     batch_size: int = _f(4, "examples per rank per micro-batch", flag="--batch-size")
     grad_accum: int = _f(1, "micro-batches per optimizer step (gradient accumulation)",
                          flag="--grad-accum")
+    max_grad_accum: int = _f(0, "adaptive accumulation with --comm auto: up to this many "
+                             "micro-batches per sync while the step waits on sync, back down "
+                             "to --grad-accum when it does not (0: fixed)",
+                             flag="--max-grad-accum")
     lr: float = _f(2e-3, "peak learning rate (AdamW)", flag="--lr")
     weight_decay: float = _f(0.0, "AdamW weight decay", flag="--weight-decay")
     schedule: str = _f("cosine", "learning-rate schedule: constant, linear or cosine",
@@ -150,6 +154,10 @@ class TrainConfig:
                "use a number >= 0")
         _check(self.max_steps > 0 or self.epochs > 0, "train.max_steps", self.max_steps,
                "set --max-steps > 0 or --epochs > 0")
+        _check(isinstance(self.max_grad_accum, int) and (
+            self.max_grad_accum == 0 or self.max_grad_accum >= self.grad_accum),
+            "train.max_grad_accum", self.max_grad_accum,
+            "use 0 (fixed accumulation) or a value >= grad_accum")
 
 
 @dataclass

@@ -271,6 +271,12 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, _lr_lambda(tc.schedule, tc.warmup_steps, total_steps))
+    if hasattr(sync, "set_optimizer"):
+        # auto: lets it average rank-local optimizer moments when it leaves local/diloco
+        sync.set_optimizer(opt)
+    adaptive_accum = tc.max_grad_accum > tc.grad_accum and hasattr(sync, "suggested_accum")
+    if tc.max_grad_accum > tc.grad_accum and not adaptive_accum:
+        log(f"note: --max-grad-accum needs --comm auto; keeping grad_accum {tc.grad_accum}")
 
     eval_before = meta.get("eval_before")
     if resume_from:
@@ -385,6 +391,12 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
                    "fp32_bytes": stats["fp32_bytes"] - last_stats["fp32_bytes"],
                    "encode_s": stats["encode_s"] - last_stats["encode_s"],
                    "time": time.time()}
+            if adaptive_accum:
+                nxt = sync.suggested_accum(accum, tc.max_grad_accum, tc.grad_accum)
+                if nxt != accum:
+                    log(f"step {step}: {nxt} micro-batches per sync from now on (was {accum}): "
+                        f"sync share {100 * exposed / step_s:.0f}%")
+                    accum = nxt
             if stats.get("switches", 0) != last_stats.get("switches", 0):
                 rec["switch"] = stats.get("last_switch")  # {"from", "to", "reason"} (auto)
             last_stats = stats
