@@ -110,3 +110,26 @@ def test_jsonl_data_and_epochs(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     # 22 rows, 4 held out for eval, global batch 4 -> 4 steps in one epoch
     assert max(r["step"] for r in read_metrics(run)) == 4
+
+
+def test_adaptive_accumulation_stays_in_bounds(tmp_path):
+    run = str(tmp_path / "r")
+    p = run_cli("train", *TINY, "--comm", "auto", "--comm-opt", "interval=3", "--grad-accum", "1",
+                "--max-grad-accum", "3", "--max-steps", "12", "--eval-size", "0",
+                "--output-dir", run)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = read_metrics(run)
+    for r in recs:
+        assert 1 <= r["grad_accum"] <= 3
+        assert r["samples"] == 2 * r["grad_accum"]  # batch 2 per micro-batch
+    # ranks always agree on the number of micro-batches of a step
+    by_step = {}
+    for r in recs:
+        by_step.setdefault(r["step"], set()).add(r["grad_accum"])
+    assert all(len(v) == 1 for v in by_step.values())
+
+
+def test_max_grad_accum_below_grad_accum_is_refused(tmp_path):
+    p = run_cli("train", *TINY, "--grad-accum", "4", "--max-grad-accum", "2",
+                "--output-dir", tmp_path / "r")
+    assert p.returncode == 2 and "train.max_grad_accum" in p.stderr
