@@ -249,17 +249,20 @@ def scenario_default(M, rank, teach, ev, steps=40):
     ddp, opt = _ddp(model), _opt(model)
     sync = lorasync.attach(ddp, "auto", log=rank == 0)
     before = _eval(model, ev)
+    sync.set_optimizer(opt)
     names = set()
+    accum = []
     for s in range(1, steps + 1):
         _step(M, ddp, opt, sync, s, rank, False, teach)
         names.add(sync.stats()["strategy"])
+        accum.append(sync.suggested_accum(1, 8))
     sync.finish()
     st = sync.stats()
     return {"eval_before": before, "eval_after": _eval(model, ev),
             "spread_end": _spread(_flat(model)), "switches": st["switches"],
             "first_switch_from": None, "strategies": sorted(names),
             "candidates": list(DEFAULT_CANDIDATES), "probes": st["probes"],
-            "auto_bytes": st["auto_bytes"], "last_switch": st["last_switch"]}
+            "auto_bytes": st["auto_bytes"], "last_switch": st["last_switch"], "accum": accum}
 
 
 def _run_rank(rank, world, out_dir, port):
@@ -437,6 +440,12 @@ def test_default_auto_picks_and_trains(ranks):
     assert d["eval_after"] < d["eval_before"] / 5
     assert d["spread_end"] == 0.0
     assert d["auto_bytes"] > 0
+    # the accumulation advice: the same on every rank, within the bounds given,
+    # only changing right after a decision boundary (step 4, 14, 24, ...)
+    assert ranks[0]["default"]["accum"] == ranks[1]["default"]["accum"]
+    acc = d["accum"]
+    assert all(1 <= a <= 8 for a in acc) and acc[:3] == [1, 1, 1]
+    assert all(acc[i] == acc[i - 1] for i in range(1, len(acc)) if (i + 1 - 4) % 10 != 0)
 
 
 # =========================================================================== CLI (torchrun)
@@ -455,12 +464,12 @@ def test_cli_auto_chooses_records_and_trains(tmp_path):
                 "--output-dir", run)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "auto: probe" in p.stderr and "measuring compute with fp16" in p.stderr
-    assert "auto: step 3: " in p.stderr and "initial choice: bandwidth" in p.stderr
+    assert "auto: step 4: " in p.stderr and "initial choice: bandwidth" in p.stderr
     recs = _metrics(run)
     r0 = [r for r in recs if r["rank"] == 0]
-    assert all(r["strategy"] == "fp16" for r in r0 if r["step"] < 3)
+    assert all(r["strategy"] == "fp16" for r in r0 if r["step"] < 4)
     first = next((r for r in r0 if "switch" in r), None)
-    if first is not None and first["step"] == 3:    # else fp16 was kept
+    if first is not None and first["step"] == 4:    # else fp16 was kept
         assert first["switch"]["from"] == "fp16"
         assert first["switch"]["reason"].startswith("initial choice: bandwidth")
     for a, b in zip(r0, [r for r in recs if r["rank"] == 1]):

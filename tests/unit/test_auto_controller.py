@@ -198,12 +198,36 @@ def test_measured_extra_cost_is_charged_to_the_strategy():
     assert A.encode_ns_for("powersgd", {"rank": 2}, -1.0, N) == 0.0   # never negative
 
 
-def test_unmeasured_strategies_inherit_their_class_minimum():
-    got = A.with_priors({"fp16": 0.05, "allreduce": 0.08, "local": 0.01},
-                        ["allreduce", "fp16", "topk", "local", "diloco"])
-    assert got == {"allreduce": 0.08, "fp16": 0.05, "topk": 0.05, "local": 0.01,
-                   "diloco": 0.01}
-    assert A.with_priors({}, ["topk"]) == {}
+def test_unmeasured_strategies_get_the_base_and_their_exposed_share():
+    comm = {"allreduce": 0.3, "fp16": 0.15, "topk": 0.01, "local": 0.04}
+    got = A.with_priors({"allreduce": 0.33}, list(comm), comm, base_s=0.03, exposed=1.0)
+    assert got == pytest.approx({"allreduce": 0.33, "fp16": 0.18, "topk": 0.04, "local": 0.07})
+    assert A.with_priors({}, ["topk"], {"topk": 0.01}) == {"topk": 0.0}
+
+
+def test_split_extra_separates_exposed_transfer_from_per_step_overhead():
+    # allreduce: 0.3 s of collectives the model hid, 0.33 s extra -> all exposed + 0.03 base
+    assert A.split_extra(0.33, 0.3, 3.0, 0.0, 0.0) == pytest.approx((0.03, 1.0))
+    # half of it exposed
+    assert A.split_extra(0.15, 0.3, 3.0, 0.0, 0.0) == pytest.approx((0.0, 0.5))
+    # a strategy with hardly any traffic (topk) only tells the base
+    assert A.split_extra(0.02, 0.01, 3.0, 0.03, 0.5) == pytest.approx((0.015, 0.5))
+    # faster than the base: no exposure, lower base
+    assert A.split_extra(0.01, 0.3, 3.0, 0.03, 0.5) == pytest.approx((0.01, 0.0))
+
+
+def test_fp16_is_not_charged_allreduces_exposed_transfer():
+    """allreduce ran on 100 Mbit/s and its transfer was fully exposed: fp16
+    (half the bytes) is predicted with half the penalty, topk with almost none."""
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    plain = wl()
+    comm = {n: predict(n, net, plain).comm_s for n in A.DEFAULT_CANDIDATES}
+    ar = predict("allreduce", net, plain)
+    extra = comm["allreduce"] - (ar.step_s - ar.compute_s)   # fully exposed
+    base, exposed = A.split_extra(extra, comm["allreduce"], ar.step_s, 0.0, 0.0)
+    pri = A.with_priors({"allreduce": extra}, A.DEFAULT_CANDIDATES, comm, base, exposed)
+    assert pri["fp16"] == pytest.approx(comm["fp16"] * exposed + base)
+    assert pri["fp16"] < 0.6 * pri["allreduce"] and pri["topk"] < 0.1 * pri["allreduce"]
 
 
 def test_workload_from_bucket_sizes():

@@ -14,7 +14,7 @@ What ``Auto`` does, in order:
 1. At attach: a quick probe of the group (``net.probe.run_probe(quick=True)``,
    a few seconds; ``probe=live`` uses the 1 KiB + 256 KiB all-reduce probe
    below instead, ``probe=none`` skips it), then ``measure_steps`` steps
-   (default 3; the first is DDP's warm-up and not measured) under a start
+   (default 4; the first is DDP's warm-up and not measured) under a start
    strategy to measure compute time: the lossless candidate that sends the
    fewest bytes (fp16, else allreduce), or ``start``.  Compute is the time
    from the end of the previous ``after_step`` to the moment the last bucket
@@ -110,7 +110,7 @@ from lorasync.plan.units import fmt_duration, fmt_rate
 
 __all__ = [
     "Auto", "DEFAULT_CANDIDATES", "Window", "Decision", "fit_probe", "probe_size",
-    "probe_every", "with_priors", "workload_for", "encode_ns_for", "decide", "drifted", "link_changed",
+    "probe_every", "with_priors", "split_extra", "workload_for", "encode_ns_for", "decide", "drifted", "link_changed",
     "suggest_accum", "describe",
     "parse_candidates", "parse_force",
 ]
@@ -245,23 +245,41 @@ def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: 
     return max(0.0, ns + extra_s * 1e9 * per_sync / numel)
 
 
-def with_priors(extra: Mapping[str, float], names: Sequence[str]) -> dict[str, float]:
-    """Per-strategy corrections for ``names``: the measured one where there is
-    one, else the smallest measured in the same class (per-step or periodic),
-    else none.  What one strategy cost beyond the model -- ranks waiting for
-    each other every sync, a slower overlap than modelled -- mostly hits the
-    others of its class too, and a strategy must not look better than one
-    that was measured only because it was not measured yet."""
-    out: dict[str, float] = {}
-    for name in names:
-        if name in extra:
-            out[name] = float(extra[name])
-            continue
-        periodic = name in PERIODIC
-        same = [v for k, v in extra.items() if (k in PERIODIC) == periodic]
-        if same:
-            out[name] = min(same)
-    return out
+def with_priors(extra: Mapping[str, float], names: Sequence[str],
+                comm_s: Mapping[str, float], base_s: float = 0.0,
+                exposed: float = 0.0) -> dict[str, float]:
+    """Per-strategy corrections (seconds per step beyond the cost model) for
+    ``names``: the measured one where a strategy has run on this link, else
+    ``base_s + exposed * comm_s[name]`` -- what every strategy was seen to pay
+    (ranks waiting for each other, per-step overheads) plus the share of its
+    collective time (``Prediction.comm_s``) that was seen exposed although the
+    model hid it behind backward.  So a strategy never looks better than one
+    that was measured merely because it has not run yet, and a lighter one is
+    not charged a heavier one's exposed transfer."""
+    return {n: float(extra[n]) if n in extra else base_s + exposed * comm_s.get(n, 0.0)
+            for n in names}
+
+
+#: a strategy whose collectives take more than this share of the step tells
+#: how much of them is exposed; below, its extra cost is all per-step overhead
+SIGNIFICANT_COMM = 0.05
+
+
+def split_extra(extra_s: float, comm_s: float, step_s: float, base_s: float,
+                exposed: float) -> tuple[float, float]:
+    """``(base_s, exposed)`` updated with one strategy's measured extra cost.
+
+    A strategy with significant collective time updates the exposed share
+    (0..1) given the base; one without updates the base.
+    """
+    if comm_s > SIGNIFICANT_COMM * step_s:
+        share = (extra_s - base_s) / comm_s
+        if share > 1.0:
+            return extra_s - comm_s, 1.0
+        if share < 0.0:
+            return extra_s, 0.0
+        return base_s, share
+    return extra_s - exposed * comm_s, exposed
 
 
 def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = (),
@@ -415,7 +433,7 @@ def _pred_text(p: Prediction) -> str:
 
 
 def describe(d: Decision, net: Net, compute_s: float, previous: Net | None = None,
-             initial: bool = False) -> str:
+             initial: bool = False, samples: bool = True) -> str:
     """One line: what was measured, what was picked and why."""
     if previous is not None and previous.bandwidth_Bps != net.bandwidth_Bps:
         bw = f"bandwidth {_fmt_Bps(previous.bandwidth_Bps)} -> {_fmt_Bps(net.bandwidth_Bps)}"
@@ -424,8 +442,8 @@ def describe(d: Decision, net: Net, compute_s: float, previous: Net | None = Non
     head = (f"{'initial choice: ' if initial else ''}{bw}, alpha {fmt_duration(net.alpha_s)}, "
             f"compute {compute_s:.3g} s/step")
     p = d.prediction
-    parts = [f"{p.strategy} predicted {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync, "
-             f"{p.samples_per_s:.3g} samples/s)"]
+    sps = f", {p.samples_per_s:.3g} samples/s" if samples else ""
+    parts = [f"{p.strategy} predicted {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync{sps})"]
     if d.current is not None and d.current.strategy != p.strategy:
         parts.append(f"vs {_pred_text(d.current)}")
     others = [q for q in d.ranking if q.strategy not in (p.strategy, getattr(d.current, "strategy",
@@ -469,7 +487,7 @@ class Auto(Sync):
     options = {
         "candidates": ",".join(DEFAULT_CANDIDATES),
         "interval": 10,
-        "measure_steps": 3,
+        "measure_steps": 4,
         "start": "",
         "probe": "quick",
         "lossless_margin": 0.05,
@@ -542,6 +560,8 @@ class Auto(Sync):
         self._generation = 0
         self._net: Net | None = None
         self._extra: dict[str, float] = {}
+        self._base_s = 0.0
+        self._exposed = 0.0
         self._fixed_s = 0.0
         self._next_probe = 0
         self._accum_basis: tuple[int, float, float] | None = None
@@ -744,15 +764,20 @@ class Auto(Sync):
             return
         self._evaluate(w, initial)
 
-    def _workload(self, compute_s: float, extra: Mapping[str, float] | None = None) -> Workload:
+    def _workload(self, compute_s: float, net: Net | None = None) -> Workload:
+        """The workload with per-strategy corrections (``net`` given) or without."""
         names = sorted(set(self._candidates) | {self._child.name})
-        return workload_for(
-            self.numel, compute_s, bucket_sizes=self._bucket_sizes,
-            bucket_cap_bytes=getattr(self.ddp, "bucket_bytes_cap", 25 << 20),
-            matrices=self._matrices,
-            options={c: self._child_opts.get(c, {}) for c in names},
-            extra_s=with_priors(self._extra if extra is None else extra, names),
-            batch_size=self.opts["batch_size"])
+        kw = dict(bucket_sizes=self._bucket_sizes,
+                  bucket_cap_bytes=getattr(self.ddp, "bucket_bytes_cap", 25 << 20),
+                  matrices=self._matrices,
+                  options={c: self._child_opts.get(c, {}) for c in names},
+                  batch_size=self.opts["batch_size"])
+        plain = workload_for(self.numel, compute_s, **kw)
+        if net is None:
+            return plain
+        comm = {n: predict(n, net, plain).comm_s for n in names}
+        return workload_for(self.numel, compute_s, **kw, extra_s=with_priors(
+            self._extra, names, comm, self._base_s, self._exposed))
 
     def _evaluate(self, w: Window, initial: bool) -> None:
         s = self._steps
@@ -772,7 +797,7 @@ class Auto(Sync):
         if self.world_size > 1:
             due = net is None or s >= self._next_probe
             if not due and not initial:
-                p = predict(cur, net, self._workload(comp))
+                p = predict(cur, net, self._workload(comp, net))
                 due = drifted(over, p.step_s - p.compute_s, p.step_s,
                               calibrated=cur in self._extra)
             if due and not (initial and self._start_net is not None):
@@ -791,13 +816,15 @@ class Auto(Sync):
             self._extra = {x: v for x, v in self._extra.items() if x == cur}
         self._net = net
         # calibrate the strategy in use: what it costs beyond its prediction
-        if not self._measuring and cur in self._candidates:
-            base = {x: v for x, v in self._extra.items() if x != cur}
-            p = predict(cur, net, self._workload(comp, {**base, cur: 0.0}))
+        if cur in self._candidates and self._child_options == self._child_opts.get(cur, {}):
+            p = predict(cur, net, self._workload(comp))
             x = over - (p.step_s - p.compute_s)
-            self._extra[cur] = x if cur not in self._extra or probed else 0.5 * (
-                self._extra[cur] + x)
-        wl = self._workload(comp)
+            if cur in self._extra and not probed:
+                x = 0.5 * (self._extra[cur] + x)
+            self._extra[cur] = x
+            self._base_s, self._exposed = split_extra(x, p.comm_s, step, self._base_s,
+                                                      self._exposed)
+        wl = self._workload(comp, net)
         d = decide(net, wl, None if initial else cur, self._candidates,
                    lossless_margin=self._lossless_margin, switch_margin=self._switch_margin,
                    fresh=initial or changed)
@@ -811,7 +838,8 @@ class Auto(Sync):
         idx = int(t.item())
         if idx >= 0 and self._candidates[idx] != pick:
             pick = self._candidates[idx]
-        reason = describe(d, net, comp, previous=prev if probed else None, initial=initial)
+        reason = describe(d, net, comp, previous=prev if probed else None, initial=initial,
+                          samples="batch_size" in self._given)
         overhead = over
         opts = self._child_opts.get(pick, {})
         if pick != cur or opts != self._child_options:
@@ -960,7 +988,8 @@ class Auto(Sync):
             "child_state": self._child.state_dict(), "measuring": self._measuring,
             "next_eval": self._next_eval, "next_probe": self._next_probe,
             "net": None if self._net is None else [self._net.alpha_s, self._net.bandwidth_Bps],
-            "extra": dict(self._extra), "fixed_s": self._fixed_s, "switches": self._switches,
+            "extra": dict(self._extra), "fixed_s": self._fixed_s, "base_s": self._base_s,
+            "exposed": self._exposed, "switches": self._switches,
             "last_switch": dict(self._last_switch) if self._last_switch else None,
             "carry": None if self._carry is None else self._carry.clone(),
             "carry_left": sorted(self._carry_left), "may_differ": self._may_differ,
@@ -987,6 +1016,8 @@ class Auto(Sync):
                             world_size=self.world_size)
         self._extra = {k: float(v) for k, v in (state.get("extra") or {}).items()}
         self._fixed_s = float(state.get("fixed_s", 0.0))
+        self._base_s = float(state.get("base_s", 0.0))
+        self._exposed = float(state.get("exposed", 0.0))
         self._switches = int(state.get("switches", 0))
         self._last_switch = state.get("last_switch")
         carry = state.get("carry")
