@@ -150,8 +150,9 @@ def _evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batc
                 text = tok.decode(outs[j, width:], skip_special_tokens=True).strip()
                 correct += float(text == e.answer)
                 checked += 1
-    t = torch.tensor([loss_sum, tok_count, correct, checked], dtype=torch.float64)
-    dist.all_reduce(t)  # 32 bytes, once per evaluation
+    # on the model's device: NCCL reduces only GPU tensors (32 bytes, once per evaluation)
+    t = torch.tensor([loss_sum, tok_count, correct, checked], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
     if was_training:
         model.train()
     loss_sum, tok_count, correct, checked = t.tolist()
