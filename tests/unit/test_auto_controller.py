@@ -187,6 +187,24 @@ def test_drift_tolerance_is_looser_before_calibration():
 
 # --------------------------------------------------------------------------- calibration
 
+def test_load_common_to_all_strategies_does_not_change_the_choice():
+    """A busy host adds the same seconds to every step: fitted as the base,
+    it is charged to every strategy, and the pick stays."""
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    plain = wl()
+    comm = {n: predict(n, net, plain).comm_s for n in A.DEFAULT_CANDIDATES}
+    quiet = A.decide(net, plain, None, A.DEFAULT_CANDIDATES).strategy
+    cur = predict(quiet, net, plain)
+    extra = 0.6   # waiting on a rank the host starved, every step
+    base, exposed = A.split_extra(extra, cur.comm_s, cur.step_s + extra, 0.0, 0.0)
+    busy = A.workload_for(N, COMPUTE, bucket_sizes=[262_144, 262_144, 262_144, 134_656],
+                          matrices=SMOL, batch_size=4,
+                          extra_s=A.corrections(A.DEFAULT_CANDIDATES, comm, base, exposed))
+    d = A.decide(net, busy, quiet, A.DEFAULT_CANDIDATES)
+    assert not d.switch and d.strategy == quiet
+
+
+
 def test_measured_extra_cost_is_charged_to_the_strategy():
     net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
     plain = predict("fp16", net, wl())
@@ -198,11 +216,11 @@ def test_measured_extra_cost_is_charged_to_the_strategy():
     assert A.encode_ns_for("powersgd", {"rank": 2}, -1.0, N) == 0.0   # never negative
 
 
-def test_unmeasured_strategies_get_the_base_and_their_exposed_share():
+def test_corrections_are_the_base_plus_each_strategys_exposed_share():
     comm = {"allreduce": 0.3, "fp16": 0.15, "topk": 0.01, "local": 0.04}
-    got = A.with_priors({"allreduce": 0.33}, list(comm), comm, base_s=0.03, exposed=1.0)
+    got = A.corrections(list(comm), comm, base_s=0.03, exposed=1.0)
     assert got == pytest.approx({"allreduce": 0.33, "fp16": 0.18, "topk": 0.04, "local": 0.07})
-    assert A.with_priors({}, ["topk"], {"topk": 0.01}) == {"topk": 0.0}
+    assert A.corrections(["topk"], {"topk": 0.01}) == {"topk": 0.0}
 
 
 def test_split_extra_separates_exposed_transfer_from_per_step_overhead():
@@ -225,7 +243,8 @@ def test_fp16_is_not_charged_allreduces_exposed_transfer():
     ar = predict("allreduce", net, plain)
     extra = comm["allreduce"] - (ar.step_s - ar.compute_s)   # fully exposed
     base, exposed = A.split_extra(extra, comm["allreduce"], ar.step_s, 0.0, 0.0)
-    pri = A.with_priors({"allreduce": extra}, A.DEFAULT_CANDIDATES, comm, base, exposed)
+    pri = A.corrections(A.DEFAULT_CANDIDATES, comm, base, exposed)
+    assert pri["allreduce"] == pytest.approx(extra)
     assert pri["fp16"] == pytest.approx(comm["fp16"] * exposed + base)
     assert pri["fp16"] < 0.6 * pri["allreduce"] and pri["topk"] < 0.1 * pri["allreduce"]
 

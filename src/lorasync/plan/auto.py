@@ -110,7 +110,8 @@ from lorasync.plan.units import fmt_duration, fmt_rate
 
 __all__ = [
     "Auto", "DEFAULT_CANDIDATES", "Window", "Decision", "fit_probe", "probe_size",
-    "probe_every", "with_priors", "split_extra", "workload_for", "encode_ns_for", "decide", "drifted", "link_changed",
+    "probe_every", "corrections", "split_extra", "workload_for", "encode_ns_for", "decide",
+    "drifted", "link_changed",
     "suggest_accum", "describe",
     "parse_candidates", "parse_force",
 ]
@@ -245,19 +246,18 @@ def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: 
     return max(0.0, ns + extra_s * 1e9 * per_sync / numel)
 
 
-def with_priors(extra: Mapping[str, float], names: Sequence[str],
-                comm_s: Mapping[str, float], base_s: float = 0.0,
+def corrections(names: Sequence[str], comm_s: Mapping[str, float], base_s: float = 0.0,
                 exposed: float = 0.0) -> dict[str, float]:
-    """Per-strategy corrections (seconds per step beyond the cost model) for
-    ``names``: the measured one where a strategy has run on this link, else
-    ``base_s + exposed * comm_s[name]`` -- what every strategy was seen to pay
-    (ranks waiting for each other, per-step overheads) plus the share of its
-    collective time (``Prediction.comm_s``) that was seen exposed although the
-    model hid it behind backward.  So a strategy never looks better than one
-    that was measured merely because it has not run yet, and a lighter one is
-    not charged a heavier one's exposed transfer."""
-    return {n: float(extra[n]) if n in extra else base_s + exposed * comm_s.get(n, 0.0)
-            for n in names}
+    """Seconds per step each strategy costs beyond the cost model:
+    ``base_s + exposed * comm_s[name]`` -- what any strategy was seen to pay
+    (ranks waiting for each other on a busy host, per-step overheads) plus the
+    share of its own collective time (``Prediction.comm_s``) that was seen
+    exposed although the model hid it behind backward.  Both are fitted on the
+    strategy in use (:func:`split_extra`), so the comparison with the others
+    is on the same footing: a strategy does not look better merely because it
+    has not run yet, a lighter one is not charged a heavier one's transfer,
+    and load that comes and goes (common to all) cancels out."""
+    return {n: base_s + exposed * comm_s.get(n, 0.0) for n in names}
 
 
 #: a strategy whose collectives take more than this share of the step tells
@@ -559,7 +559,9 @@ class Auto(Sync):
         self._samples: list[dict] = []
         self._generation = 0
         self._net: Net | None = None
-        self._extra: dict[str, float] = {}
+        self._fit_for: str | None = None      # strategy the corrections were fitted on
+        self._last_extra = 0.0
+        self._pending_pick: str | None = None  # a routine switch waits for a second window
         self._base_s = 0.0
         self._exposed = 0.0
         self._fixed_s = 0.0
@@ -776,8 +778,8 @@ class Auto(Sync):
         if net is None:
             return plain
         comm = {n: predict(n, net, plain).comm_s for n in names}
-        return workload_for(self.numel, compute_s, **kw, extra_s=with_priors(
-            self._extra, names, comm, self._base_s, self._exposed))
+        return workload_for(self.numel, compute_s, **kw, extra_s=corrections(
+            names, comm, self._base_s, self._exposed))
 
     def _evaluate(self, w: Window, initial: bool) -> None:
         s = self._steps
@@ -799,7 +801,7 @@ class Auto(Sync):
             if not due and not initial:
                 p = predict(cur, net, self._workload(comp, net))
                 due = drifted(over, p.step_s - p.compute_s, p.step_s,
-                              calibrated=cur in self._extra)
+                              calibrated=self._fit_for == cur)
             if due and not (initial and self._start_net is not None):
                 size = probe_size(net.bandwidth_Bps if net else 0.0, step, k)
                 net, spent = self._live_probe(size)
@@ -810,25 +812,30 @@ class Auto(Sync):
         else:
             net = Net(alpha_s=0.0, bandwidth_Bps=1e12, world_size=1)
         changed = probed and prev is not None and link_changed(prev, net, self.numel, step)
-        if changed:
-            # corrections measured on the old link no longer hold (the one in use
-            # is measured again below)
-            self._extra = {x: v for x, v in self._extra.items() if x == cur}
         self._net = net
-        # calibrate the strategy in use: what it costs beyond its prediction
-        if cur in self._candidates and self._child_options == self._child_opts.get(cur, {}):
-            p = predict(cur, net, self._workload(comp))
-            x = over - (p.step_s - p.compute_s)
-            if cur in self._extra and not probed:
-                x = 0.5 * (self._extra[cur] + x)
-            self._extra[cur] = x
-            self._base_s, self._exposed = split_extra(x, p.comm_s, step, self._base_s,
-                                                      self._exposed)
+        # fit the corrections on the strategy in use: what it cost beyond the model
+        p = predict(cur, net, self._workload(comp))
+        x = over - (p.step_s - p.compute_s)
+        if self._fit_for == cur and not probed:
+            x = 0.5 * (self._last_extra + x)
+        self._last_extra, self._fit_for = x, cur
+        self._base_s, self._exposed = split_extra(x, p.comm_s, step, self._base_s,
+                                                  self._exposed)
         wl = self._workload(comp, net)
+        fresh = initial or changed
         d = decide(net, wl, None if initial else cur, self._candidates,
                    lossless_margin=self._lossless_margin, switch_margin=self._switch_margin,
-                   fresh=initial or changed)
+                   fresh=fresh)
         pick = d.strategy if (d.switch or initial) else cur
+        if d.switch and not fresh and self._pending_pick != pick:
+            # a routine switch (same link) must win two windows in a row:
+            # one noisy window on a busy host is not enough
+            self._pending_pick, pick = pick, cur
+            self._log(f"auto: step {s}: {d.strategy} looks better than {cur} "
+                      f"({_pred_text(d.prediction)} vs {_pred_text(d.current)}); "
+                      f"switching if the next window agrees")
+        else:
+            self._pending_pick = None
         # rank 0's pick is everybody's (the inputs are identical; this makes sure)
         t = torch.tensor([self._candidates.index(pick) if pick in self._candidates else -1],
                          dtype=torch.int32, device=self._comm_device())
@@ -988,7 +995,8 @@ class Auto(Sync):
             "child_state": self._child.state_dict(), "measuring": self._measuring,
             "next_eval": self._next_eval, "next_probe": self._next_probe,
             "net": None if self._net is None else [self._net.alpha_s, self._net.bandwidth_Bps],
-            "extra": dict(self._extra), "fixed_s": self._fixed_s, "base_s": self._base_s,
+            "fit_for": self._fit_for, "last_extra": self._last_extra,
+            "pending_pick": self._pending_pick, "fixed_s": self._fixed_s, "base_s": self._base_s,
             "exposed": self._exposed, "switches": self._switches,
             "last_switch": dict(self._last_switch) if self._last_switch else None,
             "carry": None if self._carry is None else self._carry.clone(),
@@ -1014,7 +1022,9 @@ class Auto(Sync):
         if net is not None:
             self._net = Net(alpha_s=float(net[0]), bandwidth_Bps=float(net[1]),
                             world_size=self.world_size)
-        self._extra = {k: float(v) for k, v in (state.get("extra") or {}).items()}
+        self._fit_for = state.get("fit_for")
+        self._last_extra = float(state.get("last_extra", 0.0))
+        self._pending_pick = state.get("pending_pick")
         self._fixed_s = float(state.get("fixed_s", 0.0))
         self._base_s = float(state.get("base_s", 0.0))
         self._exposed = float(state.get("exposed", 0.0))
