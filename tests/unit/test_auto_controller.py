@@ -192,14 +192,14 @@ def test_load_common_to_all_strategies_does_not_change_the_choice():
     it is charged to every strategy, and the pick stays."""
     net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
     plain = wl()
-    comm = {n: predict(n, net, plain).comm_s for n in A.DEFAULT_CANDIDATES}
+    hidden = {n: A.hidden_of(predict(n, net, plain)) for n in A.DEFAULT_CANDIDATES}
     quiet = A.decide(net, plain, None, A.DEFAULT_CANDIDATES).strategy
     cur = predict(quiet, net, plain)
     extra = 0.6   # waiting on a rank the host starved, every step
-    base, exposed = A.split_extra(extra, cur.comm_s, cur.step_s + extra, 0.0, 0.0)
+    base, exposed = A.split_extra(extra, A.hidden_of(cur), cur.step_s + extra, 0.0, 0.0)
     busy = A.workload_for(N, COMPUTE, bucket_sizes=[262_144, 262_144, 262_144, 134_656],
                           matrices=SMOL, batch_size=4,
-                          extra_s=A.corrections(A.DEFAULT_CANDIDATES, comm, base, exposed))
+                          extra_s=A.corrections(A.DEFAULT_CANDIDATES, hidden, base, exposed))
     d = A.decide(net, busy, quiet, A.DEFAULT_CANDIDATES)
     assert not d.switch and d.strategy == quiet
 
@@ -217,36 +217,49 @@ def test_measured_extra_cost_is_charged_to_the_strategy():
 
 
 def test_corrections_are_the_base_plus_each_strategys_exposed_share():
-    comm = {"allreduce": 0.3, "fp16": 0.15, "topk": 0.01, "local": 0.04}
-    got = A.corrections(list(comm), comm, base_s=0.03, exposed=1.0)
-    assert got == pytest.approx({"allreduce": 0.33, "fp16": 0.18, "topk": 0.04, "local": 0.07})
+    hidden = {"allreduce": 0.3, "fp16": 0.15, "topk": 0.01, "local": 0.0}
+    got = A.corrections(list(hidden), hidden, base_s=0.03, exposed=1.0)
+    assert got == pytest.approx({"allreduce": 0.33, "fp16": 0.18, "topk": 0.04, "local": 0.03})
     assert A.corrections(["topk"], {"topk": 0.01}) == {"topk": 0.0}
 
 
+def test_hidden_time_is_what_the_model_overlaps():
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    ar = predict("allreduce", net, wl())
+    assert A.hidden_of(ar) == pytest.approx(ar.comm_s - ar.exposed_comm_s)
+    assert A.hidden_of(ar) > 0.5 * ar.comm_s          # 4 buckets: most of it overlaps
+    assert A.hidden_of(predict("local", net, wl())) == 0.0   # after the step: nothing hidden
+
+
 def test_split_extra_separates_exposed_transfer_from_per_step_overhead():
-    # allreduce: 0.3 s of collectives the model hid, 0.33 s extra -> all exposed + 0.03 base
-    assert A.split_extra(0.33, 0.3, 3.0, 0.0, 0.0) == pytest.approx((0.03, 1.0))
+    # 0.3 s the model hid, 0.33 s extra -> none of it hidden, + 0.03 base
+    assert A.split_extra(0.33, 0.3, 3.0, 0.0, 0.5) == pytest.approx((0.03, 1.0))
     # half of it exposed
-    assert A.split_extra(0.15, 0.3, 3.0, 0.0, 0.0) == pytest.approx((0.0, 0.5))
-    # a strategy with hardly any traffic (topk) only tells the base
+    assert A.split_extra(0.15, 0.3, 3.0, 0.0, 0.5) == pytest.approx((0.0, 0.5))
+    # a strategy with hardly anything hidden (topk) only tells the base
     assert A.split_extra(0.02, 0.01, 3.0, 0.03, 0.5) == pytest.approx((0.015, 0.5))
-    # faster than the base: no exposure, lower base
+    # faster than the base: all hidden, lower base
     assert A.split_extra(0.01, 0.3, 3.0, 0.03, 0.5) == pytest.approx((0.01, 0.0))
 
 
 def test_fp16_is_not_charged_allreduces_exposed_transfer():
-    """allreduce ran on 100 Mbit/s and its transfer was fully exposed: fp16
-    (half the bytes) is predicted with half the penalty, topk with almost none."""
+    """allreduce ran on 100 Mbit/s and nothing the model hid was hidden: fp16
+    (half the bytes) is charged about half, topk almost nothing."""
     net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
     plain = wl()
-    comm = {n: predict(n, net, plain).comm_s for n in A.DEFAULT_CANDIDATES}
+    hidden = {n: A.hidden_of(predict(n, net, plain)) for n in A.DEFAULT_CANDIDATES}
     ar = predict("allreduce", net, plain)
-    extra = comm["allreduce"] - (ar.step_s - ar.compute_s)   # fully exposed
-    base, exposed = A.split_extra(extra, comm["allreduce"], ar.step_s, 0.0, 0.0)
-    pri = A.corrections(A.DEFAULT_CANDIDATES, comm, base, exposed)
+    extra = hidden["allreduce"]                        # fully exposed
+    base, exposed = A.split_extra(extra, hidden["allreduce"], ar.step_s, 0.0, 0.5)
+    assert (base, exposed) == pytest.approx((0.0, 1.0))
+    pri = A.corrections(A.DEFAULT_CANDIDATES, hidden, base, exposed)
     assert pri["allreduce"] == pytest.approx(extra)
-    assert pri["fp16"] == pytest.approx(comm["fp16"] * exposed + base)
     assert pri["fp16"] < 0.6 * pri["allreduce"] and pri["topk"] < 0.1 * pri["allreduce"]
+    assert pri["local"] == 0.0
+    # with it, fp16 is predicted slower than before, by what it hides
+    f = predict("fp16", net, A.workload_for(N, COMPUTE, matrices=SMOL, extra_s=pri,
+                                            bucket_sizes=[262_144, 262_144, 262_144, 134_656]))
+    assert f.step_s == pytest.approx(predict("fp16", net, plain).step_s + pri["fp16"], rel=1e-6)
 
 
 def test_workload_from_bucket_sizes():

@@ -110,7 +110,7 @@ from lorasync.plan.units import fmt_duration, fmt_rate
 
 __all__ = [
     "Auto", "DEFAULT_CANDIDATES", "Window", "Decision", "fit_probe", "probe_size",
-    "probe_every", "corrections", "split_extra", "workload_for", "encode_ns_for", "decide",
+    "probe_every", "corrections", "hidden_of", "split_extra", "workload_for", "encode_ns_for", "decide",
     "drifted", "link_changed",
     "suggest_accum", "describe",
     "parse_candidates", "parse_force",
@@ -246,40 +246,49 @@ def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: 
     return max(0.0, ns + extra_s * 1e9 * per_sync / numel)
 
 
-def corrections(names: Sequence[str], comm_s: Mapping[str, float], base_s: float = 0.0,
+def corrections(names: Sequence[str], hidden_s: Mapping[str, float], base_s: float = 0.0,
                 exposed: float = 0.0) -> dict[str, float]:
     """Seconds per step each strategy costs beyond the cost model:
-    ``base_s + exposed * comm_s[name]`` -- what any strategy was seen to pay
+    ``base_s + exposed * hidden_s[name]`` -- what any strategy was seen to pay
     (ranks waiting for each other on a busy host, per-step overheads) plus the
-    share of its own collective time (``Prediction.comm_s``) that was seen
-    exposed although the model hid it behind backward.  Both are fitted on the
-    strategy in use (:func:`split_extra`), so the comparison with the others
-    is on the same footing: a strategy does not look better merely because it
-    has not run yet, a lighter one is not charged a heavier one's transfer,
-    and load that comes and goes (common to all) cancels out."""
-    return {n: base_s + exposed * comm_s.get(n, 0.0) for n in names}
+    share of the collective time the model hides behind backward
+    (``hidden_of(prediction)``) that turned out exposed (CPU contention, one
+    bucket ready late).  Both are fitted on the strategy in use
+    (:func:`split_extra`), so every strategy is compared on the same footing:
+    none looks better merely because it has not run yet, a lighter one is not
+    charged a heavier one's transfer, and load that comes and goes (common to
+    all) cancels out."""
+    return {n: base_s + exposed * hidden_s.get(n, 0.0) for n in names}
 
 
-#: a strategy whose collectives take more than this share of the step tells
-#: how much of them is exposed; below, its extra cost is all per-step overhead
-SIGNIFICANT_COMM = 0.05
+def hidden_of(p: Prediction) -> float:
+    """Collective time per step the model expects to overlap with backward."""
+    return max(0.0, p.comm_s - p.exposed_comm_s)
 
 
-def split_extra(extra_s: float, comm_s: float, step_s: float, base_s: float,
+#: a strategy whose hidden collective time exceeds this share of the step
+#: tells how much of it is really hidden; below, its extra cost is all base
+SIGNIFICANT_HIDDEN = 0.02
+#: before any fit: half of what the model hides is assumed exposed
+EXPOSED_PRIOR = 0.5
+
+
+def split_extra(extra_s: float, hidden_s: float, step_s: float, base_s: float,
                 exposed: float) -> tuple[float, float]:
-    """``(base_s, exposed)`` updated with one strategy's measured extra cost.
+    """``(base_s, exposed)`` updated with the strategy in use's measured extra
+    cost (``extra_s``; ``hidden_s``: its collective time the model hides).
 
-    A strategy with significant collective time updates the exposed share
-    (0..1) given the base; one without updates the base.
+    A strategy with significant hidden time updates the exposed share (0..1)
+    given the base; one without updates the base.
     """
-    if comm_s > SIGNIFICANT_COMM * step_s:
-        share = (extra_s - base_s) / comm_s
+    if hidden_s > SIGNIFICANT_HIDDEN * step_s:
+        share = (extra_s - base_s) / hidden_s
         if share > 1.0:
-            return extra_s - comm_s, 1.0
+            return extra_s - hidden_s, 1.0
         if share < 0.0:
             return extra_s, 0.0
         return base_s, share
-    return extra_s - exposed * comm_s, exposed
+    return extra_s - exposed * hidden_s, exposed
 
 
 def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = (),
@@ -563,7 +572,7 @@ class Auto(Sync):
         self._last_extra = 0.0
         self._pending_pick: str | None = None  # a routine switch waits for a second window
         self._base_s = 0.0
-        self._exposed = 0.0
+        self._exposed = EXPOSED_PRIOR
         self._fixed_s = 0.0
         self._next_probe = 0
         self._accum_basis: tuple[int, float, float] | None = None
@@ -777,9 +786,9 @@ class Auto(Sync):
         plain = workload_for(self.numel, compute_s, **kw)
         if net is None:
             return plain
-        comm = {n: predict(n, net, plain).comm_s for n in names}
+        hidden = {n: hidden_of(predict(n, net, plain)) for n in names}
         return workload_for(self.numel, compute_s, **kw, extra_s=corrections(
-            names, comm, self._base_s, self._exposed))
+            names, hidden, self._base_s, self._exposed))
 
     def _evaluate(self, w: Window, initial: bool) -> None:
         s = self._steps
@@ -819,7 +828,7 @@ class Auto(Sync):
         if self._fit_for == cur and not probed:
             x = 0.5 * (self._last_extra + x)
         self._last_extra, self._fit_for = x, cur
-        self._base_s, self._exposed = split_extra(x, p.comm_s, step, self._base_s,
+        self._base_s, self._exposed = split_extra(x, hidden_of(p), step, self._base_s,
                                                   self._exposed)
         wl = self._workload(comp, net)
         fresh = initial or changed
@@ -1027,7 +1036,7 @@ class Auto(Sync):
         self._pending_pick = state.get("pending_pick")
         self._fixed_s = float(state.get("fixed_s", 0.0))
         self._base_s = float(state.get("base_s", 0.0))
-        self._exposed = float(state.get("exposed", 0.0))
+        self._exposed = float(state.get("exposed", EXPOSED_PRIOR))
         self._switches = int(state.get("switches", 0))
         self._last_switch = state.get("last_switch")
         carry = state.get("carry")
