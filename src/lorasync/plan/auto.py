@@ -4,9 +4,9 @@ Two halves:
 
 * pure functions (measurements in, decisions out, unit-tested without a
   process group): :func:`fit_probe`, :func:`probe_size`, :func:`probe_every`,
-  :func:`workload_for`, :func:`encode_ns_for`, :func:`decide`,
-  :func:`drifted`, :func:`suggest_accum`, :func:`parse_candidates`,
-  :func:`parse_force`;
+  :func:`corrections`, :func:`split_extra`, :func:`workload_for`,
+  :func:`decide`, :func:`drifted`, :func:`link_changed`, :func:`describe`,
+  :func:`suggest_accum`, :func:`parse_candidates`, :func:`parse_force`;
 * :class:`Auto`, the ``auto`` strategy (a :class:`~lorasync.comm.base.Sync`).
 
 What ``Auto`` does, in order:
@@ -22,13 +22,17 @@ What ``Auto`` does, in order:
    the encode time spent in the hooks; everything else the step took is sync.
 2. At the end of those steps, and then every ``interval`` steps (K, default
    10), at a boundary inside ``after_step`` (never in a future callback):
-   every rank all-reduces what it measured over the last K steps (compute,
-   time beyond compute, encode) -- max over ranks -- so every rank holds the
-   same numbers; a small timed probe runs when due (below); the planner's
-   rule (:func:`lorasync.plan.planner.choose`: best predicted throughput, a
-   lossless strategy within ``lossless_margin`` of the best, keep the current
-   one unless another gains more than ``switch_margin``) picks the strategy;
-   rank 0's pick is broadcast (4 bytes) so the ranks cannot disagree.
+   every rank all-reduces what it measured over the window (median compute
+   of the slowest rank, mean time beyond compute of the rank that waited
+   least), so every rank holds the same numbers; a small timed probe runs
+   when due (below); the planner's rule (:func:`lorasync.plan.planner.choose`:
+   best predicted throughput, a lossless strategy within ``lossless_margin``
+   of the best) picks the strategy.  The first choice, and a choice after
+   the probe found another link, is taken as is; otherwise the strategy in
+   use stays unless the pick is predicted ``switch_margin`` (10%) faster in
+   two windows in a row (hysteresis: noisy windows on a busy host do not
+   make it flap).  Rank 0's pick is broadcast (4 bytes) so the ranks cannot
+   disagree.
 3. A switch happens only there, between optimizer steps, when no two-phase
    bucket is pending (a completed backward drains them all):
 
@@ -68,12 +72,13 @@ every m K-step windows, m chosen so it costs about ``PROBE_BUDGET`` (1%) of
 the step time.  Its bytes (and those of the boundary all-reduces) count in
 ``wire_bytes`` and separately in ``stats()["auto_bytes"]``.
 
-The cost model is corrected by what it sees: the time per step beyond
-compute that the current strategy costs over its prediction is kept per
-strategy (as extra encode time, which adds to the step unhidden), so a
-strategy that was slower than predicted is not picked again on the same
-prediction; a probe that finds the bandwidth changed by more than 1.5x
-forgets the corrections of the other strategies.
+The cost model is corrected by what it sees (:func:`corrections`,
+:func:`split_extra`): what the strategy in use cost beyond its prediction is
+split into a base that every strategy pays (ranks waiting for each other on
+a busy host, per-step overheads) and the share of the collective time the
+model hides behind backward that was in fact exposed; every candidate is
+then predicted with the same two numbers, so none looks better merely
+because it has not run yet, and load common to all cancels out.
 
 Options (``--comm-opt KEY=VALUE``): ``candidates`` (comma list, default
 allreduce,fp16,int8,onebit,topk,powersgd,local,diloco), ``interval`` (K; 0 =
@@ -771,7 +776,8 @@ class Auto(Sync):
         initial = self._measuring
         self._next_eval = s + self._interval if self._interval else 0
         w = self._window()
-        if w is None:
+        if w is None:   # nothing measured yet (e.g. measure_steps=1): next step
+            self._next_eval = s + 1 if initial or not self._interval else self._next_eval
             return
         self._evaluate(w, initial)
 
@@ -900,6 +906,7 @@ class Auto(Sync):
             self._carry = carry
             self._carry_left = set(range(len(self.params)))
         self._switches += 1
+        self._pending_pick = None
         self._last_switch = {"from": frm, "to": to, "reason": reason, "step": self._steps}
         self._log(f"auto: step {self._steps}: {frm} -> {to}: {reason}")
 
