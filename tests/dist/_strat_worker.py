@@ -37,7 +37,7 @@ CONFIGS = [
     ("powersgd", "powersgd", {"rank": 1}),
     ("local", "local", {"period": 4}),
     ("local_streaming", "local", {"period": 4, "streaming": True}),
-    ("diloco", "diloco", {}),  # period 8, outer_lr 0.7, Nesterov 0.9 (the defaults)
+    ("diloco", "diloco", {}),  # period 8, outer_lr 0.8, Nesterov 0.5 (the defaults)
     ("diloco_streaming", "diloco", {"streaming": True, "delta_dtype": "fp16"}),
 ]
 TRAIN_STEPS = 40
