@@ -49,7 +49,7 @@ QUALITY_FACTOR = {
     "powersgd": 1.25,                           # rank-1 + error feedback, warm start
     "local": 1.5, "local_streaming": 1.5,       # 4 local steps between averages
     "onebit": 5.0, "topk": 5.0,                 # 1 bit / 10% of entries a step
-    "diloco": 6.0, "diloco_streaming": 6.0,     # 5 outer steps, Nesterov 0.9 (paper defaults)
+    "diloco": 6.0, "diloco_streaming": 6.0,     # 5 outer steps of outer SGD with momentum
 }
 # every strategy must at least cut the initial eval loss by this factor
 MIN_IMPROVEMENT = 10.0
