@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from lorasync import __version__
@@ -57,11 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = list(argv)  # subcommands that relaunch themselves under torchrun need it
+    # SIGTERM (kill, torchrun stopping its workers, CI timeouts) unwinds like Ctrl-C, so
+    # `finally` blocks run: emulated clusters come down, sinks and process groups close.
+    signal.signal(signal.SIGTERM, _terminate)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
