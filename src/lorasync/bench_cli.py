@@ -59,11 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated link profiles RATE[+DELAY], e.g. 10mbit,100mbit+20ms "
                         f"(default: {DEFAULT_PROFILES})")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (one worker each)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per row (the first "
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per row (the first "
                    "is left out of throughput figures)")
     p.add_argument("--model", default="smollm2-135m", help="model for every row")
     p.add_argument("--batch-size", type=int, default=4, help="examples per rank per step")
-    p.add_argument("--eval-size", type=int, default=16,
+    p.add_argument("--eval-size", type=int, default=8,
                    help="eval examples for loss/exact-match after training (0: skip)")
     p.add_argument("--rows", default="all",
                    help="comma-separated row keys to run (ceiling is always run): "
