@@ -17,6 +17,11 @@ the other in this invocation, so the ratios compare like with like.
 Throughput of a step range = samples of both ranks / wall time between the
 end of the step before the range and the end of its last step (rank 0's
 record times: everything the job spent, probes and switches included).
+Efficiency of a range = sum of compute_s / sum of step_s (rank 0's records):
+the share of the step spent computing, which a shared host's load changes
+far less than samples/s (that load came and went by 2x between runs here);
+the ratios are printed for both.  ``--rounds N`` runs every configuration N
+times, alternating, and keeps each one's best figure per range.
 
 Printed:
 
@@ -99,6 +104,14 @@ def throughput(recs: list[dict], first: int, last: int) -> float | None:
     return samples / (r0[last]["time"] - r0[first - 1]["time"])
 
 
+def efficiency(recs: list[dict], first: int, last: int) -> float | None:
+    """Share of steps first..last spent computing (rank 0)."""
+    r0 = [r for r in recs if r["rank"] == 0 and first <= r["step"] <= last]
+    if not r0:
+        return None
+    return sum(r["compute_s"] for r in r0) / sum(r["step_s"] for r in r0)
+
+
 def sequence(recs: list[dict]) -> str:
     r0 = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["step"])
     if not r0:
@@ -116,6 +129,8 @@ def main() -> int:
     ap.add_argument("--cut-at", type=int, default=30, help="cut the link after this step")
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--cut-rate", default="10mbit")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times (alternating), keep the best")
     ap.add_argument("--fixed", default="fp16,topk,onebit,powersgd,diloco",
                     help="fixed strategies to run against auto (comma-separated)")
     ap.add_argument("--model", default="smollm2-135m")
@@ -146,23 +161,34 @@ def main() -> int:
     results = []
     spec = ClusterSpec(nodes=2, rate_bps=args.rate, name=f"aad{os.getpid() % 100000}")
     with emulated(spec) as cluster:
-        for label, comm in runs:
-            print(f"== {label} ({' '.join(comm)})", file=sys.stderr, flush=True)
-            r = run_one(cluster, label, comm, args, out)
-            results.append(r)
-            print(f"   {label}: {r.get('error') or 'ok'} in {r['wall_s']:.0f} s",
-                  file=sys.stderr, flush=True)
+        for rnd in range(args.rounds):
+            for label, comm in runs:
+                print(f"== {label} ({' '.join(comm)}), round {rnd + 1}", file=sys.stderr,
+                      flush=True)
+                r = run_one(cluster, f"{label}-{rnd + 1}" if args.rounds > 1 else label, comm,
+                            args, out)
+                r["label"] = label
+                results.append(r)
+                print(f"   {label}: {r.get('error') or 'ok'} in {r['wall_s']:.0f} s",
+                      file=sys.stderr, flush=True)
     load_after = os.getloadavg()
 
     c, end = args.cut_at, args.steps
     ranges = {"before": (2, c), "adapt": (c + 1, min(end, c + 50)),
               "steady": (min(end, c + 21), end)}
     rows = []
-    for r in results:
-        row = {"label": r["label"], "cut_after": r.get("cut_after"), "error": r.get("error")}
-        if "records" in r:
-            row.update({k: throughput(r["records"], *v) for k, v in ranges.items()})
-            row["sequence"] = sequence(r["records"])
+    for label, _ in runs:
+        mine = [r for r in results if r["label"] == label]
+        ok = [r for r in mine if "records" in r]
+        row = {"label": label, "error": None if ok else mine[-1].get("error"),
+               "cut_after": [r.get("cut_after") for r in mine]}
+        if ok:
+            for k, v in ranges.items():
+                got = [throughput(r["records"], *v) for r in ok]
+                eff = [efficiency(r["records"], *v) for r in ok]
+                row[k] = max((g for g in got if g), default=None)
+                row[k + "_eff"] = max((e for e in eff if e), default=None)
+            row["sequence"] = " | ".join(sequence(r["records"]) for r in ok)
         rows.append(row)
     fixed = [x for x in rows if x["label"] != "auto" and not x["error"]]
     auto = rows[0]
@@ -176,34 +202,37 @@ def main() -> int:
              f"bucket {args.bucket_mb} MB, {time.strftime('%Y-%m-%d %H:%M')}",
              f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
              f"({os.cpu_count()} cores); wall {(time.time() - t_start) / 60:.1f} min", "",
+             "samples/s (efficiency = compute share of the step)", "",
              f"| run | strategies | {args.rate} (steps {ranges['before'][0]}-{ranges['before'][1]}) "
              f"| {args.cut_rate} adapt ({ranges['adapt'][0]}-{ranges['adapt'][1]}) "
              f"| {args.cut_rate} steady ({ranges['steady'][0]}-{ranges['steady'][1]}) |",
              "|---|---|---|---|---|"]
 
-    def f(v):
-        return "-" if v is None else f"{v:.2f}"
+    def f(x, k):
+        v, e = x.get(k), x.get(k + "_eff")
+        return "-" if v is None else f"{v:.2f} ({e:.0%})"
 
     for x in rows:
         if x["error"]:
             lines.append(f"| {x['label']} | {x['error']} | | | |")
             continue
-        lines.append(f"| {x['label']} | {x['sequence']} | {f(x['before'])} | {f(x['adapt'])} "
-                     f"| {f(x['steady'])} |")
+        lines.append(f"| {x['label']} | {x['sequence']} | {f(x, 'before')} | {f(x, 'adapt')} "
+                     f"| {f(x, 'steady')} |")
     lines.append("")
     verdicts = {}
     for key, what, target in (("before", f"at {args.rate}", 0.95),
                               ("steady", f"at {args.cut_rate} (steady)", 0.95),
-                              ("adapt", f"on the new link within 50 steps of the cut", 0.80)):
-        b = best(key)
-        if b is None or not auto.get(key):
-            lines.append(f"{what}: not measured")
-            continue
-        ratio = auto[key] / b[key]
-        verdicts[key] = ratio
-        lines.append(f"auto {what}: {auto[key]:.2f} samples/s vs best fixed {b['label']} "
-                     f"{b[key]:.2f}: {ratio:.1%} (target >= {target:.0%}: "
-                     f"{'met' if ratio >= target else 'NOT met'})")
+                              ("adapt", "on the new link within 50 steps of the cut", 0.80)):
+        for metric, unit in ((key, "samples/s"), (key + "_eff", "efficiency")):
+            b = best(metric)
+            if b is None or not auto.get(metric):
+                lines.append(f"{what} ({unit}): not measured")
+                continue
+            ratio = auto[metric] / b[metric]
+            verdicts[metric] = ratio
+            lines.append(f"auto {what}, {unit}: {auto[metric]:.2f} vs best fixed {b['label']} "
+                         f"{b[metric]:.2f}: {ratio:.1%} (target >= {target:.0%}: "
+                         f"{'met' if ratio >= target else 'NOT met'})")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(out, "results.md"), "w") as fh:

@@ -29,9 +29,11 @@ What ``Auto`` does, in order:
    best predicted throughput, a lossless strategy within ``lossless_margin``
    of the best) picks the strategy.  The first choice, and a choice after
    the probe found another link, is taken as is; otherwise the strategy in
-   use stays unless the pick is predicted ``switch_margin`` (10%) faster in
+   use stays unless the pick is predicted ``switch_margin`` (5%) faster in
    two windows in a row (hysteresis: noisy windows on a busy host do not
-   make it flap).  Rank 0's pick is broadcast (4 bytes) so the ranks cannot
+   make it flap; with the second window as confirmation the margin can be
+   as small as the lossless preference, so auto does not sit on a lossless
+   strategy that turned out 5-10% slower than the best).  Rank 0's pick is broadcast (4 bytes) so the ranks cannot
    disagree.
 3. A switch happens only there, between optimizer steps, when no two-phase
    bucket is pending (a completed backward drains them all):
@@ -83,7 +85,7 @@ because it has not run yet, and load common to all cancels out.
 Options (``--comm-opt KEY=VALUE``): ``candidates`` (comma list, default
 allreduce,fp16,int8,onebit,topk,powersgd,local,diloco), ``interval`` (K; 0 =
 decide once), ``measure_steps``, ``start``, ``probe`` (quick | live | none),
-``lossless_margin`` (0.05), ``switch_margin`` (0.10), ``batch_size``
+``lossless_margin`` (0.05), ``switch_margin`` (0.05), ``batch_size``
 (samples per rank per step, only for the samples/s in log lines),
 ``force_switch_at`` (``STEP:NAME[,STEP:NAME]``, for tests), ``log``; and any
 candidate's own options as ``NAME.OPTION``, e.g. ``topk.ratio=0.001``.
@@ -132,6 +134,8 @@ MIN_PROBE_BYTES = 256 << 10
 MAX_PROBE_BYTES = 4 << 20
 #: share of the training time the periodic (untriggered) probe may take
 PROBE_BUDGET = 0.01
+#: duration the bandwidth probe aims at on fast links
+PROBE_TARGET_S = 0.02
 #: time beyond compute that moved by more than this share of the step
 #: (calibrated / not yet calibrated prediction) triggers a probe
 DRIFT = 0.2
@@ -221,11 +225,11 @@ def fit_probe(t_small: float, t_large: float, small_bytes: float, large_bytes: f
     return alpha, 1.0 / beta
 
 
-def probe_size(bandwidth_Bps: float, step_s: float, interval: int,
-               budget: float = PROBE_BUDGET) -> int:
-    """Bytes of the bandwidth probe: about ``budget`` of ``interval`` steps'
-    time at the current bandwidth, a power of two in [256 KiB, 4 MiB]."""
-    target = bandwidth_Bps * budget * max(1, interval) * max(step_s, 0.0)
+def probe_size(bandwidth_Bps: float) -> int:
+    """Bytes of the bandwidth probe: a transfer of about ``PROBE_TARGET_S``
+    (long enough for the timer, short enough to run every window), a power
+    of two in [256 KiB, 4 MiB]."""
+    target = bandwidth_Bps * PROBE_TARGET_S
     if target <= MIN_PROBE_BYTES:
         return MIN_PROBE_BYTES
     return int(min(MAX_PROBE_BYTES, 2 ** math.floor(math.log2(target))))
@@ -333,6 +337,8 @@ class Window:
     overhead_s: float
     #: steps measured
     steps: int
+    #: the same mean over the window's last third (a change late in the window)
+    recent_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -350,7 +356,7 @@ class Decision:
 
 
 def decide(net: Net, workload: Workload, current: str | None, candidates: Sequence[str], *,
-           lossless_margin: float = 0.05, switch_margin: float = 0.10,
+           lossless_margin: float = 0.05, switch_margin: float = 0.05,
            fresh: bool = False) -> Decision:
     """The strategy to use from now on.
 
@@ -505,7 +511,7 @@ class Auto(Sync):
         "start": "",
         "probe": "quick",
         "lossless_margin": 0.05,
-        "switch_margin": 0.10,
+        "switch_margin": 0.05,
         "batch_size": 1,
         "force_switch_at": "",
         "log": True,
@@ -725,15 +731,18 @@ class Auto(Sync):
         mine = [s for s in self._samples if s["gen"] == self._generation]
         if mine:
             comp = statistics.median(s["compute"] for s in mine)
-            over = statistics.fmean(s["wall"] - s["compute"] for s in mine)
-            vals = [1.0, comp, -over, float(len(mine))]
+            overs = [s["wall"] - s["compute"] for s in mine]
+            recent = overs[-max(2, len(overs) // 3):]
+            vals = [1.0, comp, -statistics.fmean(overs), -statistics.fmean(recent),
+                    float(len(mine))]
         else:
-            vals = [0.0, 0.0, -1e30, 0.0]
-        ok, comp, neg_over, steps = self._allreduce_max(vals)
+            vals = [0.0, 0.0, -1e30, -1e30, 0.0]
+        ok, comp, neg_over, neg_recent, steps = self._allreduce_max(vals)
         self._samples = []
         if not ok or comp <= 0:
             return None
-        return Window(compute_s=comp, overhead_s=max(0.0, -neg_over), steps=int(steps))
+        return Window(compute_s=comp, overhead_s=max(0.0, -neg_over), steps=int(steps),
+                      recent_overhead_s=max(0.0, -neg_recent))
 
     # -- the step ---------------------------------------------------------------
     def after_step(self) -> None:
@@ -814,11 +823,14 @@ class Auto(Sync):
         if self.world_size > 1:
             due = net is None or s >= self._next_probe
             if not due and not initial:
+                # the whole window, or its last third (a change just before
+                # the boundary): a needless probe costs little, a missed one K steps
                 p = predict(cur, net, self._workload(comp, net))
-                due = drifted(over, p.step_s - p.compute_s, p.step_s,
-                              calibrated=self._fit_for == cur)
+                recent = max(0.0, w.recent_overhead_s - self._fixed_s)
+                due = any(drifted(o, p.step_s - p.compute_s, p.step_s,
+                                  calibrated=self._fit_for == cur) for o in (over, recent))
             if due and not (initial and self._start_net is not None):
-                size = probe_size(net.bandwidth_Bps if net else 0.0, step, k)
+                size = probe_size(net.bandwidth_Bps if net else 0.0)
                 net, spent = self._live_probe(size)
                 probed = True
                 self._next_probe = s + probe_every(spent, step, k) * k
