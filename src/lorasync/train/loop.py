@@ -183,7 +183,10 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    threads = cfg.run.threads or max(1, (os.cpu_count() or 1) // env["local_world_size"])
+    # --threads, else OMP_NUM_THREADS (an emulated cluster runs every node's worker on
+    # this one machine and sets it to 1), else the cores shared by this node's workers
+    threads = (cfg.run.threads or int(os.environ.get("OMP_NUM_THREADS") or 0)
+               or max(1, (os.cpu_count() or 1) // env["local_world_size"]))
     torch.set_num_threads(threads)
     backend = resolve_backend(cfg.run.backend)
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
