@@ -43,8 +43,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         res = {n: run(n, a.steps, a.model, work, a.extra) for n in (1, 2)}
     base = res[1]["samples_per_s"]
-    print(f"| ranks | samples/s | vs 1 rank | step s (median) | sync share | wire MB/step |")
-    print(f"|---|---|---|---|---|---|")
+    print("| ranks | samples/s | vs 1 rank | step s (median) | sync share | wire MB/step |")
+    print("|---|---|---|---|---|---|")
     for n, s in res.items():
         print(f"| {n} | {s['samples_per_s']:.2f} | {s['samples_per_s'] / base:.2f}x | "
               f"{s['step_s_median']:.3f} | {100 * s['sync_share']:.1f}% | "

@@ -51,7 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
+from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.plan.units import parse_duration, parse_rate_bps
 
 __all__ = [

@@ -178,7 +178,7 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     from transformers.utils import logging as hf_logging
 
     env = worker_env()
-    rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
+    rank, local_rank = env["rank"], env["local_rank"]
     log = _Log(rank)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter
     hf_logging.set_verbosity_error()
