@@ -188,7 +188,7 @@ def main() -> int:
                 eff = [efficiency(r["records"], *v) for r in ok]
                 row[k] = max((g for g in got if g), default=None)
                 row[k + "_eff"] = max((e for e in eff if e), default=None)
-            row["sequence"] = " | ".join(sequence(r["records"]) for r in ok)
+            row["sequence"] = " ; ".join(sequence(r["records"]) for r in ok)
         rows.append(row)
     fixed = [x for x in rows if x["label"] != "auto" and not x["error"]]
     auto = rows[0]

@@ -559,9 +559,16 @@ _why = ("needs root" if os.geteuid() != 0 else
 def test_netns_rate_cut_makes_auto_switch(tmp_path):
     """1 Gbit/s, then 10 Mbit/s from the test once the run passed step 10:
     auto sees it and switches, and says it was the bandwidth."""
+    import re
+
     from lorasync.net.cluster import Cluster, ClusterSpec, down, launch_on_cluster
 
-    name = f"t{os.getpid() % 100000}auto"
+    # what a killed earlier run of this test left (its pid is gone): remove it
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for pid in set(re.findall(r"lsync-t(\d+)auto-", listed)):
+        if not os.path.exists(f"/proc/{pid}"):
+            down(f"t{pid}auto")
+    name = f"t{os.getpid()}auto"
     run = str(tmp_path / "run")
     argv = ["train", "--model", "tiny", "--batch-size", "2", "--eval-size", "0",
             "--no-eval-before", "--no-progress", "--ckpt-interval", "0", "--max-steps", "90",

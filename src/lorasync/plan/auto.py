@@ -69,7 +69,10 @@ the current strategy, calibrated on it while it runs.  A drift of more than
 ``DRIFT`` of the step triggers a probe at the boundary: three 1 KiB
 all-reduces (latency) and one of 256 KiB to 4 MiB (bandwidth; never smaller,
 because a shaper's token bucket lets the first tens of KiB through at line
-rate), timed and max-reduced over ranks.  Without a trigger the probe runs
+rate), timed, the fastest rank's time counting (the others may have waited
+for it to arrive); a probe that finds another link is
+repeated at once and the faster of the two counts (a rank descheduled during
+one probe must not read as a cut link).  Without a trigger the probe runs
 every m K-step windows, m chosen so it costs about ``PROBE_BUDGET`` (1%) of
 the step time.  Its bytes (and those of the boundary all-reduces) count in
 ``wire_bytes`` and separately in ``stats()["auto_bytes"]``.
@@ -699,7 +702,7 @@ class Auto(Sync):
             self._auto_bytes += n
 
     def _live_probe(self, nbytes: int) -> tuple[Net, float]:
-        """Three small all-reduces and one large, timed; max over ranks."""
+        """Three small all-reduces and one large, timed; min over ranks."""
         dev = self._comm_device()
         small = torch.zeros(SMALL_PROBE_BYTES // 4, device=dev)
         large = torch.zeros(nbytes // 4, device=dev)
@@ -715,7 +718,12 @@ class Auto(Sync):
         self._sync_device(dev)
         tl = time.perf_counter() - t0
         self._sent_auto(small, small, small, large)
-        t_small, t_large, spent = self._allreduce_max([min(ts), tl, time.perf_counter() - t_start])
+        # min over ranks: the rank that entered last waited for nobody, its
+        # time is the transfer's (a rank the host descheduled for a moment
+        # makes the others' times long, not its own)
+        neg_small, neg_large, spent = self._allreduce_max(
+            [-min(ts), -tl, time.perf_counter() - t_start])
+        t_small, t_large = -neg_small, -neg_large
         self._add_comm(time.perf_counter() - t_start)
         self._probes += 1
         alpha, bw = fit_probe(t_small, t_large, SMALL_PROBE_BYTES, nbytes, self.world_size)
@@ -839,6 +847,13 @@ class Auto(Sync):
         else:
             net = Net(alpha_s=0.0, bandwidth_Bps=1e12, world_size=1)
         changed = probed and prev is not None and link_changed(prev, net, self.numel, step)
+        if changed:
+            # one rank descheduled during the probe reads as a slow link: a
+            # change must show in a second probe too (the faster one counts)
+            again, _ = self._live_probe(probe_size(net.bandwidth_Bps))
+            if again.bandwidth_Bps > net.bandwidth_Bps:
+                net = again
+            changed = link_changed(prev, net, self.numel, step)
         self._net = net
         # fit the corrections on the strategy in use: what it cost beyond the model
         p = predict(cur, net, self._workload(comp))
