@@ -146,7 +146,14 @@ def main() -> int:
     if args.cut_at < 3 or args.steps <= args.cut_at + 5:
         sys.exit("auto_adapt: need 3 <= --cut-at and --steps > --cut-at + 5")
 
+    import signal
+
     from lorasync.net.cluster import ClusterSpec, emulated
+
+    def _stop(signum, _frame):  # unwind, so the emulated cluster is taken down
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _stop)
 
     if args.model == "smollm2-135m":
         from lorasync.train.model import ensure_embedded
