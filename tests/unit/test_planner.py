@@ -44,10 +44,23 @@ SLOW = [  # 10 Mbit/s between 2 nodes, as a probe would measure it and as a what
 @pytest.mark.parametrize("strategy, lo, hi", [
     ("allreduce", 0.27, 0.45),    # measured 29% (DESIGN.md)
     ("onebit", 0.90, 1.0),
-    ("topk", 0.90, 1.0),
+    ("topk", 0.60, 0.75),          # default ratio 0.1: a fifth of fp32's bytes
+    ("diloco", 0.70, 0.85),        # fp32 adapter every 8 steps, not overlapped
 ])
 def test_slow_link_targets(net, strategy, lo, hi):
     assert lo <= eff(strategy, net) <= hi
+
+
+@pytest.mark.parametrize("net", SLOW)
+def test_slow_link_overlap_and_sparsity_targets(net):
+    """What reaches the 10 Mbit/s target: DiLoCo's outer sync streamed behind
+    the next steps (fp16 delta: ~1.5 s of transfer hides behind the next
+    step's compute; fp32 and delay 1 leaves ~1.7 s of 3 exposed), or top-k at 1%."""
+    assert eff("diloco", net, wl(options={"diloco": {"streaming": True}})) < 0.9
+    assert eff("diloco", net, wl(options={"diloco": {"streaming": True,
+                                                     "delta_dtype": "fp16"}})) >= 0.95
+    assert eff("diloco", net, wl(options={"diloco": {"streaming": True, "delay": 3}})) >= 0.95
+    assert eff("topk", net, wl(options={"topk": {"ratio": 0.01}})) >= 0.90
 
 
 @pytest.mark.parametrize("net", SLOW)

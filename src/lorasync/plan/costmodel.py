@@ -81,8 +81,8 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "int8": {"block": 256},
     "onebit": {"block": 512},
-    "topk": {"ratio": 0.01},
-    "powersgd": {"rank": 2, "min_compression_rate": 2.0},
+    "topk": {"ratio": 0.1},
+    "powersgd": {"rank": 3, "min_compression_rate": 2.0},
     # streaming: the sync runs during the next `delay` steps' compute
     "local": {"period": 8, "streaming": False, "delay": 1},
     "diloco": {"period": 8, "delta_dtype": "fp32", "streaming": False, "delay": 1},
