@@ -11,7 +11,8 @@ one step to the one above:
                              broadcast before every forward)
     + TCP tuning             `lorasync tune --apply` in every node
     + fp16 compression
-    + best compressor        the planner's pick among int8/onebit/topk/powersgd
+    + best compressor        the planner's pick among int8/topk/powersgd (the
+                             compressors that kept eval quality at 60 steps)
     + overlap                the same with 1 MB buckets (sync hides behind backward)
     + periodic sync          DiLoCo, streaming outer sync
     auto                     lorasync picks (when --comm auto is available)
@@ -22,6 +23,19 @@ Scaling efficiency = samples/s of a row / samples/s of the ceiling row,
 measured in the same invocation on the same link (the ceiling runs first and
 last; the higher is used).  Every row runs under a timeout; a row that hangs
 or fails is reported as such.
+
+Each profile also checks the planner: a quick ``lorasync probe`` on the
+emulated link gives the network model, the ceiling's step time gives the
+compute time, and every row of a lorasync strategy gets the cost model's
+predicted step time next to the measured one (issue target: within 15%).
+Under each table: the plan's worst error, and ``auto`` against the best
+fixed lorasync row.
+
+The default 9 steps are 1 warm-up step and 8 measured ones, so the periodic
+row (period 8, streaming) syncs exactly once inside the measured window and
+its figures are the amortized ones (with fewer steps its period shrinks to
+fit).  Eval loss / exact-match after so few steps say little about a
+strategy's quality; ``bench/strategies.py --steps 60`` measures that.
 
     lorasync bench                                   # default profiles
     lorasync bench --profiles 10mbit,100mbit+20ms --steps 12
@@ -41,6 +55,8 @@ from lorasync.errors import ConfigError, EnvironmentProblem
 __all__ = ["add_arguments", "run"]
 
 DEFAULT_PROFILES = "1gbit,100mbit,10mbit,100mbit+20ms"
+#: rows of fixed lorasync strategies (auto is compared with the best of them)
+FIXED_ROWS = ("ddp", "tcp", "fp16", "best", "overlap", "periodic")
 
 
 @dataclass
@@ -59,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated link profiles RATE[+DELAY], e.g. 10mbit,100mbit+20ms "
                         f"(default: {DEFAULT_PROFILES})")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (one worker each)")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per row (the first "
-                   "is left out of throughput figures)")
+    p.add_argument("--steps", type=int, default=9, help="optimizer steps per row (the first "
+                   "is left out of throughput figures; 9 = warm-up + one DiLoCo period of 8)")
     p.add_argument("--model", default="smollm2-135m", help="model for every row")
     p.add_argument("--batch-size", type=int, default=4, help="examples per rank per step")
     p.add_argument("--eval-size", type=int, default=8,
@@ -86,8 +102,10 @@ def _profiles(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _rows(wanted: str) -> list[Row]:
+def _rows(wanted: str, steps: int = 9) -> list[Row]:
     ddp = ["--comm", "allreduce", "--bucket-mb", "25", "--broadcast-buffers"]
+    # one full period inside the measured steps (all but the first)
+    period = max(2, min(8, steps - 1))
     rows = [
         Row("ceiling", "no sync (ceiling)", ["--comm", "none"]),
         Row("ddp", "plain DDP (fp32, defaults)", ddp),
@@ -95,8 +113,8 @@ def _rows(wanted: str) -> list[Row]:
         Row("fp16", "+ fp16 compression", ["--comm", "fp16", "--bucket-mb", "25"], tune=True),
         Row("best", "+ best compressor", [], tune=True),       # filled from the planner
         Row("overlap", "+ overlap (1 MB buckets)", [], tune=True),
-        Row("periodic", "+ periodic sync (DiLoCo H=8, streaming)",
-            ["--comm", "diloco", "--comm-opt", "period=8", "--comm-opt", "streaming=true",
+        Row("periodic", f"+ periodic sync (DiLoCo H={period}, streaming)",
+            ["--comm", "diloco", "--comm-opt", f"period={period}", "--comm-opt", "streaming=true",
              "--bucket-mb", "1"], tune=True),
         Row("auto", "auto", ["--comm", "auto", "--bucket-mb", "1"], tune=True),
         Row("torch_fp16", "torch fp16 hook", ["--comm", "torch_fp16", "--bucket-mb", "25"]),
@@ -126,20 +144,13 @@ def _read_json(path: str):
         return json.load(fh)
 
 
-def _run_row(cluster, row: Row, common: list[str], out: str, timeout: float, rate: str,
-             delay: str) -> None:
+def _run_row(cluster, row: Row, common: list[str], out: str, timeout: float) -> None:
     from lorasync.net.cluster import launch_on_cluster
 
     run_dir = os.path.join(out, row.key)
-    if row.tune:
-        _tune(cluster, rate, delay, out, "apply")
     t0 = time.time()
-    try:
-        rc = launch_on_cluster(cluster, ["train", *common, *row.args, "--output-dir", run_dir],
-                               timeout=timeout, log_dir=os.path.join(out, f"{row.key}-logs"))
-    finally:
-        if row.tune:
-            _tune(cluster, rate, delay, out, "revert")
+    rc = launch_on_cluster(cluster, ["train", *common, *row.args, "--output-dir", run_dir],
+                           timeout=timeout, log_dir=os.path.join(out, f"{row.key}-logs"))
     row.extra["wall_s"] = time.time() - t0
     if rc == 124:
         row.status = f"hung: stopped after {timeout:.0f} s"
@@ -148,6 +159,87 @@ def _run_row(cluster, row: Row, common: list[str], out: str, timeout: float, rat
     else:
         row.status = "ok"
         row.summary = _read_json(os.path.join(run_dir, "summary.json"))
+
+
+def _probe(cluster, out: str, timeout: float):
+    """A quick ``lorasync probe`` on the emulated link -> (Net or None, text)."""
+    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.plan.planner import net_from_probe
+    from lorasync.plan.units import fmt_duration, fmt_rate
+
+    path = os.path.join(out, "probe.json")
+    rc = launch_on_cluster(cluster, ["probe", "--quick", "--no-pairs", "--output", path],
+                           timeout=timeout, log_dir=os.path.join(out, "probe-logs"))
+    if rc != 0 or not os.path.isfile(path):
+        return None, f"probe failed (exit {rc}; see probe-logs): no predictions"
+    try:
+        net, _ = net_from_probe(_read_json(path))
+    except (ConfigError, ValueError) as exc:
+        return None, f"probe JSON not usable ({exc}): no predictions"
+    return net, (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
+                 f"alpha {fmt_duration(net.alpha_s)}")
+
+
+def _row_strategy(row: Row) -> tuple[str, dict, float] | None:
+    """(strategy, options, bucket MiB) of a row the cost model knows, else None."""
+    from lorasync.config import parse_options
+    from lorasync.plan.costmodel import NONE, STRATEGIES
+
+    a = row.args
+    name = a[a.index("--comm") + 1]
+    if name not in STRATEGIES and name != NONE:
+        return None  # auto (switches), torch's hooks
+    opts = parse_options([a[i + 1] for i, x in enumerate(a) if x == "--comm-opt"])
+    bucket = float(a[a.index("--bucket-mb") + 1]) if "--bucket-mb" in a else 1.0
+    return name, opts, bucket
+
+
+def measured_step_s(summary: dict, batch: int) -> float:
+    """Mean seconds per optimizer step over the measured steps (periodic syncs
+    included, unlike the median)."""
+    return summary["world_size"] * batch / summary["samples_per_s"]
+
+
+def predict_rows(rows: list[Row], net, ceiling: dict, model: str, batch: int) -> None:
+    """Put the cost model's step time next to each measured row (``row.extra``)."""
+    from lorasync.plan.costmodel import MODELS, MiB, Workload, lora_matrices, predict
+
+    compute = measured_step_s(ceiling, batch)
+    numel = int(ceiling["adapter_params"])
+    matrices = lora_matrices(MODELS[model]) if model in MODELS else None
+    if matrices and sum(r * c for r, c in matrices) != numel:
+        matrices = None  # another adapter shape: PowerSGD falls back to its assumption
+    for row in rows:
+        spec = _row_strategy(row) if row.summary else None
+        if spec is None:
+            continue
+        name, opts, bucket = spec
+        wl = Workload(adapter_params=numel, compute_s=compute, batch_size=batch,
+                      bucket_bytes=int(bucket * MiB), matrices=matrices,
+                      options={name: opts} if opts else {})
+        pred = predict(name, net, wl)
+        measured = measured_step_s(row.summary, batch)
+        row.extra.update(predicted_step_s=pred.step_s, measured_step_s=measured,
+                         plan_error=measured / pred.step_s - 1)
+
+
+def verdicts(cells: list[dict]) -> list[str]:
+    """Lines under a profile's table: plan accuracy, auto vs the best fixed row."""
+    out = []
+    errs = [c for c in cells if c.get("plan_error") is not None and not c["row"].startswith("no sync")]
+    if errs:
+        worst = max(errs, key=lambda c: abs(c["plan_error"]))
+        within = sum(abs(c["plan_error"]) <= 0.15 for c in errs)
+        out.append(f"plan vs measured step time: {within}/{len(errs)} rows within 15%, worst "
+                   f"{100 * worst['plan_error']:+.0f}% ({worst['row']})")
+    fixed = [c for c in cells if c.get("samples_per_s") and c.get("key") in FIXED_ROWS]
+    auto = next((c for c in cells if c.get("key") == "auto" and c.get("samples_per_s")), None)
+    if auto and fixed:
+        best = max(fixed, key=lambda c: c["samples_per_s"])
+        out.append(f"auto ({auto['strategy']} at the end): {auto['samples_per_s']:.2f} samples/s = "
+                   f"{100 * auto['samples_per_s'] / best['samples_per_s']:.0f}% of the best fixed "
+                   f"lorasync row ({best['row']}, {best['samples_per_s']:.2f})")
+    return out
 
 
 def _tune(cluster, rate: str, delay: str, out: str, action: str) -> None:
@@ -174,18 +266,22 @@ def _rtt(delay: str) -> str:
     return f"{2 * parse_delay(delay) * 1000:g}ms"
 
 
-def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb: float
-                     ) -> tuple[str, list[str], str]:
-    """The planner's pick among the lossy per-step compressors for this link."""
+def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb: float,
+                     net=None, batch: int = 4) -> tuple[str, list[str], str]:
+    """The planner's pick among the lossy per-step compressors that keep eval
+    quality (auto's default candidates: onebit is left out) for this link, on
+    the probed network where there is one, else the nominal rate."""
     from lorasync.net.cluster import parse_delay, parse_rate
-    from lorasync.plan.costmodel import Workload
+    from lorasync.plan.auto import DEFAULT_CANDIDATES
+    from lorasync.plan.costmodel import LOSSLESS, PERIODIC, Workload
     from lorasync.plan.planner import rank, what_if_net
 
-    net = what_if_net(nodes, parse_rate(rate) / 8, 2 * parse_delay(delay) if delay else 0.0)
+    if net is None:
+        net = what_if_net(nodes, parse_rate(rate) / 8, 2 * parse_delay(delay) if delay else 0.0)
     wl = Workload(adapter_params=int(ceiling["adapter_params"]),
-                  compute_s=float(ceiling["step_s_median"]),
+                  compute_s=measured_step_s(ceiling, batch), batch_size=batch,
                   bucket_bytes=int(bucket_mb * 2 ** 20))
-    preds = rank(net, wl, ["int8", "onebit", "topk", "powersgd"])
+    preds = rank(net, wl, [c for c in DEFAULT_CANDIDATES if c not in LOSSLESS | PERIODIC])
     best = preds[0]
     args = ["--comm", best.strategy]
     for k, v in sorted(best.options.items()):
@@ -204,13 +300,13 @@ def _available(strategy: str) -> bool:
 def _cells(row: Row, ceiling: Row, ddp: Row | None) -> dict:
     s = row.summary
     if not s:
-        return {"row": row.label, "status": row.status}
+        return {"row": row.label, "key": row.key, "status": row.status}
     sps = s["samples_per_s"]
     base = ceiling.summary["samples_per_s"] if ceiling.summary else None
     ref = ddp.summary["samples_per_s"] if ddp and ddp.summary else None
     ea = s.get("eval_after") or {}
     return {
-        "row": row.label, "status": row.status, "strategy": s["strategy"],
+        "row": row.label, "key": row.key, "status": row.status, "strategy": s["strategy"],
         "samples_per_s": sps,
         "speedup": sps / ref if ref else None,
         "efficiency": sps / base if base else None,
@@ -230,19 +326,23 @@ def _fmt(v, pct=False, digits=2):
 
 def format_table(profile: str, cells: list[dict]) -> str:
     head = ("| row | samples/s | speedup vs DDP | scaling eff. | exposed sync | wire MB/step "
-            "| eval loss | exact-match |\n|---|---|---|---|---|---|---|---|")
+            "| s/step measured / planned | eval loss | exact-match |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     lines = [f"\n### {profile}\n", head]
     for c in cells:
         if "samples_per_s" not in c:
-            lines.append(f"| {c['row']} | {c['status']} | | | | | | |")
+            lines.append(f"| {c['row']} | {c['status']} | | | | | | | |")
             continue
         em = "-" if c["exact_match"] is None else \
             f"{100 * c['exact_match']:.0f}% (n={c['eval_n']})"
         label = c["row"] + (f" [{c['strategy']}]" if c["row"].startswith("+ best") else "")
+        plan = "-" if c.get("predicted_step_s") is None else (
+            f"{c['measured_step_s']:.2f} / {c['predicted_step_s']:.2f} "
+            f"({100 * c['plan_error']:+.0f}%)")
         lines.append(f"| {label} | {_fmt(c['samples_per_s'])} | "
                      f"{_fmt(c['speedup'])}x | {_fmt(c['efficiency'], pct=True)} | "
                      f"{_fmt(c['sync_share'], pct=True)} | {_fmt(c['wire_mb'], digits=3)} | "
-                     f"{_fmt(c['eval_loss'], digits=3)} | {em} |")
+                     f"{plan} | {_fmt(c['eval_loss'], digits=3)} | {em} |")
     return "\n".join(lines)
 
 
@@ -280,7 +380,10 @@ def run(args) -> int:
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
     profiles = _profiles(args.profiles)
-    specs = [(label, parse_emulate(f"nodes={args.nodes},{tail}")) for label, tail in profiles]
+    # a name of its own: a user's `default` cluster (or another bench) stays untouched
+    tag = f"bench{os.getpid() % 100000}"
+    specs = [(label, parse_emulate(f"nodes={args.nodes},{tail},name={tag}"))
+             for label, tail in profiles]
     out = os.path.abspath(args.output_dir or os.path.join(
         "bench", "results", time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
@@ -300,33 +403,48 @@ def run(args) -> int:
         delay = label.partition("+")[2]
         pdir = os.path.join(out, label.replace("+", "_"))
         os.makedirs(pdir, exist_ok=True)
-        rows = _rows(args.rows)
+        rows = _rows(args.rows, args.steps)
         print(f"\n== {label}: {spec.describe()}", file=sys.stderr, flush=True)
         with emulated(spec) as cluster:
             status = cluster.status(measure=True, seconds=1.0)
+            net, probe_text = _probe(cluster, pdir, args.row_timeout)
+            print(f"   {probe_text}", file=sys.stderr, flush=True)
             by_key = {r.key: r for r in rows}
-            for row in rows:
-                if row.key in ("best", "overlap"):
-                    ceiling = by_key["ceiling"].summary
-                    if not ceiling:
-                        row.status = "skipped: no ceiling measurement"
+            tuned = False
+            try:
+                for row in rows:
+                    if row.key in ("best", "overlap"):
+                        ceiling = by_key["ceiling"].summary
+                        if not ceiling:
+                            row.status = "skipped: no ceiling measurement"
+                            continue
+                        name, cargs, why = _best_compressor(ceiling, rate, delay, args.nodes,
+                                                            25.0, net, args.batch_size)
+                        bucket = "25" if row.key == "best" else "1"
+                        row.args = cargs + ["--bucket-mb", bucket]
+                        row.label = f"{row.label} ({name})" if row.key == "overlap" else row.label
+                        row.extra["why"] = why
+                    strategy = row.args[row.args.index("--comm") + 1]
+                    if not _available(strategy):
+                        row.status = f"not available ({strategy} is not a strategy yet)"
                         continue
-                    name, cargs, why = _best_compressor(ceiling, rate, delay, args.nodes, 25.0)
-                    bucket = "25" if row.key == "best" else "1"
-                    row.args = cargs + ["--bucket-mb", bucket]
-                    row.label = f"{row.label} ({name})" if row.key == "overlap" else row.label
-                    row.extra["why"] = why
-                strategy = row.args[row.args.index("--comm") + 1]
-                if not _available(strategy):
-                    row.status = f"not available ({strategy} is not a strategy yet)"
-                    continue
-                print(f"   {row.label} ...", file=sys.stderr, flush=True)
-                _run_row(cluster, row, common, pdir, args.row_timeout, rate, delay)
-                sps = row.summary["samples_per_s"] if row.summary else None
-                print(f"   {row.label}: {row.status}" + (f", {sps:.2f} samples/s" if sps else ""),
-                      file=sys.stderr, flush=True)
+                    # tuning is applied once for the run of tuned rows, reverted after it
+                    if row.tune != tuned:
+                        _tune(cluster, rate, delay, pdir, "apply" if row.tune else "revert")
+                        tuned = row.tune
+                    print(f"   {row.label} ...", file=sys.stderr, flush=True)
+                    _run_row(cluster, row, common, pdir, args.row_timeout)
+                    sps = row.summary["samples_per_s"] if row.summary else None
+                    print(f"   {row.label}: {row.status}" + (f", {sps:.2f} samples/s" if sps
+                                                              else "")
+                          + f" ({row.extra['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            finally:
+                if tuned:
+                    _tune(cluster, rate, delay, pdir, "revert")
         ceiling = max((r for r in rows if r.key.startswith("ceiling")),
                       key=lambda r: r.summary["samples_per_s"] if r.summary else -1)
+        if net is not None and ceiling.summary:
+            predict_rows(rows, net, ceiling.summary, args.model, args.batch_size)
         ddp = next((r for r in rows if r.key == "ddp"), None)
         cells = [_cells(r, ceiling, ddp) for r in rows]
         devs = _rdma_devices()
@@ -337,7 +455,8 @@ def run(args) -> int:
         m = status.get("measured") or {}
         title = label + (f" (measured node0->node1: {m['rate_bps'] / 1e6:.1f} Mbit/s TCP goodput, "
                          f"RTT {1000 * m['rtt_s']:.2f} ms)" if m else "")
-        markdown.append(format_table(title, cells))
+        markdown.append(format_table(title, cells) + "\n\n" + "\n".join(
+            f"- {line}" for line in [probe_text, *verdicts(cells)]))
         print(markdown[-1], flush=True)
     text = "\n".join(markdown) + f"\n\nbench wall time: {(time.time() - t_start) / 60:.1f} min\n"
     with open(os.path.join(out, "results.md"), "w") as fh:

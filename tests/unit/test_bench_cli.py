@@ -1,0 +1,88 @@
+"""`lorasync bench` without a cluster: rows, the planner's column, the verdict lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorasync.bench_cli import (
+    Row, _cells, _profiles, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
+    verdicts,
+)
+from lorasync.errors import ConfigError
+from lorasync.plan.costmodel import Net
+
+N = 921_600
+
+
+def _summary(sps, strategy="allreduce", world=2):
+    return {"samples_per_s": sps, "world_size": world, "adapter_params": N,
+            "strategy": strategy, "sync_share": 0.1, "wire_bytes_per_step": 1e6,
+            "step_s_median": 8 / sps, "eval_after": None}
+
+
+def test_periodic_row_syncs_inside_the_measured_steps():
+    by = {r.key: r for r in _rows("all", steps=9)}
+    assert "period=8" in by["periodic"].args and "H=8" in by["periodic"].label
+    # fewer steps: the period shrinks so one sync still lands after the warm-up step
+    by = {r.key: r for r in _rows("all", steps=5)}
+    assert "period=4" in by["periodic"].args
+    assert [r.key for r in _rows("ddp", 9)] == ["ceiling", "ddp", "ceiling_end"]
+    with pytest.raises(ConfigError, match="--rows"):
+        _rows("ddp,nope")
+
+
+def test_profiles_parse_rate_and_delay():
+    assert _profiles("10mbit, 100mbit+20ms") == [("10mbit", "rate=10mbit"),
+                                                 ("100mbit+20ms", "rate=100mbit,delay=20ms")]
+    with pytest.raises(ConfigError):
+        _profiles(" , ")
+
+
+def test_row_strategy_reads_options_and_bucket():
+    by = {r.key: r for r in _rows("all", steps=9)}
+    assert _row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
+    assert _row_strategy(by["periodic"]) == ("diloco", {"period": 8, "streaming": True}, 1.0)
+    assert _row_strategy(by["auto"]) is None          # switches: no single prediction
+    assert _row_strategy(by["torch_powersgd"]) is None
+
+
+def test_mean_step_counts_every_measured_step():
+    # 2 ranks x 4 samples at 4 samples/s: 2 s per step, however the steps vary
+    assert measured_step_s(_summary(4.0), 4) == pytest.approx(2.0)
+
+
+def test_predicted_column_and_verdicts():
+    rows = _rows("ddp,fp16,periodic,auto", steps=9)
+    by = {r.key: r for r in rows}
+    net = Net(alpha_s=1e-4, bandwidth_Bps=1.15e6, world_size=2)   # ~10 Mbit/s
+    by["ceiling"].summary = _summary(6.4, "none")
+    by["ceiling_end"].summary = _summary(6.0, "none")
+    by["ddp"].summary = _summary(1.8)
+    by["fp16"].summary = _summary(3.0, "fp16")
+    by["periodic"].summary = _summary(6.1, "diloco")
+    by["auto"].summary = _summary(5.9, "diloco")
+    predict_rows(rows, net, by["ceiling"].summary, "smollm2-135m", 4)
+    # fp32 all-reduce of 3.69 MB at 1.15 MB/s is ~3.2 s on top of 1.25 s compute
+    ddp = by["ddp"].extra
+    assert ddp["predicted_step_s"] == pytest.approx(1.25 + 3.2, rel=0.1)
+    assert ddp["plan_error"] == pytest.approx(ddp["measured_step_s"] / ddp["predicted_step_s"] - 1)
+    assert "plan_error" not in by["auto"].extra
+    cells = [_cells(r, by["ceiling"], by["ddp"]) for r in rows]
+    lines = verdicts(cells)
+    assert lines[0].startswith("plan vs measured step time: ") and " 3/3 rows within 15%" in lines[0]
+    assert "= 97% of the best fixed lorasync row (+ periodic sync" in lines[1]
+    table = format_table("10mbit", cells)
+    assert "| s/step measured / planned |" in table
+    assert f"{ddp['measured_step_s']:.2f} / {ddp['predicted_step_s']:.2f}" in table
+
+
+def test_failed_row_shows_its_status_and_no_prediction():
+    rows = [Row("ceiling", "no sync (ceiling)", ["--comm", "none"]),
+            Row("ddp", "plain DDP", ["--comm", "allreduce"])]
+    rows[0].summary = _summary(6.0, "none")
+    rows[1].status = "hung: stopped after 240 s"
+    predict_rows(rows, Net(alpha_s=0, bandwidth_Bps=1e7, world_size=2), rows[0].summary,
+                 "tiny", 4)
+    cells = [_cells(r, rows[0], None) for r in rows]
+    assert "| plain DDP | hung: stopped after 240 s |" in format_table("x", cells)
+    assert verdicts(cells) == []  # ceiling alone: no plan rows, no auto
