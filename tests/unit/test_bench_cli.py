@@ -41,7 +41,8 @@ def test_profiles_parse_rate_and_delay():
 def test_row_strategy_reads_options_and_bucket():
     by = {r.key: r for r in _rows("all", steps=9)}
     assert _row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
-    assert _row_strategy(by["periodic"]) == ("diloco", {"period": 8, "streaming": True}, 1.0)
+    assert _row_strategy(by["periodic"]) == (
+        "diloco", {"period": 8, "streaming": True, "delta_dtype": "fp16"}, 1.0)
     assert _row_strategy(by["auto"]) is None          # switches: no single prediction
     assert _row_strategy(by["torch_powersgd"]) is None
 
@@ -86,3 +87,27 @@ def test_failed_row_shows_its_status_and_no_prediction():
     cells = [_cells(r, rows[0], None) for r in rows]
     assert "| plain DDP | hung: stopped after 240 s |" in format_table("x", cells)
     assert verdicts(cells) == []  # ceiling alone: no plan rows, no auto
+
+
+def test_auto_steady_state_after_its_last_switch(tmp_path):
+    import json
+
+    from lorasync.bench_cli import after_last_switch
+
+    recs = []
+    for step in range(1, 8):
+        for rank in (0, 1):
+            r = {"step": step, "rank": rank, "samples": 4,
+                 "step_s": (3.0 if step <= 4 else 1.0) + 0.5 * rank}
+            if step == 4:
+                r["switch"] = {"from": "fp16", "to": "diloco", "step": 4}
+            recs.append(r)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = after_last_switch(str(path))
+    # steps 5-7: 8 samples each, the slower rank's 1.5 s
+    assert got == {"last_switch_step": 4, "steps_after_switch": 3,
+                   "samples_per_s_after_switch": pytest.approx(24 / 4.5)}
+    path.write_text("".join(json.dumps({**r, "switch": None}) + "\n" for r in recs))
+    assert after_last_switch(str(path)) == {}
+    assert after_last_switch(str(tmp_path / "missing.jsonl")) == {}
