@@ -3,7 +3,7 @@
 
     sudo .venv/bin/python bench/auto_adapt.py                    # defaults below
     sudo .venv/bin/python bench/auto_adapt.py --steps 80 --cut-at 30 \\
-        --fixed fp16,topk,onebit,powersgd,diloco
+        --fixed fp16,topk,onebit,powersgd,diloco:streaming=true:delta_dtype=fp16
 
 An emulated 2-node cluster (network namespaces, htb-shaped veth links) starts
 at ``--rate`` (100mbit); every run is ``lorasync train`` on the embedded
@@ -62,6 +62,7 @@ def _records(run: str) -> list[dict]:
 def run_one(cluster, label: str, comm: list[str], args, out: str) -> dict:
     from lorasync.net.cluster import launch_on_cluster
 
+    label = label.replace(":", "_").replace("=", "-")   # a plain directory name
     run = os.path.join(out, label)
     argv = ["train", "--model", args.model, "--max-steps", str(args.steps), "--batch-size",
             str(args.batch_size), "--eval-size", "0", "--no-eval-before", "--ckpt-interval", "0",
@@ -131,8 +132,9 @@ def main() -> int:
     ap.add_argument("--cut-rate", default="10mbit")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every configuration this many times (alternating), keep the best")
-    ap.add_argument("--fixed", default="fp16,topk,onebit,powersgd,diloco",
-                    help="fixed strategies to run against auto (comma-separated)")
+    ap.add_argument("--fixed", default="fp16,topk,powersgd,diloco:streaming=true:delta_dtype=fp16",
+                    help="fixed strategies to run against auto (comma-separated; options "
+                         "after the name as :KEY=VALUE)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
@@ -162,7 +164,9 @@ def main() -> int:
         ROOT, "bench", "results", "auto_adapt-" + time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
     runs = [("auto", ["--comm", "auto"] + [x for o in args.auto_opt for x in ("--comm-opt", o)])]
-    runs += [(s.strip(), ["--comm", s.strip()]) for s in args.fixed.split(",") if s.strip()]
+    for item in [s.strip() for s in args.fixed.split(",") if s.strip()]:
+        name, *opts = item.split(":")
+        runs.append((item, ["--comm", name] + [x for o in opts for x in ("--comm-opt", o)]))
     load_before = os.getloadavg()
     t_start = time.time()
     results = []

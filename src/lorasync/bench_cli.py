@@ -180,12 +180,13 @@ def after_last_switch(metrics_path: str) -> dict:
     for r in recs:
         if r["step"] > last:
             after.setdefault(r["step"], []).append(r)
+    final = max(recs, key=lambda r: r["step"]).get("strategy")
     if not after:
-        return {"last_switch_step": last}
+        return {"last_switch_step": last, "final_strategy": final}
     # a step lasts as long as its slowest rank; samples of all ranks count
     secs = sum(max(x["step_s"] for x in rs) for rs in after.values())
     samples = sum(sum(x["samples"] for x in rs) for rs in after.values())
-    return {"last_switch_step": last, "steps_after_switch": len(after),
+    return {"last_switch_step": last, "final_strategy": final, "steps_after_switch": len(after),
             "samples_per_s_after_switch": samples / secs if secs > 0 else None}
 
 
@@ -265,7 +266,7 @@ def verdicts(cells: list[dict]) -> list[str]:
     if auto and fixed:
         best = max(fixed, key=lambda c: c["samples_per_s"])
         ref = best["samples_per_s"]
-        line = (f"auto ({auto['strategy']} at the end): {auto['samples_per_s']:.2f} samples/s = "
+        line = (f"auto ({auto.get('final_strategy') or auto['strategy']} at the end): {auto['samples_per_s']:.2f} samples/s = "
                 f"{100 * auto['samples_per_s'] / ref:.0f}% of the best fixed lorasync row "
                 f"({best['row']}, {ref:.2f})")
         steady = auto.get("samples_per_s_after_switch")

@@ -60,3 +60,31 @@ def test_adapter_gradients_identical_across_ranks():
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
     assert out[0] == out[1] == 2 * 4 * 2  # A and B of q/k/v/o in 2 layers
+
+
+def _hash_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from lorasync.train.loop import same_on_every_rank
+
+        same = [torch.arange(12.0).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16)]
+        out[f"same{rank}"] = same_on_every_rank(same, "cpu")
+        # one element of one tensor differs on the last rank only
+        other = [t.clone() for t in same]
+        if rank == world - 1:
+            other[0][2, 3] += 1e-6
+        out[f"differ{rank}"] = same_on_every_rank(other, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adapter_hash_check_tells_identical_from_different():
+    """The trainer skips the start-up broadcast only when every rank's adapter
+    bytes agree; every rank must reach the same verdict."""
+    world = 3
+    out = mp.Manager().dict()
+    mp.spawn(_hash_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+    assert [out[f"same{r}"] for r in range(world)] == [True] * world
+    assert [out[f"differ{r}"] for r in range(world)] == [False] * world

@@ -98,6 +98,7 @@ def test_auto_steady_state_after_its_last_switch(tmp_path):
     for step in range(1, 8):
         for rank in (0, 1):
             r = {"step": step, "rank": rank, "samples": 4,
+                 "strategy": "fp16" if step < 4 else "diloco",
                  "step_s": (3.0 if step <= 4 else 1.0) + 0.5 * rank}
             if step == 4:
                 r["switch"] = {"from": "fp16", "to": "diloco", "step": 4}
@@ -106,7 +107,7 @@ def test_auto_steady_state_after_its_last_switch(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     got = after_last_switch(str(path))
     # steps 5-7: 8 samples each, the slower rank's 1.5 s
-    assert got == {"last_switch_step": 4, "steps_after_switch": 3,
+    assert got == {"last_switch_step": 4, "final_strategy": "diloco", "steps_after_switch": 3,
                    "samples_per_s_after_switch": pytest.approx(24 / 4.5)}
     path.write_text("".join(json.dumps({**r, "switch": None}) + "\n" for r in recs))
     assert after_last_switch(str(path)) == {}
