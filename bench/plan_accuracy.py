@@ -32,6 +32,61 @@ STRATEGIES = ["allreduce", "fp16", "bf16", "int8", "onebit", "topk", "powersgd",
               "diloco"]
 
 
+def table(prof: str, probe_text: str, rows: list, every: list) -> str:
+    """The profile's markdown table; appends each strategy's verdict to ``every``."""
+    lines = [f"\n### {prof} ({probe_text}; compute "
+             f"{rows[0].extra.get('measured_step_s', 0):.2f} s/step)\n",
+             "| strategy | measured s/step | predicted s/step | error | within 15% |",
+             "|---|---|---|---|---|"]
+    for row in rows[1:-1]:
+        e = row.extra
+        if "plan_error" not in e:
+            lines.append(f"| {row.label} | {row.status} | | | |")
+            every.append(False)
+            continue
+        ok = abs(e["plan_error"]) <= 0.15
+        every.append(ok)
+        lines.append(f"| {row.label} | {e['measured_step_s']:.3f} | "
+                     f"{e['predicted_step_s']:.3f} | {100 * e['plan_error']:+.1f}% | "
+                     f"{'yes' if ok else 'NO'} |")
+    return "\n".join(lines)
+
+
+def replan(a) -> int:
+    """Predictions of the current cost model for an earlier run's measurements."""
+    from lorasync.plan.planner import net_from_probe
+    from lorasync.plan.units import fmt_duration, fmt_rate
+
+    report, every = [], []
+    for prof in [p.strip() for p in a.profiles.split(",") if p.strip()]:
+        pdir = os.path.join(a.replan, prof.replace("+", "_"))
+        keys = ["ceiling", *[s.strip() for s in a.strategies.split(",") if s.strip()],
+                "ceiling_end"]
+        rows = []
+        for k in keys:
+            comm = "none" if k.startswith("ceiling") else k
+            row = Row(k, k if comm != "none" else "no sync", ["--comm", comm])
+            path = os.path.join(pdir, k, "summary.json")
+            if os.path.isfile(path):
+                with open(path) as fh:
+                    row.summary = json.load(fh)
+                row.status = "ok"
+            else:
+                row.status = "no summary.json"
+            rows.append(row)
+        with open(os.path.join(pdir, "probe.json")) as fh:
+            net, _ = net_from_probe(json.load(fh))
+        probe_text = (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
+                      f"alpha {fmt_duration(net.alpha_s)}")
+        ceiling = max((r for r in rows if r.key.startswith("ceiling") and r.summary),
+                      key=lambda r: r.summary["samples_per_s"])
+        predict_rows(rows, net, ceiling.summary, a.model, a.batch_size)
+        report.append(table(prof, probe_text, rows, every))
+    print(f"plan accuracy, replanned from the measurements in {a.replan}\n"
+          + "\n".join(report) + f"\n\n{sum(every)}/{len(every)} strategy-link pairs within 15%")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", default="10mbit,100mbit,1gbit")
@@ -41,7 +96,12 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--row-timeout", type=float, default=240.0)
     ap.add_argument("--output-dir", default="")
+    ap.add_argument("--replan", metavar="DIR", default="",
+                    help="no runs: predict again for the measurements of an earlier run "
+                         "(its --output-dir), e.g. after a cost-model change")
     a = ap.parse_args()
+    if a.replan:
+        return replan(a)
     if os.geteuid() != 0:
         print("plan_accuracy: needs root (network namespaces)", file=sys.stderr)
         return 2
@@ -76,22 +136,7 @@ def main() -> int:
                           f"{'ok' if ceiling else 'failed'}: no comparison")
             continue
         predict_rows(rows, net, ceiling.summary, a.model, a.batch_size)
-        lines = [f"\n### {prof} ({probe_text}; compute "
-                 f"{rows[0].extra.get('measured_step_s', 0):.2f} s/step)\n",
-                 "| strategy | measured s/step | predicted s/step | error | within 15% |",
-                 "|---|---|---|---|---|"]
-        for row in rows[1:-1]:
-            e = row.extra
-            if "plan_error" not in e:
-                lines.append(f"| {row.label} | {row.status} | | | |")
-                every.append(False)
-                continue
-            ok = abs(e["plan_error"]) <= 0.15
-            every.append(ok)
-            lines.append(f"| {row.label} | {e['measured_step_s']:.3f} | "
-                         f"{e['predicted_step_s']:.3f} | {100 * e['plan_error']:+.1f}% | "
-                         f"{'yes' if ok else 'NO'} |")
-        report.append("\n".join(lines))
+        report.append(table(prof, probe_text, rows, every))
         with open(os.path.join(pdir, "rows.json"), "w") as fh:
             json.dump([{"row": r.key, "status": r.status, **r.extra} for r in rows], fh, indent=1)
         print(report[-1], flush=True)

@@ -24,7 +24,11 @@ The model
   produced its bytes.  Collectives of one process group run one after
   another, so bucket k's sync starts at max(ready_k, end of bucket k-1).
   Exposed communication is what is left after the backward pass ends; only
-  buckets other than the last can hide behind it.  With a single bucket (the
+  buckets other than the last can hide behind it.  Two-phase strategies
+  (int8, onebit) also hold the backward pass up: the hook of bucket k first
+  waits for phase 1 of bucket k-1 (it must reduce that shard before sending
+  phase 2), so backward resumes only when that transfer is done, and phase 2
+  of k-1 queues ahead of phase 1 of k on the link.  With a single bucket (the
   3.7 MB default adapter under the trainer's 4 MiB ``bucket_mb``) nothing
   overlaps.
 * Periodic strategies (local SGD, DiLoCo) sync once every ``period`` steps
@@ -70,6 +74,8 @@ NONE = "none"
 LOSSLESS = frozenset({"allreduce", "fp16", "bf16"})
 #: sync weights (or deltas) every ``period`` steps instead of gradients every step
 PERIODIC = frozenset({"local", "diloco"})
+#: all-to-all then all-gather per bucket, the hook waiting between them
+TWO_PHASE = frozenset({"int8", "onebit"})
 
 # Default options per strategy.  MUST AGREE with the defaults of the strategies
 # in lorasync.comm (tests/unit/test_costmodel.py compares the byte formulas at
@@ -550,16 +556,29 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
         backward = compute * workload.backward_share
         done = 0
         end = 0.0  # time since the backward pass started
+        clock = 0.0       # backward progress, held up by two-phase hooks
+        p1_end = 0.0      # two-phase: when the previous bucket's phase 1 finishes
+        p2_prev = 0.0     # two-phase: the previous bucket's phase 2, not yet issued
         for b in layout:
-            done += b
-            ready = backward * done / numel
-            t = 0.0
+            times = []
             for c in make(b, n, opts, workload.matrices, workload.lora_r):
                 m, nb = _terms(c, net)
                 msgs, link, wire = msgs + m, link + nb, wire + c.payload_bytes
-                t += collective_time(c, net)
-            comm += t
-            end = max(ready, end) + t
+                times.append(collective_time(c, net))
+            comm += sum(times)
+            if strategy in TWO_PHASE:
+                clock += backward * b / numel          # compute that fills this bucket
+                clock = max(clock, p1_end)             # the hook waits for k-1's phase 1
+                end = max(clock, end) + p2_prev        # then issues k-1's phase 2
+                end = max(clock, end) + times[0]       # and this bucket's phase 1
+                p1_end, p2_prev = end, times[1]
+            else:
+                done += b
+                ready = backward * done / numel
+                end = max(ready, end) + sum(times)
+        if strategy in TWO_PHASE and comm > 0:
+            clock = max(clock, p1_end)                 # the last hook drains at once
+            end = max(clock, end) + p2_prev
         exposed = max(0.0, end - backward) if comm > 0 else 0.0
         syncs, nbuckets = (0.0 if strategy == NONE else 1.0), len(layout)
     step = compute + encode + exposed
