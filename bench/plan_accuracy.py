@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from lorasync.bench_cli import Row, _probe, _run_row, predict_rows
+from lorasync.bench_cli import Row, _probe, _run_row, predict_rows, describe_net
 from lorasync.net.cluster import emulated, parse_emulate
 
 STRATEGIES = ["allreduce", "fp16", "bf16", "int8", "onebit", "topk", "powersgd", "local",
@@ -55,7 +55,6 @@ def table(prof: str, probe_text: str, rows: list, every: list) -> str:
 def replan(a) -> int:
     """Predictions of the current cost model for an earlier run's measurements."""
     from lorasync.plan.planner import net_from_probe
-    from lorasync.plan.units import fmt_duration, fmt_rate
 
     report, every = [], []
     for prof in [p.strip() for p in a.profiles.split(",") if p.strip()]:
@@ -76,12 +75,10 @@ def replan(a) -> int:
             rows.append(row)
         with open(os.path.join(pdir, "probe.json")) as fh:
             net, _ = net_from_probe(json.load(fh))
-        probe_text = (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
-                      f"alpha {fmt_duration(net.alpha_s)}")
         ceiling = max((r for r in rows if r.key.startswith("ceiling") and r.summary),
                       key=lambda r: r.summary["samples_per_s"])
         predict_rows(rows, net, ceiling.summary, a.model, a.batch_size)
-        report.append(table(prof, probe_text, rows, every))
+        report.append(table(prof, describe_net(net), rows, every))
     print(f"plan accuracy, replanned from the measurements in {a.replan}\n"
           + "\n".join(report) + f"\n\n{sum(every)}/{len(every)} strategy-link pairs within 15%")
     return 0

@@ -195,7 +195,6 @@ def _probe(cluster, out: str, timeout: float):
     """A quick ``lorasync probe`` on the emulated link -> (Net or None, text)."""
     from lorasync.net.cluster import launch_on_cluster
     from lorasync.plan.planner import net_from_probe
-    from lorasync.plan.units import fmt_duration, fmt_rate
 
     path = os.path.join(out, "probe.json")
     rc = launch_on_cluster(cluster, ["probe", "--quick", "--no-pairs", "--output", path],
@@ -206,8 +205,15 @@ def _probe(cluster, out: str, timeout: float):
         net, _ = net_from_probe(_read_json(path))
     except (ConfigError, ValueError) as exc:
         return None, f"probe JSON not usable ({exc}): no predictions"
-    return net, (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
-                 f"alpha {fmt_duration(net.alpha_s)}")
+    return net, describe_net(net)
+
+
+def describe_net(net) -> str:
+    """One line on the probed network model."""
+    from lorasync.plan.units import fmt_duration, fmt_rate
+
+    return (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
+            f"alpha {fmt_duration(net.alpha_s)}")
 
 
 def _row_strategy(row: Row) -> tuple[str, dict, float] | None:
@@ -256,7 +262,8 @@ def predict_rows(rows: list[Row], net, ceiling: dict, model: str, batch: int) ->
 def verdicts(cells: list[dict]) -> list[str]:
     """Lines under a profile's table: plan accuracy, auto vs the best fixed row."""
     out = []
-    errs = [c for c in cells if c.get("plan_error") is not None and not c["row"].startswith("no sync")]
+    errs = [c for c in cells if c.get("plan_error") is not None
+            and c.get("key") not in ("ceiling", "ceiling_end")]
     if errs:
         worst = max(errs, key=lambda c: abs(c["plan_error"]))
         within = sum(abs(c["plan_error"]) <= 0.15 for c in errs)
