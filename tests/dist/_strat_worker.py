@@ -32,7 +32,8 @@ CONFIGS = [
     ("bf16", "bf16", {}),
     ("int8", "int8", {}),
     ("int8_warmup", "int8", {"block": 32, "warmup_steps": 3}),
-    ("onebit", "onebit", {"block": 32}),
+    ("onebit", "onebit", {"block": 32, "warmup_steps": 0}),  # signed gradients
+    ("onebit_adam", "onebit", {"block": 32, "warmup_steps": 3}),  # + set_optimizer: 1-bit Adam
     ("topk", "topk", {"ratio": 0.1}),
     ("powersgd", "powersgd", {"rank": 1}),
     ("local", "local", {"period": 4}),
@@ -40,6 +41,8 @@ CONFIGS = [
     ("diloco", "diloco", {}),  # period 8, outer_lr 0.8, Nesterov 0.5 (the defaults)
     ("diloco_streaming", "diloco", {"streaming": True, "delta_dtype": "fp16"}),
 ]
+#: configurations whose sync is given the optimizer (``set_optimizer``)
+WITH_OPTIMIZER = {"onebit_adam"}
 TRAIN_STEPS = 40
 RESUME_AT, RESUME_END = 8, 18  # a sync falls on both sides of the checkpoint
 LR = 1e-2
@@ -100,13 +103,15 @@ def scenario_reference(rank, teach):
     return {"max_diff": float((res[True] - res[False]).abs().max())}
 
 
-def scenario_train(rank, name, opts, teach, ev):
+def scenario_train(rank, name, opts, teach, ev, give_opt=False):
     import lorasync
     from lorasync.comm import wire_bytes_formula
 
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
     sync = lorasync.attach(ddp, name, **opts)
+    if give_opt:
+        sync.set_optimizer(opt)
     before = _eval(model, ev)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     wire, fp32, losses = [], [], []
@@ -134,7 +139,7 @@ def scenario_train(rank, name, opts, teach, ev):
     }
 
 
-def scenario_resume(rank, name, opts, teach):
+def scenario_resume(rank, name, opts, teach, give_opt=False):
     """Variable shapes per rank and step; checkpoint at RESUME_AT, continue in a
     fresh DDP + optimizer + sync, compare with the uninterrupted run."""
     import lorasync
@@ -142,6 +147,8 @@ def scenario_resume(rank, name, opts, teach):
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
     sync = lorasync.attach(ddp, name, **opts)
+    if give_opt:
+        sync.set_optimizer(opt)
     for s in range(1, RESUME_AT + 1):
         _step(ddp, opt, sync, s, rank, True, teach)
     ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
@@ -155,6 +162,8 @@ def scenario_resume(rank, name, opts, teach):
     ddp2, opt2 = _ddp(model2), _opt(model2)
     opt2.load_state_dict(ckpt[1])
     sync2 = lorasync.attach(ddp2, name, **opts)
+    if give_opt:
+        sync2.set_optimizer(opt2)
     sync2.load_state_dict(ckpt[2])
     for s in range(RESUME_AT + 1, RESUME_END + 1):
         _step(ddp2, opt2, sync2, s, rank, True, teach)
@@ -163,7 +172,7 @@ def scenario_resume(rank, name, opts, teach):
             "spread": _spread(resumed) if type(sync2).per_step else None}
 
 
-MASS_CONFIGS = {"int8": {}, "onebit": {}, "topk": {}, "powersgd": {"rank": 1}}
+MASS_CONFIGS = {"int8": {}, "onebit": {"warmup_steps": 0}, "topk": {}, "powersgd": {"rank": 1}}
 
 
 def _grads(model):
@@ -210,6 +219,62 @@ def scenario_mass(rank, name, opts, teach, steps=8):
             "scale": float(true.abs().max()), "resid_max": float(resid.abs().max())}
 
 
+def scenario_adam(rank, teach, warmup=3, steps=8):
+    """onebit given AdamW (1-bit Adam): warm-up steps are plain AdamW on fp32
+    all-reduced gradients; after them Adam's bias-corrected variance stays
+    frozen, the averaged momentum arrives as the gradient, and each step is
+    x <- x (1 - lr wd) - lr * u / max(1, rms(u)),  u = m / (1 - b1^t) / (sqrt(v_hat) + eps)."""
+    import lorasync
+
+    def build(name, **opts):
+        model = M.build(0)
+        ddp = _ddp(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                weight_decay=0.05)
+        sync = lorasync.attach(ddp, name, **opts)
+        return model, ddp, opt, sync
+
+    model, ddp, opt, sync = build("onebit", block=32, warmup_steps=warmup)
+    sync.set_optimizer(opt)
+    rmodel, rddp, ropt, rsync = build("allreduce")
+    for s in range(1, warmup + 1):
+        _step(ddp, opt, sync, s, rank, True, teach)
+        _step(rddp, ropt, rsync, s, rank, True, teach)
+    out = {"warmup_diff": float((_flat(model) - _flat(rmodel)).abs().max())}
+    params = [p for p in model.parameters() if p.requires_grad]
+    b1, b2 = opt.param_groups[0]["betas"]
+    eps, wd = opt.param_groups[0]["eps"], opt.param_groups[0]["weight_decay"]
+    vhat = [opt.state[p]["exp_avg_sq"].clone() / (1 - b2 ** warmup) for p in params]
+    update_err, vhat_err, momentum_spread, clipped = 0.0, 0.0, 0.0, 0
+    for s in range(warmup + 1, steps + 1):
+        x, y = M.batch(s, rank, True, teach)
+        ((ddp(x) - y) ** 2).mean().backward()
+        before = [p.detach().clone() for p in params]
+        grads = [p.grad.clone() for p in params]
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        for p, x0, g, v in zip(params, before, grads, vhat):
+            st = opt.state[p]
+            t = float(st["step"])
+            assert int(t) == s, (t, s)
+            # the averaged momentum arrived as the gradient and is the optimizer's
+            update_err = max(update_err, float((st["exp_avg"] - g).abs().max()))
+            u = g / (1 - b1 ** t) / (v.sqrt() + eps)
+            rms = float(u.square().mean().sqrt())
+            clipped += rms > 1.0
+            want = x0 * (1 - lr * wd) - lr * u / max(1.0, rms)
+            update_err = max(update_err, float((p.detach() - want).abs().max()))
+            vhat_err = max(vhat_err, float((st["exp_avg_sq"] / (1 - b2 ** t) - v).abs().max()
+                                           / float(v.abs().max())))
+            momentum_spread = max(momentum_spread, _spread(st["exp_avg"].reshape(-1).clone()))
+        opt.zero_grad(set_to_none=True)
+        sync.after_step()
+    out.update(update_err=update_err, vhat_err=vhat_err, momentum_spread=momentum_spread,
+               spread=_spread(_flat(model)), steps_clipped=clipped,
+               moved=float((_flat(model) - _flat(rmodel)).abs().max()))
+    return out
+
+
 def scenario_validation(rank):
     """attach() and load_state_dict() refuse what they cannot do, by ValueError."""
     import lorasync
@@ -232,6 +297,8 @@ def scenario_validation(rank):
         "diloco_bad_dtype": ("diloco", {"delta_dtype": "fp8"}),
         "diloco_momentum_one": ("diloco", {"outer_momentum": 1.0}),
         "allreduce_warmup": ("allreduce", {"warmup_steps": 2}),
+        "onebit_momentum_str": ("onebit", {"momentum": "yes"}),
+        "onebit_update_rms_negative": ("onebit", {"max_update_rms": -1.0}),
     }
     out = {}
 
@@ -247,6 +314,20 @@ def scenario_validation(rank):
     for label, (name, opts) in cases.items():
         out[label] = attempt(lambda: lorasync.attach(_ddp(M.build(0)), name, **opts))
     out["not_ddp"] = attempt(lambda: lorasync.attach(M.build(0), "allreduce"))
+
+    def with_optimizer(make_opt, **opts):
+        model = M.build(0)
+        sync = lorasync.attach(_ddp(model), "onebit", **opts)
+        sync.set_optimizer(make_opt([p for p in model.parameters() if p.requires_grad]))
+
+    out["onebit_sgd"] = attempt(lambda: with_optimizer(
+        lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    out["onebit_adam_no_warmup"] = attempt(lambda: with_optimizer(
+        lambda ps: torch.optim.AdamW(ps), warmup_steps=0))
+    out["onebit_amsgrad"] = attempt(lambda: with_optimizer(
+        lambda ps: torch.optim.AdamW(ps, amsgrad=True)))
+    out["onebit_sgd_without_momentum"] = attempt(lambda: with_optimizer(
+        lambda ps: torch.optim.SGD(ps, lr=0.1), momentum=False))
 
     real = base.dist.all_reduce
 
@@ -286,6 +367,8 @@ def run(rank, world, out_dir, port, only):
         results["reference"] = scenario_reference(rank, teach)
         log.write("start validation\n")
         results["validation"] = scenario_validation(rank)
+        log.write("start adam\n")
+        results["adam"] = scenario_adam(rank, teach)
         results["mass"] = {}
         for name, mopts in MASS_CONFIGS.items():
             log.write(f"start mass {name}\n")
@@ -295,9 +378,9 @@ def run(rank, world, out_dir, port, only):
                 continue
             r = {}
             log.write(f"start train {label}\n")
-            r["train"] = scenario_train(rank, name, opts, teach, ev)
+            r["train"] = scenario_train(rank, name, opts, teach, ev, label in WITH_OPTIMIZER)
             log.write(f"start resume {label}\n")
-            r["resume"] = scenario_resume(rank, name, opts, teach)
+            r["resume"] = scenario_resume(rank, name, opts, teach, label in WITH_OPTIMIZER)
             log.write(f"done {label}\n")
             results["configs"][label] = r
     except Exception:

@@ -205,6 +205,40 @@ def scenario_periodic(M, rank, teach, ev, with_optimizer=True):
             "switches": sync.stats()["switches"]}
 
 
+ONEBIT_FORCE = "12:onebit,20:fp16"
+
+
+def scenario_onebit_adam(M, rank, teach, steps=26):
+    """auto with the optimizer switches to onebit after more optimizer steps
+    than its warm-up: 1-bit Adam from the next step (no second warm-up),
+    variance frozen; leaving it, plain AdamW again."""
+    import lorasync
+    from lorasync.comm import wire_bytes_formula
+
+    model = M.build(0)
+    ddp, opt = _ddp(model), _opt(model)
+    sync = lorasync.attach(ddp, "auto", candidates="allreduce", interval=0, measure_steps=0,
+                           probe="none", start="allreduce", force_switch_at=ONEBIT_FORCE,
+                           **{"onebit.block": 32}, **QUIET)
+    sync.set_optimizer(opt)
+    params = [p for p in model.parameters() if p.requires_grad]
+    b2 = opt.param_groups[0]["betas"][1]
+    shapes = [tuple(p.shape) for p in params]
+    last = sync.stats()
+    rec = []
+    for s in range(1, steps + 1):
+        loss = _step(M, ddp, opt, sync, s, rank, False, teach)
+        st = sync.stats()
+        state = opt.state[params[0]]
+        rec.append({"step": s, "loss": loss, "strategy": st["strategy"],
+                    "wire": st["wire_bytes"] - last["wire_bytes"],
+                    "spread": _spread(_flat(model)),
+                    "vhat": float(state["exp_avg_sq"].sum()) / (1 - b2 ** float(state["step"]))})
+        last = st
+    return {"records": rec, "formula": {k: wire_bytes_formula(k, shapes, 2, **o) for k, o in
+                                        (("onebit", {"block": 32}), ("fp16", {}))}}
+
+
 RESUME_FORCE = "6:topk,14:fp16"
 
 
@@ -291,7 +325,9 @@ def _run_rank(rank, world, out_dir, port):
                 M, rank, teach, "topk", "4:int8", {"topk.ratio": 0.1, "int8.block": 32})),
             ("mass_powersgd_to_onebit", lambda: scenario_mass(
                 M, rank, teach, "powersgd", "3:onebit", {"powersgd.rank": 1,
-                                                         "onebit.block": 32})),
+                                                         "onebit.block": 32,
+                                                         "onebit.warmup_steps": 0})),
+            ("onebit_adam", lambda: scenario_onebit_adam(M, rank, teach)),
             ("periodic", lambda: scenario_periodic(M, rank, teach, ev)),
             ("periodic_no_optimizer", lambda: scenario_periodic(M, rank, teach, ev, False)),
             ("resume_at_switch", lambda: scenario_resume(M, rank, teach, 6)),
@@ -374,6 +410,25 @@ def test_error_feedback_survives_a_switch(ranks, name, to):
         assert m["max_err"] <= 2e-6 * max(1.0, m["scale"]), m
     if to == "allreduce":  # lossless after the switch: the debt was paid in full
         assert ranks[0][name]["owed_max"] == 0.0
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_onebit_under_auto_runs_as_one_bit_adam(ranks):
+    recs = {r["step"]: r for r in ranks[0]["onebit_adam"]["records"]}
+    f = ranks[0]["onebit_adam"]["formula"]
+    assert [recs[s]["strategy"] for s in (11, 12, 19, 20)] == ["allreduce", "onebit",
+                                                              "onebit", "fp16"]
+    # the optimizer took 12 steps (> warm-up 10): compressed from the first step on
+    assert all(recs[s]["wire"] == f["onebit"] for s in range(13, 21)), \
+        [(s, recs[s]["wire"]) for s in range(13, 21)]
+    # Adam's bias-corrected variance frozen while onebit runs, moving again after
+    frozen = [recs[s]["vhat"] for s in range(13, 21)]
+    assert max(frozen) - min(frozen) <= 1e-5 * max(frozen), frozen
+    assert recs[22]["vhat"] != recs[21]["vhat"]
+    assert all(recs[s]["wire"] == f["fp16"] for s in range(21, 27))
+    for r in recs.values():
+        assert r["spread"] == 0.0, r  # every rank applies the same averaged momentum
+        assert r["loss"] == r["loss"] and r["loss"] < 10 * recs[1]["loss"]
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)

@@ -49,6 +49,7 @@ QUALITY_FACTOR = {
     "powersgd": 1.25,                           # rank-1 + error feedback, warm start
     "local": 1.5, "local_streaming": 1.5,       # 4 local steps between averages
     "onebit": 5.0, "topk": 5.0,                 # 1 bit / 10% of entries a step
+    "onebit_adam": 1.5,                         # 1 bit, but Adam's variance from fp32 steps
     "diloco": 6.0, "diloco_streaming": 6.0,     # 5 outer steps of outer SGD with momentum
 }
 # every strategy must at least cut the initial eval loss by this factor
@@ -198,6 +199,9 @@ EXPECT_IN_MESSAGE = {
     "diloco_streaming_period_one": "period", "diloco_delay_too_big": "delay",
     "diloco_bad_dtype": "delta_dtype", "diloco_momentum_one": "outer_momentum",
     "allreduce_warmup": "warmup_steps", "not_ddp": "DistributedDataParallel",
+    "onebit_momentum_str": "momentum", "onebit_update_rms_negative": "max_update_rms",
+    "onebit_sgd": "AdamW", "onebit_adam_no_warmup": "warmup_steps",
+    "onebit_amsgrad": "amsgrad",
     "backend_refuses_fp16": "cannot all-reduce torch.float16",
     "backend_refuses_delta_dtype": "delta_dtype",
     "load_other_strategy": "int8", "load_other_world_size": "world_size",
@@ -212,3 +216,18 @@ def test_validation_errors_name_the_problem(results):
         assert not v[case].startswith("NOT A ValueError"), v[case]
         assert needle in v[case], (case, v[case])
     assert v["load_same"] is None
+    assert v["onebit_sgd_without_momentum"] is None  # signed gradients work with any optimizer
+
+
+# -- 1-bit Adam -------------------------------------------------------------------------
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_onebit_with_adamw_is_one_bit_adam(results, world):
+    for rank in results(world):
+        a = rank["adam"]
+        assert a["warmup_diff"] == 0.0      # warm-up: exactly AdamW on all-reduced gradients
+        assert a["update_err"] <= 1e-6      # then the 1-bit Adam step, momentum in the grad
+        assert a["vhat_err"] <= 1e-5        # with the variance frozen
+        assert a["momentum_spread"] == 0.0  # and the same momentum on every rank
+        assert a["spread"] == 0.0
+        assert a["moved"] > 0.0             # it did not just run plain AdamW

@@ -408,7 +408,7 @@ class HookSync(Sync):
         if bucket.is_last() and self.communicates:
             with self._lock:
                 self._syncs += 1
-        if self._steps < self.opts.get("warmup_steps", 0):
+        if self._in_warmup(bucket):
             return self._fp32_allreduce(bucket)
         if not self.two_phase:
             return self._encode_bucket(bucket, lay)
@@ -448,6 +448,10 @@ class HookSync(Sync):
                 out.set_exception(e)
 
         fut2.then(_done)
+
+    def _in_warmup(self, bucket: dist.GradBucket) -> bool:
+        """Whether this bucket goes as plain fp32 (``warmup_steps``)."""
+        return self._steps < self.opts.get("warmup_steps", 0)
 
     def _fp32_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buf = bucket.buffer()

@@ -69,6 +69,12 @@ class _Periodic(HookSync):
         self._pending: dict[str, Any] | None = None  # type: ignore[assignment]
         self._dirty = False
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether an outer all-reduce launched by one ``after_step`` is
+        still to be applied by a later one (streaming)."""
+        return self._pending is not None
+
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
         return completed(bucket.buffer())  # local gradient, no communication
 

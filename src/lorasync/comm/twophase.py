@@ -46,6 +46,10 @@ class _TwoPhase(HookSync):
     options = {"block": 256, "warmup_steps": 0}
 
     # -- codec, per subclass --------------------------------------------------
+    def _momentum_rows(self, lay: _Layout, plan: dict[str, Any]) -> torch.Tensor | None:
+        """Rows of the averaged momentum when this step sends momentum (onebit)."""
+        return None
+
     def _encode(self, x, bid, nblocks, count, sum_index=None):  # -> (codes, scales)
         raise NotImplementedError
 
@@ -154,6 +158,9 @@ class _TwoPhase(HookSync):
         plan = self._plan(lay, buf.device)
         t0 = time.perf_counter()
         u = torch.cat([buf, buf.new_zeros(1)]).float().index_select(0, plan["bpos"])
+        m = self._momentum_rows(lay, plan)
+        if m is not None:  # 1-bit Adam: send this rank's momentum, not its gradient
+            u.mul_(1.0 - self._b1).add_(m, alpha=self._b1)
         e = self._E.rows(lay, plan["cpos"])
         u += e                                                   # padding stays 0
         codes, scales = self._encode(u, plan["blk_full"], n * plan["nblk"], plan["count"],
@@ -202,6 +209,10 @@ class _TwoPhase(HookSync):
                 c3, s3 = self._unpack(out, plan)
                 full = self._decode(c3, s3, plan["blk_full"])
                 buf.copy_(full.index_select(0, plan["inv"]))
+                if m is not None:  # the averaged momentum, the start of the next step's
+                    m.copy_(full)
+                    if plan["has_pad"]:
+                        m.masked_fill_(plan["pad"], 0.0)
                 self._add_encode(time.perf_counter() - t2)
                 return buf
 
@@ -244,13 +255,58 @@ class Int8(_TwoPhase):
 class OneBit(_TwoPhase):
     """Signs, 8 per byte, times one scale per block (mean |x| of the block).
 
-    ``warmup_steps`` (plain fp32 all-reduce for the first N steps) lets the
-    optimizer's moment estimates settle before gradients become signs.
+    Two modes:
+
+    * gradients (EF-SignSGD, any optimizer): each step's gradient plus its
+      residual is sent as signs.  ``warmup_steps`` (plain fp32 all-reduce
+      for the first N steps) lets the optimizer settle first.
+    * Adam momentum (1-bit Adam), when :meth:`set_optimizer` is given an
+      AdamW (the trainer does this; ``momentum=False`` turns it off): fp32
+      all-reduce with the optimizer's own step until the optimizer has taken
+      ``warmup_steps`` steps (its own count, so a strategy attached mid-run
+      by ``auto`` does not warm up again),
+      then Adam's second moment is frozen and what travels as signs is each
+      rank's momentum ``b1 * m + (1 - b1) * g`` (``m``: the averaged
+      momentum of the previous step, the same on every rank).  The
+      averaged momentum arrives as the gradient; the optimizer's step is
+      taken here (decoupled weight decay, bias-corrected momentum, frozen
+      bias-corrected variance), so AdamW's own arithmetic never sees a
+      sign-compressed value.  Why: with signs fed to AdamW, every element of
+      a block looks equally large to its second moment, which flattens Adam's
+      per-element step sizes (on the embedded default, 60 steps: eval loss
+      0.35 with signed gradients against 0.26 for fp32; see
+      ``bench/strategies.py``).  With the variance frozen the update is
+      linear in the momentum, so error feedback on the momentum is exact
+      in the long run, as it is for SGD.
+
+      A frozen variance is only as good as the warm-up: a LoRA adapter's
+      A matrices start with zero gradients (B starts at zero) that grow
+      for many steps, so a variance frozen early is far too small for them
+      and the steps it gives blow up (5 warm-up steps of 60 on the
+      embedded default: loss 20+ then NaN).  ``max_update_rms`` caps the
+      root-mean-square of each tensor's step (in units of the learning
+      rate) by scaling the whole step down, as Adafactor's update clipping
+      does; AdamW's own steps have an RMS below 1.  0 turns it off.
     """
 
     name = "onebit"
     align = 8
-    options = {"block": 512, "warmup_steps": 0}
+    options = {"block": 512, "warmup_steps": 10, "momentum": True, "max_update_rms": 1.0}
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._float_opt("max_update_rms", 0.0, float("inf"))
+        if not isinstance(self.opts["momentum"], bool):
+            raise ValueError(f"onebit: option momentum={self.opts['momentum']!r} must be "
+                             "true or false")
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._opt: torch.optim.Optimizer | None = None
+        self._M = _Residual(self.numel, len(self.params), self.device)  # averaged momentum
+        self._denom: torch.Tensor | None = None  # sqrt(frozen v_hat) + eps, canonical order
+        self._mom_step = False  # this backward sent momentum (the optimizer step is ours)
+        self._stash: list[torch.Tensor | None] = []
 
     def _encode(self, x, bid, nblocks, count, sum_index=None):
         return C.onebit_encode(x, bid, nblocks, count, sum_index)
@@ -263,3 +319,151 @@ class OneBit(_TwoPhase):
 
     def _code_bytes(self, numel: int) -> int:
         return numel // 8
+
+    # -- 1-bit Adam -----------------------------------------------------------
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Compress Adam's momentum instead of the gradients (see the class
+        docstring).  ``optimizer`` must be ``torch.optim.AdamW`` (or ``Adam``
+        with ``decoupled_weight_decay=True`` or no weight decay) over every
+        trainable parameter, without amsgrad/maximize; call it once, before
+        the first step, on every rank.  A no-op with ``momentum=False``.
+        """
+        if not self.opts["momentum"]:
+            return
+        if self._opt is not None:
+            raise ValueError("onebit: set_optimizer was called already")
+        where = "onebit: momentum compression (1-bit Adam)"
+        if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            raise ValueError(f"{where} needs torch.optim.AdamW, got "
+                             f"{type(optimizer).__name__}; pass momentum=false to compress "
+                             "gradients instead")
+        if self.opts["warmup_steps"] < 1:
+            raise ValueError(f"{where} freezes Adam's variance after the warm-up: "
+                             f"warmup_steps={self.opts['warmup_steps']} must be at least 1")
+        groups: dict[int, dict[str, Any]] = {}
+        betas = set()
+        for g in optimizer.param_groups:
+            for flag in ("amsgrad", "maximize", "differentiable"):
+                if g.get(flag):
+                    raise ValueError(f"{where}: param group has {flag}=True, which it "
+                                     "does not implement; pass momentum=false")
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or g.get(
+                "decoupled_weight_decay", False)
+            if g.get("weight_decay", 0) and not decoupled:
+                raise ValueError(f"{where}: Adam with weight_decay={g['weight_decay']} adds "
+                                 "the decay to the gradient; use AdamW or "
+                                 "decoupled_weight_decay=True")
+            betas.add(tuple(float(b) for b in g["betas"]))
+            for p in g["params"]:
+                groups[id(p)] = g
+        missing = [i for i, p in enumerate(self.params) if id(p) not in groups]
+        if missing:
+            raise ValueError(f"{where}: {len(missing)} trainable parameter(s) are not in "
+                             "the optimizer; give it every parameter DDP syncs")
+        if len(betas) != 1:
+            raise ValueError(f"{where}: param groups have different betas {sorted(betas)}; "
+                             "it needs one value")
+        self._opt = optimizer
+        self._groups = [groups[id(p)] for p in self.params]
+        self._b1, self._b2 = betas.pop()
+        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                         optimizer.register_step_post_hook(self._post_step)]
+
+    def finish(self) -> None:
+        super().finish()
+        # the optimizer outlives this strategy (``auto`` switches away): leave
+        # it a plain AdamW again, with the averaged momentum and frozen variance
+        for h in getattr(self, "_handles", ()):
+            h.remove()
+        self._handles = []
+
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if self._opt is not None and bucket.index() == 0:
+            self._mom_step = self._optimizer_steps() >= self.opts["warmup_steps"]
+            if self._mom_step and self._denom is None:
+                self._freeze()
+        return super()._on_bucket(bucket)
+
+    def _in_warmup(self, bucket: dist.GradBucket) -> bool:
+        if self._opt is None:
+            return super()._in_warmup(bucket)
+        return not self._mom_step
+
+    def _optimizer_steps(self) -> int:
+        """Steps the optimizer has taken (its own count: a strategy attached
+        mid-run, e.g. by ``auto``, finds its variance already warm)."""
+        st = self._opt.state.get(self.params[0], {})
+        return int(st["step"]) if "step" in st else 0
+
+    def _freeze(self) -> None:
+        """End of warm-up: the averaged momentum starts from the optimizer's
+        (identical on every rank after lossless warm-up steps), and its bias-
+        corrected second moment is frozen."""
+        ms, ds = [], []
+        for p, g in zip(self.params, self._groups):
+            st = self._opt.state.get(p, {})
+            if "exp_avg_sq" not in st:
+                raise RuntimeError("onebit: the optimizer has not stepped during the "
+                                   "warm-up (no Adam state to freeze); call "
+                                   "optimizer.step() before sync.after_step()")
+            bc2 = 1.0 - self._b2 ** float(st["step"])
+            ms.append(st["exp_avg"].detach().reshape(-1).float())
+            ds.append((st["exp_avg_sq"].detach().reshape(-1).float() / bc2).sqrt_()
+                      .add_(float(g["eps"])))
+        self._M.load(torch.cat(ms))
+        self._denom = torch.cat(ds).to(self.device)
+
+    def _momentum_rows(self, lay, plan):
+        return self._M.rows(lay, plan["cpos"]) if self._mom_step else None
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if not self._mom_step:
+            return
+        # AdamW skips parameters without a gradient: the step is ours (_post_step)
+        self._stash = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        if not self._mom_step:
+            return
+        self._mom_step = False
+        stash, self._stash = self._stash, []
+        b1, b2, clip = self._b1, self._b2, self.opts["max_update_rms"]
+        for i, (p, g, grp) in enumerate(zip(self.params, stash, self._groups)):
+            p.grad = g
+            if g is None:
+                continue
+            st = optimizer.state[p]
+            st["step"] += 1
+            t = float(st["step"])
+            lr, wd = float(grp["lr"]), float(grp["weight_decay"])
+            a, b = self._offsets[i], self._offsets[i + 1]
+            denom = self._denom[a:b].view_as(p)
+            u = g.float() / denom
+            u.mul_(1.0 / (1.0 - b1 ** t))
+            if clip:  # Adafactor's update clipping, per tensor (no host sync)
+                u.div_(u.square().mean().sqrt().div_(clip).clamp_(min=1.0))
+            p.mul_(1.0 - lr * wd)
+            p.add_(u.to(p.dtype), alpha=-lr)
+            # the optimizer's own state stays meaningful (checkpoints, a later
+            # switch back to plain AdamW): the averaged momentum, the frozen variance
+            st["exp_avg"].copy_(g)
+            st["exp_avg_sq"].copy_(((denom - float(grp["eps"])) ** 2) * (1.0 - b2 ** t))
+
+    def state_dict(self) -> dict[str, Any]:
+        st = super().state_dict()
+        if self._denom is not None:
+            st["momentum"] = self._M.state()
+            st["adam_denom"] = self._denom.to("cpu", copy=True)
+        return st
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "momentum" in state:
+            if self._opt is None:
+                raise ValueError("state_dict: saved in momentum mode (1-bit Adam); call "
+                                 "set_optimizer(optimizer) before load_state_dict")
+            self._M.load(state["momentum"])
+            self._denom = state["adam_denom"].to(self.device, torch.float32, copy=True)

@@ -128,10 +128,12 @@ __all__ = [
     "parse_candidates", "parse_force",
 ]
 
-#: the strategies that kept eval quality on the embedded default (60 steps,
-#: bench/strategies.py: eval loss within the worst of three allreduce seeds
-#: + 5%); onebit did not (0.35 against 0.27, 0.30 with a 10-step full-precision
-#: warm-up), so auto only uses it when ``candidates`` names it
+#: the strategies auto chooses among unless ``candidates`` says otherwise.
+#: onebit is left out: as 1-bit Adam it keeps quality on the embedded default
+#: (60 steps, bench/strategies.py: eval loss 0.232, limit 0.273) but only with
+#: the optimizer (set_optimizer) and after a full-precision warm-up, and its
+#: signed-gradient form without them does not (0.35); named in
+#: ``candidates``, it gets the optimizer auto was given
 DEFAULT_CANDIDATES = ("allreduce", "fp16", "int8", "topk", "powersgd", "local", "diloco")
 #: candidate options auto uses unless given (``NAME.OPTION``): DiLoCo's outer
 #: sync as fp16 and overlapped with the next inner step, which is what makes a
@@ -667,8 +669,21 @@ class Auto(Sync):
 
     def _build(self, name: str, options: Mapping[str, Any] | None = None) -> Sync:
         opts = self._child_opts.get(name, {}) if options is None else options
-        return get_strategy(name)(self.ddp, process_group=self.group, _register_hook=False,
-                                  **opts)
+        child = get_strategy(name)(self.ddp, process_group=self.group, _register_hook=False,
+                                   **opts)
+        self._give_optimizer(child)
+        return child
+
+    def _give_optimizer(self, child: Sync) -> None:
+        """onebit takes the optimizer to run as 1-bit Adam (its warm-up counts
+        the optimizer's steps, so after a switch it starts compressing at
+        once); with an optimizer it cannot use it sends signed gradients."""
+        if self._optimizer is None or not hasattr(child, "set_optimizer"):
+            return
+        try:
+            child.set_optimizer(self._optimizer)
+        except ValueError as e:
+            self._log(f"auto: {child.name} sends signed gradients: {e}")
 
     def _log(self, msg: str) -> None:
         if self.rank == 0 and self.opts["log"]:
@@ -762,7 +777,11 @@ class Auto(Sync):
                     float(len(mine))]
         else:
             vals = [0.0, 0.0, -1e30, -1e30, 0.0]
+        t0 = time.perf_counter()
         ok, comp, neg_over, neg_recent, steps = self._allreduce_max(vals)
+        # waited on the network (and on the slowest rank): sync, not compute, in
+        # the trainer's metrics (comm_s), as the probe's time already is
+        self._add_comm(time.perf_counter() - t0)
         self._samples = []
         if not ok or comp <= 0:
             return None
@@ -807,6 +826,15 @@ class Auto(Sync):
             return
         if not self._next_eval or s < self._next_eval:
             return
+        if self._sync_in_flight():
+            # a periodic strategy has just launched its all-reduce (streaming):
+            # the window all-reduce and any probe would queue behind it on the
+            # link, block this step for the whole transfer (which the next
+            # step's compute would otherwise hide) and time a busy link.  Decide
+            # one step later, once it has landed (identical on every rank: the
+            # launch and apply steps are)
+            self._next_eval = s + 1
+            return
         initial = self._measuring
         self._next_eval = s + self._interval if self._interval else 0
         w = self._window()
@@ -814,6 +842,11 @@ class Auto(Sync):
             self._next_eval = s + 1 if initial or not self._interval else self._next_eval
             return
         self._evaluate(w, initial)
+
+    def _sync_in_flight(self) -> bool:
+        """Whether the strategy in use has a collective launched in one
+        ``after_step`` and applied in a later one (streaming local/diloco)."""
+        return bool(getattr(self._child, "in_flight", False))
 
     def _workload(self, compute_s: float, net: Net | None = None) -> Workload:
         """The workload with per-strategy corrections (``net`` given) or without."""
@@ -899,8 +932,10 @@ class Auto(Sync):
         t = torch.tensor([self._candidates.index(pick) if pick in self._candidates else -1],
                          dtype=torch.int32, device=self._comm_device())
         self._sent_auto(t)
+        t0 = time.perf_counter()
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
                        group=self.group)
+        self._add_comm(time.perf_counter() - t0)
         idx = int(t.item())
         if idx >= 0 and self._candidates[idx] != pick:
             pick = self._candidates[idx]
@@ -998,6 +1033,7 @@ class Auto(Sync):
         moments) and ``finish()`` averages the adapter once more at the end.
         """
         self._optimizer = optimizer
+        self._give_optimizer(self._child)
 
     def _average_optimizer_state(self) -> None:
         tensors = []

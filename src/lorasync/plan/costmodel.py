@@ -105,7 +105,8 @@ ENCODE_NS: dict[str, float] = {
 
 #: options of lorasync.comm strategies accepted and ignored here (they change
 #: start-up or the optimization, not the bytes or the time of a steady step)
-_STEADY_STATE_OPTIONS = frozenset({"warmup_steps", "warm_start", "outer_lr", "outer_momentum"})
+_STEADY_STATE_OPTIONS = frozenset({"warmup_steps", "warm_start", "outer_lr", "outer_momentum",
+                                   "momentum", "max_update_rms"})
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast")
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
