@@ -15,8 +15,12 @@ What ``Auto`` does, in order:
    a few seconds; ``probe=live`` uses the 1 KiB + 256 KiB all-reduce probe
    below instead, ``probe=none`` skips it), then ``measure_steps`` steps
    (default 4; the first is DDP's warm-up and not measured) under a start
-   strategy to measure compute time: the lossless candidate that sends the
-   fewest bytes (fp16, else allreduce), or ``start``.  Compute is the time
+   strategy to measure compute time: one that sends nothing during backward
+   (diloco, else local, else the lossless candidate that sends the fewest
+   bytes), or ``start``.  That compute is kept as the quiet reference: a
+   per-step strategy whose backward runs slower than that (its collectives
+   take CPU from it on a shared host) is charged the difference, up to its
+   collective time, as its own cost.  Compute is the time
    from the end of the previous ``after_step`` to the moment the last bucket
    became ready (``last_ready_time``), less what a two-phase hook blocked and
    the encode time spent in the hooks; everything else the step took is sync.
@@ -122,7 +126,7 @@ from lorasync.plan.units import fmt_duration, fmt_rate
 
 __all__ = [
     "Auto", "DEFAULT_CANDIDATES", "Window", "Decision", "fit_probe", "probe_size",
-    "probe_every", "corrections", "hidden_of", "split_extra", "workload_for", "encode_ns_for", "decide",
+    "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for", "encode_ns_for", "decide",
     "drifted", "link_changed",
     "suggest_accum", "describe",
     "parse_candidates", "parse_force",
@@ -155,6 +159,10 @@ PROBE_TARGET_S = 0.02
 #: (calibrated / not yet calibrated prediction) triggers a probe
 DRIFT = 0.2
 DRIFT_UNCALIBRATED = 0.5
+#: compute this much above the last one measured under a strategy idle in
+#: backward (local, diloco) counts as the current strategy's cost (the CPU
+#: its collectives took from backward), up to its collective time
+INFLATION_MIN = 0.02
 #: a probe this many times faster or slower than the last forgets the
 #: per-strategy corrections measured on the old link
 BANDWIDTH_CHANGE = 1.5
@@ -283,6 +291,16 @@ def corrections(names: Sequence[str], hidden_s: Mapping[str, float], base_s: flo
     charged a heavier one's transfer, and load that comes and goes (common to
     all) cancels out."""
     return {n: base_s + exposed * hidden_s.get(n, 0.0) for n in names}
+
+
+def inflation(compute_s: float, quiet_s: float, hidden_s: float) -> float:
+    """Seconds of ``compute_s`` (measured under a strategy whose collectives
+    run inside backward) that count as that strategy's cost: what it took
+    beyond ``quiet_s`` (compute measured with nothing inside backward), at
+    most its collective time ``hidden_s``; nothing below ``INFLATION_MIN``
+    of the quiet compute (noise)."""
+    extra = min(compute_s - quiet_s, hidden_s)
+    return extra if extra > INFLATION_MIN * quiet_s else 0.0
 
 
 def hidden_of(p: Prediction) -> float:
@@ -607,6 +625,7 @@ class Auto(Sync):
         self._base_s = 0.0
         self._exposed = EXPOSED_PRIOR
         self._fixed_s = 0.0
+        self._quiet_s: float | None = None  # compute under a strategy idle in backward
         self._next_probe = 0
         self._accum_basis: tuple[int, float, float] | None = None
         self._accum_advice: tuple[int, int] | None = None
@@ -632,11 +651,18 @@ class Auto(Sync):
         t0 = time.perf_counter()
         self._start_net = self._start_probe()
         probe_s = time.perf_counter() - t0
-        # the start strategy, for measure_steps steps: lossless, fewest bytes
-        # (not local SGD, which sends nothing: leaving it costs an average of
-        # the adapter and of the optimizer moments, more than a few fp16 steps)
+        # the start strategy, for measure_steps steps: one that sends nothing
+        # during backward (DiLoCo, else local SGD), so the compute measured is
+        # what every strategy shares; under a strategy whose collectives run
+        # inside backward, they take CPU from it (two ranks on two cores:
+        # compute 3-7% slower at 100 Mbit/s), which the model cannot tell
+        # from compute.  Leaving it for a per-step strategy costs one fp32
+        # average of the adapter and of the optimizer moments; on a slow link,
+        # where that is dear, auto stays on DiLoCo anyway.  Without a periodic
+        # candidate: the lossless one that sends the fewest bytes.
         start = self.opts["start"] or next(
-            (c for c in ("fp16", "bf16", "allreduce") if c in self._candidates),
+            (c for c in ("diloco", "local", "fp16", "bf16", "allreduce")
+             if c in self._candidates),
             next((c for c in self._candidates if c not in PERIODIC), self._candidates[0]))
         measuring = self._measure > 0
         opts = self._child_opts.get(start, {})
@@ -905,6 +931,14 @@ class Auto(Sync):
                 net = again
             changed = link_changed(prev, net, self.numel, step)
         self._net = net
+        if not getattr(self._child, "communicates", True):
+            self._quiet_s = comp   # nothing ran inside backward: every strategy's compute
+        elif self._quiet_s is not None:
+            # backward slower than with nothing in it: the collectives this
+            # strategy runs inside it took the CPU (at most their duration)
+            hidden = hidden_of(predict(cur, net, self._workload(self._quiet_s)))
+            infl = inflation(comp, self._quiet_s, hidden)
+            comp, over = comp - infl, over + infl
         # fit the corrections on the strategy in use: what it cost beyond the model
         p = predict(cur, net, self._workload(comp))
         x = over - (p.step_s - p.compute_s)
@@ -1093,6 +1127,7 @@ class Auto(Sync):
             "net": None if self._net is None else [self._net.alpha_s, self._net.bandwidth_Bps],
             "fit_for": self._fit_for, "last_extra": self._last_extra,
             "pending_pick": self._pending_pick, "fixed_s": self._fixed_s, "base_s": self._base_s,
+            "quiet_s": self._quiet_s,
             "exposed": self._exposed, "switches": self._switches,
             "last_switch": dict(self._last_switch) if self._last_switch else None,
             "carry": None if self._carry is None else self._carry.clone(),
@@ -1122,6 +1157,8 @@ class Auto(Sync):
         self._last_extra = float(state.get("last_extra", 0.0))
         self._pending_pick = state.get("pending_pick")
         self._fixed_s = float(state.get("fixed_s", 0.0))
+        quiet = state.get("quiet_s")
+        self._quiet_s = None if quiet is None else float(quiet)
         self._base_s = float(state.get("base_s", 0.0))
         self._exposed = float(state.get("exposed", EXPOSED_PRIOR))
         self._switches = int(state.get("switches", 0))
