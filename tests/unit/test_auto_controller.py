@@ -169,6 +169,32 @@ def test_network_change_detected_from_synthetic_timings():
     assert back.strategy == first.strategy
 
 
+def test_a_tenfold_cut_from_1gbit_is_a_link_change():
+    # 0.27 s more for an fp32 sync of the adapter on a 1.4 s step: about 20%
+    g = Net(alpha_s=1e-4, bandwidth_Bps=123e6, world_size=2)
+    assert A.link_changed(g, Net(alpha_s=1e-4, bandwidth_Bps=12.3e6, world_size=2), N, 1.4)
+
+
+def test_a_lossless_strategy_far_behind_the_fastest_does_not_stay_for_a_small_gain():
+    """1 Gbit/s cut to 100 Mbit/s with allreduce in use: fp16 (the lossless
+    pick) gains less than the switch margin over it, DiLoCo more; auto takes
+    the pick rather than staying."""
+    net = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+    opts = {"diloco": {"streaming": True, "delta_dtype": "fp16"}}
+    cands = ("allreduce", "fp16", "diloco")
+    extra = {"allreduce": 0.08, "fp16": 0.04, "diloco": 0.0}
+    w = wl(1.30, options=opts, extra_s=extra)
+    rank = {p.strategy: p for p in A.decide(net, w, None, cands).ranking}
+    assert rank["diloco"].samples_per_s > 1.05 * rank["allreduce"].samples_per_s
+    assert rank["fp16"].samples_per_s < 1.05 * rank["allreduce"].samples_per_s
+    d = A.decide(net, w, "allreduce", cands)
+    assert d.switch and d.strategy == A.decide(net, w, None, cands).strategy != "allreduce"
+    # the pick (fp16, 2% faster) and the fastest within the margin: it stays
+    close = wl(1.30, options=opts, extra_s={"allreduce": 0.0, "fp16": 0.0, "diloco": 0.05})
+    assert A.decide(net, close, None, cands).strategy == "fp16"
+    assert not A.decide(net, close, "allreduce", cands).switch
+
+
 def test_link_changed_ignores_noise_and_irrelevant_fast_links():
     a = Net(alpha_s=1e-4, bandwidth_Bps=MB100, world_size=2)
     assert not A.link_changed(a, Net(alpha_s=1e-4, bandwidth_Bps=MB100 * 1.3, world_size=2),

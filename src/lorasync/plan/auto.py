@@ -163,6 +163,9 @@ DRIFT_UNCALIBRATED = 0.5
 #: backward (local, diloco) counts as the cost of running collectives inside
 #: backward (the CPU they take from it), charged to every per-step strategy
 INFLATION_MIN = 0.02
+#: a probe that moves an fp32 sync of the adapter by this share of the step
+#: (and is BANDWIDTH_CHANGE off) found another link: decide afresh
+LINK_MOVE = 0.05
 #: a probe this many times faster or slower than the last forgets the
 #: per-strategy corrections measured on the old link
 BANDWIDTH_CHANGE = 1.5
@@ -402,7 +405,10 @@ def decide(net: Net, workload: Workload, current: str | None, candidates: Sequen
     in use.  Otherwise (a routine re-evaluation) the strategy in use stays
     unless the pick is predicted more than ``switch_margin`` faster -- in
     either direction, lossy to lossless included, so noisy measurements
-    cannot make it flap.  A current strategy that is not a candidate is
+    cannot make it flap -- or the fastest candidate is: then the pick is
+    taken even if it gains less (a lossless strategy in use that is more than
+    the margin behind the fastest does not stay because another lossless
+    one is only slightly better than it).  A current strategy that is not a candidate is
     always left.
     """
     cands = tuple(candidates)
@@ -414,8 +420,10 @@ def decide(net: Net, workload: Workload, current: str | None, candidates: Sequen
         if cur is None:
             cur = predict(current, net, workload)
     pick, rule = rec.prediction, rec.reason
+    fastest = rec.ranking[0]
     if not fresh and current in cands and pick.strategy != current \
-            and pick.samples_per_s <= (1 + switch_margin) * cur.samples_per_s:
+            and pick.samples_per_s <= (1 + switch_margin) * cur.samples_per_s \
+            and fastest.samples_per_s <= (1 + switch_margin) * cur.samples_per_s:
         gain = pick.samples_per_s / cur.samples_per_s - 1
         rule = (f"keep {current}: {pick.strategy} would gain {gain:.1%}, not more than "
                 f"{switch_margin:.0%}")
@@ -437,13 +445,15 @@ def drifted(overhead_s: float, predicted_overhead_s: float, step_s: float,
 def link_changed(previous: Net, net: Net, numel: int, step_s: float) -> bool:
     """Whether a new probe describes another link for this job: bandwidth off
     by more than ``BANDWIDTH_CHANGE`` either way *and* enough to move an fp32
-    sync of the adapter by more than ``DRIFT`` of the step (on a fast link
-    the estimate is noisy and irrelevant)."""
+    sync of the adapter by more than ``LINK_MOVE`` of the step, as much as
+    the margins a choice is made with (on a fast link the estimate is noisy
+    and irrelevant).  1 Gbit/s cut to 100 Mbit/s moves it by 0.27 s of a
+    1.4 s step: a change, which ``DRIFT`` (20%) did not call one."""
     ratio = net.bandwidth_Bps / previous.bandwidth_Bps
     if 1 / BANDWIDTH_CHANGE <= ratio <= BANDWIDTH_CHANGE:
         return False
     moved = abs(4.0 * numel / net.bandwidth_Bps - 4.0 * numel / previous.bandwidth_Bps)
-    return moved > DRIFT * step_s
+    return moved > LINK_MOVE * step_s
 
 
 def suggest_accum(current: int, compute_s: float, overhead_s: float, *, max_accum: int,
