@@ -416,7 +416,10 @@ class HookSync(Sync):
             # left over from a backward pass that never reached its last bucket
             self._pending[2].set_exception(RuntimeError("backward pass was abandoned"))
             self._pending = None
-        self._drain(last=False)
+        # in the last bucket's hook this wait comes after last_ready_time, so
+        # the trainer sees it already (end of backward - last_ready_time):
+        # counting it in comm_s too would count it twice
+        self._drain(last=bucket.is_last())
         out: torch.futures.Future = torch.futures.Future()
         fut, cont = self._phase1(bucket, lay)
         self._pending = (fut, cont, out)
