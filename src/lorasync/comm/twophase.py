@@ -307,6 +307,7 @@ class OneBit(_TwoPhase):
         self._denom: torch.Tensor | None = None  # sqrt(frozen v_hat) + eps, canonical order
         self._mom_step = False  # this backward sent momentum (the optimizer step is ours)
         self._stash: list[torch.Tensor | None] = []
+        self._handles: list = []  # the optimizer step hooks (set_optimizer)
 
     def _encode(self, x, bid, nblocks, count, sum_index=None):
         return C.onebit_encode(x, bid, nblocks, count, sum_index)
@@ -373,7 +374,7 @@ class OneBit(_TwoPhase):
         super().finish()
         # the optimizer outlives this strategy (``auto`` switches away): leave
         # it a plain AdamW again, with the averaged momentum and frozen variance
-        for h in getattr(self, "_handles", ()):
+        for h in self._handles:
             h.remove()
         self._handles = []
 
