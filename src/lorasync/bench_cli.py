@@ -238,11 +238,12 @@ def measured_step_s(summary: dict, batch: int) -> float:
 
 def predict_rows(rows: list[Row], net, ceiling: dict, model: str, batch: int) -> None:
     """Put the cost model's step time next to each measured row (``row.extra``)."""
-    from lorasync.plan.costmodel import MODELS, MiB, Workload, lora_matrices, predict
+    from lorasync.plan.costmodel import MODELS, MiB, Workload, head_share, lora_matrices, predict
 
     compute = measured_step_s(ceiling, batch)
     numel = int(ceiling["adapter_params"])
     matrices = lora_matrices(MODELS[model]) if model in MODELS else None
+    head = head_share(MODELS[model]) if model in MODELS else 0.0
     if matrices and sum(r * c for r, c in matrices) != numel:
         matrices = None  # another adapter shape: PowerSGD falls back to its assumption
     for row in rows:
@@ -251,7 +252,7 @@ def predict_rows(rows: list[Row], net, ceiling: dict, model: str, batch: int) ->
             continue
         name, opts, bucket = spec
         wl = Workload(adapter_params=numel, compute_s=compute, batch_size=batch,
-                      bucket_bytes=int(bucket * MiB), matrices=matrices,
+                      head_share=head, bucket_bytes=int(bucket * MiB), matrices=matrices,
                       options={name: opts} if opts else {})
         pred = predict(name, net, wl)
         measured = measured_step_s(row.summary, batch)

@@ -319,6 +319,24 @@ def test_workload_from_bucket_sizes():
     assert w.bucket_bytes == 1 << 20 and w.first_bucket_bytes is None
 
 
+def test_head_share_of_a_live_peft_model_counts_frozen_linears_only():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, tie_word_embeddings=False)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), peft.LoraConfig(
+        r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    head = 64 * 16
+    layer = 16 * 16 + 16 * 8 + 16 * 8 + 16 * 16 + 3 * 16 * 32   # q k v o gate up down
+    assert A.module_head_share(model) == pytest.approx(head / (head + 2 * layer))
+    assert A.workload_for(N, 1.0, head_share=0.25).head_share == 0.25
+    # no output embedding: nothing known comes before the adapter's gradients
+    assert A.module_head_share(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0.0
+
+
 # --------------------------------------------------------------------------- accumulation
 
 def test_accum_goes_up_when_sync_bound_and_back_down():

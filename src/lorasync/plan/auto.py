@@ -339,15 +339,40 @@ def split_extra(extra_s: float, hidden_s: float, step_s: float, base_s: float,
     return extra_s - exposed * hidden_s, exposed
 
 
+def module_head_share(module: torch.nn.Module) -> float:
+    """:func:`lorasync.plan.costmodel.head_share` of a live model: the output
+    embedding's weights against the frozen 2-D weights of every other linear
+    layer (LoRA's own, trainable, left out; a tied input embedding is a
+    lookup and is not counted).  0.0 for a model without an output embedding
+    the ``get_output_embeddings`` way (transformers, PEFT)."""
+    m = module
+    while isinstance(getattr(m, "module", None), torch.nn.Module):  # DDP and the like
+        m = m.module
+    get = getattr(m, "get_output_embeddings", None)
+    try:
+        out = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        out = None
+    w = getattr(out, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return 0.0
+    body = sum(x.weight.numel() for x in m.modules()
+               if isinstance(x, torch.nn.Linear) and x is not out and x.weight is not w
+               and not x.weight.requires_grad)
+    return w.numel() / (w.numel() + body) if body else 0.0
+
+
 def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = (),
                  bucket_cap_bytes: int = 25 << 20, matrices=None,
                  options: Mapping[str, Mapping[str, Any]] | None = None,
-                 extra_s: Mapping[str, float] | None = None, batch_size: int = 1) -> Workload:
+                 extra_s: Mapping[str, float] | None = None, batch_size: int = 1,
+                 head_share: float = 0.0) -> Workload:
     """A cost-model ``Workload`` from what a running job knows about itself.
 
     ``bucket_sizes``: elements per DDP bucket in ready order (a strategy's
     ``bucket_sizes``), else DDP's cap; ``extra_s``: measured per-step cost
-    beyond the prediction, per strategy (see :func:`encode_ns_for`).
+    beyond the prediction, per strategy (see :func:`encode_ns_for`);
+    ``head_share``: :func:`module_head_share` of the model.
     """
     options = {k: dict(v) for k, v in (options or {}).items()}
     if bucket_sizes:
@@ -358,7 +383,8 @@ def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = 
     encode = {name: encode_ns_for(name, options.get(name, {}), x, numel)
               for name, x in (extra_s or {}).items()}
     return Workload(adapter_params=int(numel), compute_s=max(float(compute_s), 1e-6),
-                    batch_size=int(batch_size), bucket_bytes=int(bucket_bytes),
+                    batch_size=int(batch_size), head_share=float(head_share),
+                    bucket_bytes=int(bucket_bytes),
                     first_bucket_bytes=first, matrices=matrices, encode_ns=encode,
                     options=options)
 
@@ -646,6 +672,7 @@ class Auto(Sync):
         self._bucket_sizes: list[int] = []
         self._matrices = tuple((p.shape[0], p.numel() // p.shape[0])
                                for p in self.params if p.dim() >= 2) or None
+        self._head_share = module_head_share(self.ddp)
         # every candidate once, without a hook: option values and backend
         # support are checked now, not at a switch in the middle of a run
         usable = []
@@ -895,7 +922,7 @@ class Auto(Sync):
                   bucket_cap_bytes=getattr(self.ddp, "bucket_bytes_cap", 25 << 20),
                   matrices=self._matrices,
                   options={c: self._child_opts.get(c, {}) for c in names},
-                  batch_size=self.opts["batch_size"])
+                  batch_size=self.opts["batch_size"], head_share=self._head_share)
         plain = workload_for(self.numel, compute_s, **kw)
         if net is None:
             return plain
