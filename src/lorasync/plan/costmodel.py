@@ -97,12 +97,18 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 # Encode + decode cost, nanoseconds per adapter element per sync, on one CPU
-# thread.  Rough defaults (casts ~1 ns, quantize/dequantize a few ns, CPU
-# top-k ~10 ns); calibrate from metrics.jsonl's encode_s / params.  PowerSGD's
-# is per unit of rank (two small matmuls per matrix scale with rank).
+# thread: what the strategies' encode_s came to in bench/plan_accuracy.py
+# (SmolLM2-135M, 921,600 adapter elements, 2 ranks, torch 2.13 CPU; the three
+# links agree within 10%): fp16/bf16 2 (a cast each way), int8 20 (two
+# quantize/dequantize rounds with error feedback), onebit 45 (1-bit Adam: the
+# momentum blend, sign packing, two rounds), topk 18 (CPU top-k), PowerSGD 7.5
+# per unit of rank (two small matmuls per matrix scale with rank), local 2.5
+# and DiLoCo 7 per sync (the flat copy; DiLoCo's outer Nesterov step).  plain
+# all-reduce hands DDP's bucket over as it is.  Calibrate for another machine
+# from metrics.jsonl's encode_s / params (``lorasync plan --encode-ns``).
 ENCODE_NS: dict[str, float] = {
-    "none": 0.0, "allreduce": 0.2, "fp16": 1.0, "bf16": 1.0, "int8": 6.0, "onebit": 8.0,
-    "topk": 12.0, "powersgd": 3.0, "local": 1.0, "diloco": 3.0,
+    "none": 0.0, "allreduce": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 20.0, "onebit": 45.0,
+    "topk": 18.0, "powersgd": 7.5, "local": 2.5, "diloco": 7.0,
 }
 
 #: options of lorasync.comm strategies accepted and ignored here (they change
