@@ -634,7 +634,12 @@ def test_netns_rate_cut_makes_auto_switch(tmp_path):
             down(f"t{pid}auto")
     name = f"t{os.getpid()}auto"
     run = str(tmp_path / "run")
-    argv = ["train", "--model", "tiny", "--batch-size", "2", "--eval-size", "0",
+    # batch 16: a step of compute (~30 ms) that per-message latency (~0.7 ms
+    # measured here for gloo at 1 Gbit/s) does not dominate; at batch 2 (6 ms)
+    # top-k's one message per bucket against all-reduce's two made it the
+    # pick already at 1 Gbit/s, so the cut needed no switch and the test
+    # failed about half the time
+    argv = ["train", "--model", "tiny", "--batch-size", "16", "--eval-size", "0",
             "--no-eval-before", "--no-progress", "--ckpt-interval", "0", "--max-steps", "90",
             "--comm", "auto", "--comm-opt", "candidates=allreduce,fp16,topk",
             "--output-dir", run]
