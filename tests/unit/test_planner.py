@@ -9,7 +9,8 @@ import pytest
 from lorasync.cli import main
 from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import (
-    LOSSLESS, MODELS, PERIODIC, STRATEGIES, MiB, Net, Workload, lora_matrices, predict,
+    LOSSLESS, MODELS, PERIODIC, STRATEGIES, MiB, Net, Workload, head_share, lora_matrices,
+    predict,
 )
 from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, Link, Measurements, choose, net_from_probe, plan, rank, what_if_net,
@@ -323,6 +324,19 @@ def test_cli_adapter_params_and_options(capsys):
     topk = next(p for p in d["ranking"] if p["strategy"] == "topk")
     assert topk["options"]["ratio"] == 0.001
     assert len(d["ranking"]) == 3
+    assert d["workload"]["head_share"] == 0.0   # no model shape behind --adapter-params
+
+
+def test_cli_head_share_comes_from_the_model_unless_given(capsys):
+    assert main(["plan", "--rate", "10mbit", "--compute-s", "1", "--json"]) == 0
+    wl = json.loads(capsys.readouterr().out)["workload"]
+    assert wl["head_share"] == pytest.approx(head_share(MODELS["smollm2-135m"]))
+    assert wl["backward_share"] == 0.5
+    assert main(["plan", "--rate", "10mbit", "--compute-s", "1", "--head-share", "0.3",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["head_share"] == 0.3
+    assert main(["plan", "--rate", "10mbit", "--compute-s", "1"]) == 0
+    assert "before any adapter gradient" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -336,6 +350,8 @@ def test_cli_adapter_params_and_options(capsys):
     (["plan", "--rate", "10mbit", "--opt", "topk"], "--opt"),
     (["plan", "--probe", "/nonexistent/probe.json"], "--probe"),
     (["plan", "--rate", "10mbit", "--nodes", "0"], "--nodes"),
+    (["plan", "--rate", "10mbit", "--head-share", "1"], "--head-share"),
+    (["plan", "--rate", "10mbit", "--backward-share", "1.5"], "--backward-share"),
 ])
 def test_cli_bad_input_exits_2_naming_the_field(argv, needle, capsys):
     assert main(argv) == 2
