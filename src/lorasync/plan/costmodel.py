@@ -22,8 +22,9 @@ The model
   first bucket may be smaller).  Backward starts with the loss and the LM
   head (``head_share`` of it, no adapter gradient yet); LoRA parameters are
   spread evenly over the layers, so bucket k is ready after the head plus
-  the fraction of the rest that produced its bytes.  Collectives of one process group run one after
-  another, so bucket k's sync starts at max(ready_k, end of bucket k-1).
+  the fraction of the rest that produced its bytes.  Collectives of one
+  process group run one after another, so bucket k's sync starts at
+  max(ready_k, end of bucket k-1).
   Exposed communication is what is left after the backward pass ends; only
   buckets other than the last can hide behind it.  Two-phase strategies
   (int8, onebit) also hold the backward pass up: the hook of bucket k first
@@ -598,7 +599,7 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
         spread = backward - head                 # over which the adapter's gradients appear
         done = 0
         end = 0.0  # time since the backward pass started
-        clock = 0.0       # backward progress, held up by two-phase hooks
+        clock = head      # two-phase: backward progress, held up by the hooks
         p1_end = 0.0      # two-phase: when the previous bucket's phase 1 finishes
         p2_prev = 0.0     # two-phase: the previous bucket's phase 2, not yet issued
         for b in layout:
@@ -609,8 +610,7 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
                 times.append(collective_time(c, net))
             comm += sum(times)
             if strategy in TWO_PHASE:
-                clock += (head if not done else 0.0) + spread * b / numel  # fills this bucket
-                done += b
+                clock += spread * b / numel            # compute that fills this bucket
                 clock = max(clock, p1_end)             # the hook waits for k-1's phase 1
                 end = max(clock, end) + p2_prev        # then issues k-1's phase 2
                 end = max(clock, end) + times[0]       # and this bucket's phase 1
