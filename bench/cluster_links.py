@@ -17,7 +17,8 @@ import os
 import statistics
 import sys
 
-from lorasync.net.cluster import emulated, format_rate, parse_emulate
+from lorasync.net.cluster import emulated, parse_emulate
+from lorasync.units import fmt_rate
 
 PROFILES = [
     "rate=10mbit",
@@ -61,7 +62,7 @@ def main() -> int:
         ratio = f"{r['rate_meas_bps'] / r['rate_conf_bps']:.2f}" if r["rate_conf_bps"] else "-"
         meas = (f"{r['rate_meas_bps'] / 1e6:.1f} ({r['rate_min_bps'] / 1e6:.1f}-"
                 f"{r['rate_max_bps'] / 1e6:.1f}) Mbit/s")
-        print(f"{r['profile']:36} {r['mtu']:>5} {format_rate(r['rate_conf_bps']):>10} {meas:>28} {ratio:>6} "
+        print(f"{r['profile']:36} {r['mtu']:>5} {fmt_rate(r['rate_conf_bps'], 'tc', unit='bit'):>10} {meas:>28} {ratio:>6} "
               f"{r['rtt_conf_s'] * 1e3:>7.1f}ms {r['rtt_meas_s'] * 1e3:>7.3f}ms")
     return 0
 

@@ -8,7 +8,7 @@ bandwidth, and the pair matrix. Passes (exit 0) when busbw is within 10% of
 the rate. Needs root; removes every namespace it made, also on failure.
 
     sudo .venv/bin/python bench/probe_accuracy.py                 # 2 nodes, 100mbit
-    sudo .venv/bin/python bench/probe_accuracy.py --rate 1gbit --nodes 3 --max-bytes 64M
+    sudo .venv/bin/python bench/probe_accuracy.py --rate 1gbit --nodes 3 --max-bytes 64MiB
 
 tbf counts Ethernet frames; at MTU 1500 a TCP segment carries 1448 payload
 bytes per 1514-byte frame, so about 95.6% of the rate is the ceiling for
@@ -26,8 +26,8 @@ import statistics
 import subprocess
 import sys
 
-from lorasync.net.probe import format_Bps
-from lorasync.net.tune import format_rate, parse_rate
+from lorasync.net.tune import parse_rate
+from lorasync.units import fmt_rate
 
 PREFIX = f"lsync-bench-pa{os.getpid()}"
 
@@ -65,8 +65,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--max-bytes", default="16M")
-    ap.add_argument("--pair-max-bytes", default="4M")
+    ap.add_argument("--max-bytes", default="16MiB")
+    ap.add_argument("--pair-max-bytes", default="4MiB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--time-budget", type=float, default=120)
@@ -109,21 +109,21 @@ def main() -> int:
     ar = [r for r in res["sweep"] if r["collective"] == "all_reduce"]
     big = ar[-1]
     ratio = big["busbw_Bps"] / wire
-    print(f"configured: {args.nodes} nodes, tbf {format_rate(rate_bps)} both ends of every veth, "
-          f"MTU {args.mtu}: {format_Bps(wire)} on the wire, payload ceiling {format_Bps(ceiling)}")
+    print(f"configured: {args.nodes} nodes, tbf {fmt_rate(rate_bps, unit='bit')} both ends of every veth, "
+          f"MTU {args.mtu}: {fmt_rate(wire, 'bytes')} on the wire, payload ceiling {fmt_rate(ceiling, 'bytes')}")
     print(f"{'bytes':>10} {'time':>10} {'busbw':>11} {'of rate':>8}")
     for r in ar:
-        print(f"{r['bytes']:>10} {r['time_s'] * 1e3:>8.2f}ms {format_Bps(r['busbw_Bps']):>11} "
+        print(f"{r['bytes']:>10} {r['time_s'] * 1e3:>8.2f}ms {fmt_rate(r['busbw_Bps'], 'bytes'):>11} "
               f"{r['busbw_Bps'] / wire:>8.1%}")
     m = res["model"]
     print(f"measured all_reduce busbw at {big['bytes']} B: "
-          f"{format_Bps(big['busbw_Bps'])} = {ratio:.1%} of the configured rate")
-    print(f"fitted group bandwidth: {format_Bps(m['bandwidth_Bps'])} = {m['bandwidth_Bps'] / wire:.1%}; "
+          f"{fmt_rate(big['busbw_Bps'], 'bytes')} = {ratio:.1%} of the configured rate")
+    print(f"fitted group bandwidth: {fmt_rate(m['bandwidth_Bps'], 'bytes')} = {m['bandwidth_Bps'] / wire:.1%}; "
           f"latency {m['latency_s'] * 1e6:.0f} us per message")
     pbw = [p["bandwidth_Bps"] for p in res["pairs"]]
     if pbw:
-        print(f"pairs ({len(pbw)}): min {format_Bps(min(pbw))} ({min(pbw) / wire:.1%}), median "
-              f"{format_Bps(statistics.median(pbw))}, max {format_Bps(max(pbw))} ({max(pbw) / wire:.1%})")
+        print(f"pairs ({len(pbw)}): min {fmt_rate(min(pbw), 'bytes')} ({min(pbw) / wire:.1%}), median "
+              f"{fmt_rate(statistics.median(pbw), 'bytes')}, max {fmt_rate(max(pbw), 'bytes')} ({max(pbw) / wire:.1%})")
     ok = abs(ratio - 1) <= 0.10
     print(f"busbw within 10% of the rate: {'yes' if ok else 'NO'}")
     return 0 if ok else 1

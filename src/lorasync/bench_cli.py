@@ -210,7 +210,7 @@ def _probe(cluster, out: str, timeout: float):
 
 def describe_net(net) -> str:
     """One line on the probed network model."""
-    from lorasync.plan.units import fmt_duration, fmt_rate
+    from lorasync.units import fmt_duration, fmt_rate
 
     return (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
             f"alpha {fmt_duration(net.alpha_s)}")

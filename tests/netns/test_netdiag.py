@@ -217,7 +217,7 @@ def test_probe_pair_matrix_names_the_shaped_node(topo):
     topo.shape(2, "20mbit", "32kb")  # the slow one, 10x
     base = dict(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=29519, WORLD_SIZE=3, LOCAL_WORLD_SIZE=1,
                 LOCAL_RANK=0, GLOO_SOCKET_IFNAME="eth0")
-    args = ("probe", "--json", "--quick", "--max-bytes", "256K", "--pair-max-bytes", "256K",
+    args = ("probe", "--json", "--quick", "--max-bytes", "256KiB", "--pair-max-bytes", "256KiB",
             "--time-budget", "30", "--timeout", "60")
     procs = [topo.spawn(ns, _lorasync(*args), _env(RANK=i, **base)) for i, ns in enumerate(nodes)]
     results = topo.wait_all(procs, 150)

@@ -6,7 +6,8 @@ import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.net import cluster as cl
-from lorasync.net.cluster import Cluster, ClusterSpec, format_rate, parse_delay, parse_emulate, parse_loss, parse_rate
+from lorasync.net.cluster import Cluster, ClusterSpec, parse_delay, parse_emulate, parse_loss, parse_rate
+from lorasync.units import fmt_rate
 
 
 # The spellings (mbit, MB/s, refused mbps, ...) are tested once, for every
@@ -58,8 +59,8 @@ def test_parse_loss_rejects(text):
 
 def test_format_rate_roundtrips():
     for text in ["10mbit", "100mbit", "1gbit", "1.5gbit", "500kbit"]:
-        assert format_rate(parse_rate(text)) == text
-    assert format_rate(None) == "unshaped"
+        assert fmt_rate(parse_rate(text), 'tc', unit='bit') == text
+    assert fmt_rate(None, 'tc', unit='bit') == "unshaped"
 
 
 def test_parse_emulate_full():

@@ -15,7 +15,7 @@ from lorasync.plan.costmodel import (
 from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, Link, Measurements, choose, net_from_probe, plan, rank, what_if_net,
 )
-from lorasync.plan.units import parse_count, parse_size
+from lorasync.units import parse_count, parse_size
 
 N = 921_600
 SMOL = lora_matrices(MODELS["smollm2-135m"], 8)

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from lorasync.errors import ConfigError
-from lorasync.net.probe import busbw_factor, fit_alpha_beta, format_report, parse_size, sweep_sizes
+from lorasync.net.probe import busbw_factor, fit_alpha_beta, format_report, sweep_sizes
 
 
 def test_fit_recovers_exact_line():
@@ -77,20 +77,6 @@ def test_sweep_sizes():
     assert sweep_sizes(1 << 20)[-1] == 1 << 20
     assert sweep_sizes(100_000) == [4096, 16384, 65536, 100_000]
     assert sweep_sizes(1000) == [1000]
-
-
-@pytest.mark.parametrize("text,value", [
-    ("65536", 65536), ("64K", 65536), ("64KiB", 65536), ("4M", 4 << 20), ("64MiB", 64 << 20),
-    ("1G", 1 << 30), ("4MB", 4_000_000), ("4 k", 4096), (128, 128),
-])
-def test_parse_size(text, value):
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "4X", "-1", "4Mb", "1", "abc"])
-def test_parse_size_rejects(text):
-    with pytest.raises(ConfigError, match="--max-bytes"):
-        parse_size(text)
 
 
 def test_format_report_names_slowest_pair():

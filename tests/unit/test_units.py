@@ -1,4 +1,4 @@
-"""The one table of rate and duration spellings (lorasync.plan.units), and the
+"""The one table of rate and duration spellings (lorasync.units), and the
 check that every command that takes a rate or a time reads it the same way:
 ``cluster`` (bits/s, tc's 8kbit..100gbit, bare numbers = bits and ms),
 ``tune``/``doctor`` (bits/s, --rate/--rtt) and ``plan`` (bytes/s).  The callers'
@@ -10,8 +10,8 @@ import pytest
 
 from lorasync.errors import ConfigError
 from lorasync.net import cluster, tune
-from lorasync.plan import units
-from lorasync.plan.units import parse_duration, parse_rate, parse_rate_Bps, parse_rate_bps
+from lorasync import units
+from lorasync.units import parse_duration, parse_rate, parse_rate_Bps, parse_rate_bps
 
 # text -> bits per second
 RATES = [
@@ -158,3 +158,42 @@ def test_callers_refuse_a_duration_the_same(text, hint):
         with pytest.raises(ConfigError) as e:
             parse(text)
         assert e.value.field == field and hint in e.value.fix
+
+
+@pytest.mark.parametrize("text,value", [
+    ("65536", 65536), ("64K", 64_000), ("64k", 64_000), ("64KiB", 65536), ("4M", 4_000_000),
+    ("4MB", 4_000_000), ("64MiB", 64 << 20), ("1G", 10**9), ("1GiB", 1 << 30), ("4 k", 4000),
+    ("3.7MB", 3_700_000), (128, 128),
+])
+def test_parse_size(text, value):
+    """One size rule for every command: prefixes decimal, Ki/Mi/Gi binary, as for rates."""
+    assert units.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "4X", "-1", "4Mb", "abc", "0", True])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError, match="--max-bytes"):
+        units.parse_size(text, "--max-bytes")
+
+
+def test_parse_size_minimum():
+    assert units.parse_size("4", minimum=4) == 4
+    with pytest.raises(ConfigError, match="at least 4 bytes"):
+        units.parse_size("1", "--max-bytes", minimum=4)
+
+
+@pytest.mark.parametrize("Bps,style,text", [
+    (1.25e6, "bits", "10 Mbit/s"), (1.25e6, "bytes", "1.25 MB/s"),
+    (1.25e6, "both", "1.25 MB/s (10 Mbit/s)"), (1.25e6, "tc", "10mbit"),
+    (1.5e6 / 8, "tc", "1.5mbit"), (125e9 / 8, "bits", "125 Gbit/s"), (500, "bytes", "500 B/s"),
+    (None, "bytes", "-"), (None, "tc", "unshaped"),
+])
+def test_fmt_rate(Bps, style, text):
+    assert units.fmt_rate(Bps, style) == text
+
+
+@pytest.mark.parametrize("text", ["8kbit", "1500kbit", "10mbit", "1.5mbit", "100gbit", "123.457mbit"])
+def test_fmt_rate_tc_reads_back(text):
+    """What the tc style prints, the parsers read back (cluster state, tune advice)."""
+    bps = units.parse_rate_bps(text)
+    assert units.parse_rate_bps(units.fmt_rate(bps / 8, "tc")) == pytest.approx(bps, rel=1e-6)

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.plan.units import parse_duration, parse_rate_bps
+from lorasync.units import fmt_rate, parse_duration, parse_rate_bps
 
 __all__ = [
     "Cluster",
@@ -61,7 +61,6 @@ __all__ = [
     "Node",
     "down",
     "emulated",
-    "format_rate",
     "launch_on_cluster",
     "parse_delay",
     "parse_emulate",
@@ -82,7 +81,7 @@ _MAX_GSO = 65536  # largest skb TCP hands a veth; queues must hold a few
 def parse_rate(text: str | int | float, field: str = "rate") -> int:
     """``"100mbit"`` -> 100_000_000 (bits/s), for tc.
 
-    The units are :mod:`lorasync.plan.units`' (the same for every command;
+    The units are :mod:`lorasync.units`' (the same for every command;
     ``mbps`` is refused as ambiguous); as in tc a bare number is bits/s.
     Only the range is this module's: tc/htb shapes 8kbit..100gbit.
     """
@@ -92,19 +91,8 @@ def parse_rate(text: str | int | float, field: str = "rate") -> int:
     return int(value)
 
 
-def format_rate(bps: float | None) -> str:
-    """100_000_000 -> ``"100mbit"`` (tc syntax, exact when possible)."""
-    if bps is None:
-        return "unshaped"
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bps >= scale:
-            v = bps / scale
-            return f"{v:g}{unit}" if abs(v - round(v, 3)) < 1e-9 else f"{v:.3f}{unit}"
-    return f"{int(bps)}bit"
-
-
 def parse_delay(text: str | int | float, field: str = "delay") -> float:
-    """``"20ms"`` -> 0.02 (seconds), units as :func:`lorasync.plan.units.parse_duration`;
+    """``"20ms"`` -> 0.02 (seconds), units as :func:`lorasync.units.parse_duration`;
     a bare number in a string is ms, like tc; an int/float is seconds (``ClusterSpec.delay_s``).
     """
     numeric = isinstance(text, (int, float)) and not isinstance(text, bool)
@@ -208,12 +196,12 @@ class ClusterSpec:
         return int(self.mtu or (65000 if self.needs_forwarder else 1500))
 
     def describe(self) -> str:
-        parts = [f"{self.nodes} nodes", f"rate {format_rate(self.rate_bps)}"]
+        parts = [f"{self.nodes} nodes", f"rate {fmt_rate(self.rate_bps, 'tc', unit='bit')}"]
         if self.delay_s:
             parts.append(f"delay {self.delay_s * 1e3:g}ms one-way (RTT {2 * self.delay_s * 1e3:g}ms)")
         if self.loss:
             parts.append(f"loss {self.loss * 100:g}%")
-        parts += [f"pair {i}-{j} {format_rate(r)}" for (i, j), r in sorted(self.pair_rates.items())]
+        parts += [f"pair {i}-{j} {fmt_rate(r, 'tc', unit='bit')}" for (i, j), r in sorted(self.pair_rates.items())]
         return ", ".join(parts)
 
     def to_dict(self) -> dict:

@@ -20,6 +20,8 @@ import argparse
 import json
 import subprocess
 
+from lorasync.units import fmt_rate
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -103,29 +105,27 @@ def run(args: argparse.Namespace) -> int:
         c = cl.Cluster.load(args.name)
         node = None if args.node is None else c.node(args.node).index
         c.set_rate(args.rate, node)
-        print(f"rate {cl.format_rate(cl.parse_rate(args.rate))} on "
+        print(f"rate {fmt_rate(cl.parse_rate(args.rate), 'tc', unit='bit')} on "
               + ("all nodes" if node is None else f"node{node}"))
         return 0
     raise AssertionError(cmd)
 
 
 def _print_status(st: dict) -> None:
-    from lorasync.net.cluster import format_rate
-
     print(f"  topology: {st['topology']} (hub namespace {st['hub_netns']})")
     if st.get("forwarder_pid"):
         print(f"  forwarder: pid {st['forwarder_pid']} {'running' if st['forwarder_alive'] else 'NOT RUNNING'}")
     print(f"  {'node':6} {'netns':28} {'address':14} {'if':5} rate")
     for n in st["nodes"]:
-        print(f"  {n['name']:6} {n['netns']:28} {n['address']:14} {n['ifname']:5} {format_rate(n['rate_bps'])}")
+        print(f"  {n['name']:6} {n['netns']:28} {n['address']:14} {n['ifname']:5} {fmt_rate(n['rate_bps'], 'tc', unit='bit')}")
     for pair, rate in st["spec"]["pair_rates"].items():
-        print(f"  pair {pair}: {format_rate(rate)}")
+        print(f"  pair {pair}: {fmt_rate(rate, 'tc', unit='bit')}")
     conf = st["configured"]
     if "measured" in st:
         m = st["measured"]
         rate = f"{m['rate_bps'] / 1e6:.1f} Mbit/s"
         if conf["rate_bps"]:
-            rate += f" ({m['rate_bps'] / conf['rate_bps']:.2f}x of {format_rate(conf['rate_bps'])})"
+            rate += f" ({m['rate_bps'] / conf['rate_bps']:.2f}x of {fmt_rate(conf['rate_bps'], 'tc', unit='bit')})"
         rtt = f"{m['rtt_s'] * 1e3:.2f} ms"
         if conf["rtt_s"]:
             rtt += f" (configured {conf['rtt_s'] * 1e3:g} ms)"

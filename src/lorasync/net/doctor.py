@@ -19,7 +19,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 
 from lorasync.net.hostinfo import HostInfo, is_loopback_address, is_public_address
-from lorasync.net.tune import Link, default_link, recommend, tc_rate
+from lorasync.net.tune import Link, default_link, recommend
+from lorasync.units import fmt_rate
 
 __all__ = [
     "SEVERITIES",
@@ -219,7 +220,7 @@ def _check_tcp(host: HostInfo, link: Link) -> list[Finding]:
         out.append(Finding(
             f"sysctl:{r.key}", r.severity, f"{r.key} = {cur}, recommended {r.recommended} [{where}]",
             r.reason + (f"; {r.note}" if r.note and not r.applicable else ""),
-            f"{fix}   # or all at once: lorasync tune --apply --rate {tc_rate(link.rate_bps)} "
+            f"{fix}   # or all at once: lorasync tune --apply --rate {fmt_rate(link.rate_bps, 'tc', unit='bit')} "
             f"--rtt {link.rtt_s * 1e3:.3g}ms"))
     if not out:
         out.append(Finding("sysctl", "ok", f"TCP settings meet the targets for {link.describe()}"))

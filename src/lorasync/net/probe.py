@@ -30,13 +30,13 @@ trainer's ``--comm auto`` calls in its own process group (``quick=True``).
 from __future__ import annotations
 
 import math
-import re
 import socket
 import statistics
 import time
 from typing import NamedTuple, Sequence
 
 from lorasync.errors import ConfigError
+from lorasync.units import fmt_rate
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -44,10 +44,8 @@ __all__ = [
     "fit_alpha_beta",
     "busbw_factor",
     "sweep_sizes",
-    "parse_size",
     "run_probe",
     "format_report",
-    "format_Bps",
 ]
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -131,30 +129,6 @@ def sweep_sizes(max_bytes: int, min_bytes: int = MIN_BYTES, factor: int = 4) -> 
     if out[-1] != max_bytes:
         out.append(max_bytes)
     return out
-
-
-def parse_size(text: str | int, field: str = "--max-bytes") -> int:
-    """Bytes from ``65536``, ``64K``, ``64KiB``, ``4M``, ``1G`` (binary), ``4MB`` (decimal)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB]?)\s*", str(text))
-    if not m or (m.group(3) and m.group(3) not in ("B", "iB")):
-        raise ConfigError(field, text, "give a size such as 65536, 64K, 4M, 64MiB or 4MB")
-    num, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3)
-    base = 1000 if suffix == "B" and prefix else 1024
-    val = int(num * base ** " KMG".index(prefix or " "))
-    if val < 4:
-        raise ConfigError(field, text, "must be at least 4 bytes (one float32)")
-    return val
-
-
-def format_Bps(bps: float | None) -> str:
-    if bps is None:
-        return "-"
-    for unit, div in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if bps >= div:
-            return f"{bps / div:.3g} {unit}"
-    return f"{bps:.3g} B/s"
 
 
 def _fmt_s(t: float | None) -> str:
@@ -506,11 +480,11 @@ def format_report(res: dict) -> str:
         for r in res["sweep"]:
             lines.append(f"{r['collective']:<11} {_fmt_bytes(r['bytes']):>9} {_fmt_s(r['time_s']):>10} "
                          f"{_fmt_s(r['time_s_min']):>10} {_fmt_s(r['time_s_max']):>10} "
-                         f"{format_Bps(r['algbw_Bps']):>11} {format_Bps(r['busbw_Bps']):>11}")
+                         f"{fmt_rate(r['algbw_Bps'], 'bytes'):>11} {fmt_rate(r['busbw_Bps'], 'bytes'):>11}")
     m = res.get("model")
     if m:
         lines.append(f"fitted link (all_reduce, busbw-corrected): latency {_fmt_s(m['latency_s'])} per "
-                     f"message, bandwidth {format_Bps(m['bandwidth_Bps'])} (r2 {m['r2']:.3f})")
+                     f"message, bandwidth {fmt_rate(m['bandwidth_Bps'], 'bytes')} (r2 {m['r2']:.3f})")
     pairs = res.get("pairs") or []
     if pairs:
         n = res["world_size"]
@@ -519,7 +493,7 @@ def format_report(res: dict) -> str:
         lines.append("pair bandwidth, src (row) -> dst (column):")
         lines.append("      " + "".join(f"{d:>11}" for d in range(n)))
         for s in range(n):
-            cells = [format_Bps(bw[(s, d)]["bandwidth_Bps"]) if (s, d) in bw else "-" for d in range(n)]
+            cells = [fmt_rate(bw[(s, d)]["bandwidth_Bps"], 'bytes') if (s, d) in bw else "-" for d in range(n)]
             lines.append(f"{s:>5} " + "".join(f"{c:>11}" for c in cells))
         lines.append("pair latency (one way):")
         for s in range(n):
@@ -533,7 +507,7 @@ def format_report(res: dict) -> str:
             i = ranks.get(r, {})
             return f"rank {r} ({i.get('host', '?')} {i.get('addr') or ''})".replace(" )", ")")
         lines.append(f"slowest pair: {who(sp['src'])} -> {who(sp['dst'])}: "
-                     f"{format_Bps(sp['bandwidth_Bps'])}, latency {_fmt_s(sp['latency_s'])}")
+                     f"{fmt_rate(sp['bandwidth_Bps'], 'bytes')}, latency {_fmt_s(sp['latency_s'])}")
     for w in res.get("warnings") or []:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

@@ -35,10 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p, "probe")
     p.add_argument("--quick", action="store_true",
                    help="a few sizes up to 4 MiB, few repeats: a few seconds (what --comm auto uses)")
-    p.add_argument("--max-bytes", default="64M", metavar="SIZE",
-                   help="largest all-reduce size (default 64M; e.g. 4M on a slow link)")
+    p.add_argument("--max-bytes", default="64MiB", metavar="SIZE",
+                   help="largest all-reduce size (default 64MiB; e.g. 4MiB on a slow link)")
     p.add_argument("--pair-max-bytes", default=None, metavar="SIZE",
-                   help="largest message of the pair matrix (default 4M, 1M with --quick)")
+                   help="largest message of the pair matrix (default 4MiB, 1MiB with --quick)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed repeats per size (default 10, 3 with --quick)")
     p.add_argument("--collectives", default="all_reduce",
@@ -141,11 +141,12 @@ def init_group(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from lorasync.launch import in_worker
-    from lorasync.net.probe import format_report, parse_size, run_probe
+    from lorasync.net.probe import format_report, run_probe
+    from lorasync.units import parse_size
 
     check_launch_args(args)
-    max_bytes = parse_size(args.max_bytes, "--max-bytes")
-    pair_max = parse_size(args.pair_max_bytes, "--pair-max-bytes") if args.pair_max_bytes else None
+    max_bytes = parse_size(args.max_bytes, "--max-bytes", minimum=4)
+    pair_max = parse_size(args.pair_max_bytes, "--pair-max-bytes", minimum=4) if args.pair_max_bytes else None
     if max_bytes < 4096:
         raise ConfigError("--max-bytes", args.max_bytes, "must be at least 4K")
     if args.repeats is not None and args.repeats < 1:

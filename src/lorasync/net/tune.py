@@ -27,8 +27,8 @@ from typing import Callable
 
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.net.hostinfo import HostInfo
-from lorasync.plan.units import parse_duration as _parse_duration
-from lorasync.plan.units import parse_rate_bps
+from lorasync.units import parse_duration as _parse_duration
+from lorasync.units import fmt_rate, parse_rate_bps
 
 __all__ = [
     "SYSCTL_SCOPE",
@@ -36,9 +36,7 @@ __all__ = [
     "Recommendation",
     "parse_rate",
     "parse_duration",
-    "format_rate",
     "format_bytes",
-    "tc_rate",
     "link_from_probe",
     "link_from_probe_data",
     "default_link",
@@ -86,7 +84,7 @@ class Link:
         return self.rate_bps / 8 * self.rtt_s
 
     def describe(self) -> str:
-        return (f"{format_rate(self.rate_bps)}, RTT {self.rtt_s * 1e3:.3g} ms, "
+        return (f"{fmt_rate(self.rate_bps, unit='bit')}, RTT {self.rtt_s * 1e3:.3g} ms, "
                 f"BDP {format_bytes(self.bdp_bytes)} ({self.source})")
 
 
@@ -109,30 +107,15 @@ class Recommendation:
 # -- units -------------------------------------------------------------------
 def parse_rate(text: str, field: str = "--rate") -> float:
     """A link rate in bits per second (``100mbit``, ``1Gb/s``, ``12.5MB/s``):
-    :func:`lorasync.plan.units.parse_rate_bps`, the rule every command shares
+    :func:`lorasync.units.parse_rate_bps`, the rule every command shares
     (``mbps`` is refused as ambiguous; a unit is required)."""
     return parse_rate_bps(text, field)
 
 
 def parse_duration(text: str, field: str = "--rtt") -> float:
     """A duration in seconds (``40ms``, ``0.5s``, ``250us``), unit required:
-    :func:`lorasync.plan.units.parse_duration`."""
+    :func:`lorasync.units.parse_duration`."""
     return _parse_duration(text, field)
-
-
-def format_rate(bps: float) -> str:
-    for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= div:
-            return f"{bps / div:.4g} {unit}"
-    return f"{bps:.4g} bit/s"
-
-
-def tc_rate(bps: float) -> str:
-    """A rate as --rate accepts it: 10gbit, 100mbit, 1500kbit."""
-    for unit, div in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= div and abs(bps / div - round(bps / div)) < 1e-9:
-            return f"{round(bps / div)}{unit}"
-    return f"{bps / 1e6:.4g}mbit"
 
 
 def format_bytes(n: float) -> str:

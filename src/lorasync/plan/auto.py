@@ -122,7 +122,7 @@ from lorasync.plan.costmodel import (
     strategy_options,
 )
 from lorasync.plan.planner import Measurements, choose
-from lorasync.plan.units import fmt_duration, fmt_rate
+from lorasync.units import fmt_duration, fmt_rate
 
 __all__ = [
     "Auto", "DEFAULT_CANDIDATES", "Window", "Decision", "fit_probe", "probe_size",
@@ -516,10 +516,6 @@ def suggest_accum(current: int, compute_s: float, overhead_s: float, *, max_accu
     return cur
 
 
-def _fmt_Bps(bps: float) -> str:
-    return f"{bps / 1e6:.3g} MB/s ({fmt_rate(bps)})"
-
-
 def _pred_text(p: Prediction) -> str:
     return f"{p.strategy} {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync)"
 
@@ -528,9 +524,9 @@ def describe(d: Decision, net: Net, compute_s: float, previous: Net | None = Non
              initial: bool = False, samples: bool = True) -> str:
     """One line: what was measured, what was picked and why."""
     if previous is not None and previous.bandwidth_Bps != net.bandwidth_Bps:
-        bw = f"bandwidth {_fmt_Bps(previous.bandwidth_Bps)} -> {_fmt_Bps(net.bandwidth_Bps)}"
+        bw = f"bandwidth {fmt_rate(previous.bandwidth_Bps, 'both')} -> {fmt_rate(net.bandwidth_Bps, 'both')}"
     else:
-        bw = f"bandwidth {_fmt_Bps(net.bandwidth_Bps)}"
+        bw = f"bandwidth {fmt_rate(net.bandwidth_Bps, 'both')}"
     head = (f"{'initial choice: ' if initial else ''}{bw}, alpha {fmt_duration(net.alpha_s)}, "
             f"compute {compute_s:.3g} s/step")
     p = d.prediction
@@ -712,7 +708,7 @@ class Auto(Sync):
         self._measuring = measuring
         self._may_differ = not self._child.per_step
         self._next_eval = self._measure if measuring else self._interval
-        what = (f"probe {_fmt_Bps(self._start_net.bandwidth_Bps)}, alpha "
+        what = (f"probe {fmt_rate(self._start_net.bandwidth_Bps, 'both')}, alpha "
                 f"{fmt_duration(self._start_net.alpha_s)} ({probe_s:.1f} s)"
                 if self._start_net else f"no start probe (probe={self.opts['probe']})")
         plan = (f"measuring compute with {start} for {self._measure} steps, then choosing among "

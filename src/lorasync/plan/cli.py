@@ -32,7 +32,7 @@ from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, options_text, plan,
     what_if_net,
 )
-from lorasync.plan.units import (
+from lorasync.units import (
     fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate, parse_size,
 )
 

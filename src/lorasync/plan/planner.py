@@ -29,7 +29,7 @@ from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import (
     NONE, PERIODIC, STRATEGIES, MiB, Net, Prediction, Workload, predict, strategy_options,
 )
-from lorasync.plan.units import fmt_bytes, fmt_duration, fmt_rate
+from lorasync.units import fmt_bytes, fmt_duration, fmt_rate
 
 __all__ = [
     "DEFAULT_TCP_WINDOW", "ALPHA_PER_RTT", "ALPHA_OVERHEAD_S", "LINK_EFFICIENCY", "RDMA_ALPHA_S",

@@ -23,10 +23,16 @@ range checks):
   ``200us``, ``1min``, ``2h`` (unit in any case); a bare number is refused
   unless the caller names its unit with ``bare="s"`` or ``bare="ms"``
   (``cluster``'s delay keeps tc's bare milliseconds).
-* sizes: ``4MiB``, ``3.7MB``, ``65536``.
+* sizes (:func:`parse_size` -> bytes): ``4MiB``, ``3.7MB``, ``64K``, ``65536``; prefixes
+  are decimal and ``Ki Mi Gi Ti`` binary, as for rates (``4M`` is 4,000,000 bytes,
+  ``4MiB`` 4,194,304).
 * counts: ``921600``, ``921_600``, ``0.92M``, ``7B``-style suffixes k/M/G.
 
 Every parser raises ``lorasync.errors.ConfigError(field, value, fix)``.
+
+Printing: :func:`fmt_rate` is the one rate formatter (bits, bytes, both, or
+tc's own spelling that the parsers read back); :func:`fmt_bytes`,
+:func:`fmt_duration` and :func:`fmt_count` the others.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from lorasync.errors import ConfigError
 
 __all__ = [
     "parse_rate_bps", "parse_rate_Bps", "parse_rate", "parse_duration", "parse_size",
-    "parse_count", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count",
+    "parse_count", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count", "RATE_STYLES",
 ]
 
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -99,7 +105,7 @@ def _rate_bits(text, field: str, bare_bits: bool) -> float:
             mbit = f"{_num(value)}{p}bit"
             mbyte = f"{_num(value)}{p[:1].upper()}{p[1:]}B/s"
             scale = _prefix_scale(p) or 1.0
-            as_bytes = _fmt_Bps(value * scale / 8)
+            as_bytes = _compact_Bps(value * scale / 8)
             raise ConfigError(field, text,
                               f"'{unit}' is ambiguous (tc reads it as bytes/s, most people mean "
                               f"bits/s): write {mbit} for bits/s (= {as_bytes}) or {mbyte} for "
@@ -115,8 +121,8 @@ def _rate_bits(text, field: str, bare_bits: bool) -> float:
     return rate
 
 
-def _fmt_Bps(Bps: float) -> str:
-    """Bytes/s as the shortest decimal ``MB/s``-style spelling: ``12.5MB/s``."""
+def _compact_Bps(Bps: float) -> str:
+    """Bytes/s in the spelling the parsers take, exactly: ``12.5MB/s``."""
     for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
         if Bps >= scale:
             return f"{Bps / scale:g}{unit}"
@@ -183,18 +189,29 @@ def parse_duration(text, field: str = "time", bare_seconds: bool = False,
     return seconds
 
 
-def parse_size(text, field: str = "size") -> float:
-    """A size in bytes: ``4MiB``, ``3.7MB``, ``512k``, ``65536``."""
-    fix = "write bytes with an optional unit, e.g. 4MiB, 3.7MB or 65536"
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+def parse_size(text, field: str = "size", *, minimum: int = 1) -> int:
+    """A size -> whole bytes: ``4MiB``, ``3.7MB``, ``64K``, ``512k``, ``65536``.
+
+    Prefixes as for rates: ``k/K M G T`` decimal, ``Ki Mi Gi Ti`` binary; a
+    trailing ``B`` is optional (``4M`` = ``4MB`` = 4,000,000).  Below
+    ``minimum`` bytes is refused.
+    """
+    fix = "write bytes with an optional unit, e.g. 4MiB, 3.7MB, 64K or 65536"
+    if isinstance(text, bool):
+        raise ConfigError(field, text, fix)
+    if isinstance(text, (int, float)):
         value, unit = float(text), ""
     else:
         value, unit = _split(text, field, fix)
     u = unit[:-1] if unit.endswith("B") else unit
-    scale = _BIN.get(u) or _DEC.get(u)
-    if scale is None or value <= 0:
+    scale = _prefix_scale(u) if u else 1.0
+    if scale is None:
         raise ConfigError(field, text, fix)
-    return value * scale
+    size = int(round(value * scale))
+    if size < minimum:
+        raise ConfigError(field, text, f"must be at least {minimum} bytes" if minimum > 1
+                          else fix)
+    return size
 
 
 def parse_count(text, field: str = "count") -> int:
@@ -216,9 +233,43 @@ def parse_count(text, field: str = "count") -> int:
     return int(round(value))
 
 
-def fmt_rate(bytes_per_s: float) -> str:
-    """Bytes/s as a network rate in bits: '10 Mbit/s'."""
+#: spellings :func:`fmt_rate` prints
+RATE_STYLES = ("bits", "bytes", "both", "tc")
+
+
+def fmt_rate(rate: float | None, style: str = "bits", *, unit: str = "B") -> str:
+    """A rate, in bytes/s (``unit="B"``) or bits/s (``unit="bit"``), printed in
+    one of ``RATE_STYLES``:
+
+    * ``bits``: a network rate, ``10 Mbit/s`` (3 significant digits);
+    * ``bytes``: ``1.25 MB/s``;
+    * ``both``: ``1.25 MB/s (10 Mbit/s)``;
+    * ``tc``: tc's spelling that :func:`parse_rate_bps` reads back, ``10mbit``
+      (exact to 1/1000 of the unit, else 3 decimals).
+
+    ``None`` (unknown, unshaped) prints as ``-``, in the tc style ``unshaped``.
+    """
+    if style not in RATE_STYLES:
+        raise ValueError(f"style: {style!r} is not one of {', '.join(RATE_STYLES)}")
+    if unit not in ("B", "bit"):
+        raise ValueError(f"unit: {unit!r} is not B or bit")
+    if rate is None:
+        return "unshaped" if style == "tc" else "-"
+    bytes_per_s = rate / 8 if unit == "bit" else rate
     bits = bytes_per_s * 8
+    if style == "tc":
+        for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+            if bits >= scale:
+                v = bits / scale
+                return f"{v:g}{unit}" if abs(v - round(v, 3)) < 1e-9 else f"{v:.3f}{unit}"
+        return f"{int(bits)}bit"
+    if style == "bytes":
+        for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+            if bytes_per_s >= scale:
+                return f"{bytes_per_s / scale:.3g} {unit}"
+        return f"{bytes_per_s:.3g} B/s"
+    if style == "both":
+        return f"{bytes_per_s / 1e6:.3g} MB/s ({fmt_rate(bytes_per_s)})"
     for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= scale:
             return f"{bits / scale:.3g} {unit}"
