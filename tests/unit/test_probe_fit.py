@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from lorasync.errors import ConfigError
 from lorasync.net.probe import busbw_factor, fit_alpha_beta, format_report, sweep_sizes
 
 
