@@ -219,7 +219,7 @@ def describe_net(net) -> str:
 def _row_strategy(row: Row) -> tuple[str, dict, float] | None:
     """(strategy, options, bucket MiB) of a row the cost model knows, else None."""
     from lorasync.config import parse_options
-    from lorasync.plan.costmodel import NONE, STRATEGIES
+    from lorasync.catalog import NONE, STRATEGIES
 
     a = row.args
     name = a[a.index("--comm") + 1]
@@ -317,8 +317,9 @@ def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb
     quality (auto's default candidates: onebit is left out) for this link, on
     the probed network where there is one, else the nominal rate."""
     from lorasync.net.cluster import parse_delay, parse_rate
-    from lorasync.plan.auto import DEFAULT_CANDIDATES
-    from lorasync.plan.costmodel import LOSSLESS, PERIODIC, Workload
+    from lorasync.plan.policy import DEFAULT_CANDIDATES
+    from lorasync.catalog import LOSSLESS, PERIODIC
+    from lorasync.plan.costmodel import Workload
     from lorasync.plan.planner import rank, what_if_net
 
     if net is None:

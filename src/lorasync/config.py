@@ -18,12 +18,11 @@ YAML layout (every section and key optional)::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lorasync.errors import ConfigError, LorasyncError
+from lorasync.errors import ConfigError, LorasyncError, UnknownKey
 
 __all__ = [
     "ModelConfig", "LoraSettings", "DataConfig", "TrainConfig", "CommConfig", "RunConfig",
@@ -235,18 +234,6 @@ def iter_fields():
             yield section, f
 
 
-class UnknownKey(ConfigError):
-    def __init__(self, where: str, key: str, known):
-        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-        self.field, self.value, self.fix = where, key, hint
-        LorasyncError.__init__(self, f"{where}: unknown key {key!r}; {hint}")
-
-
-def _unknown(where: str, key: str, known) -> ConfigError:
-    return UnknownKey(where, key, known)
-
-
 def _coerce(section: str, f: dataclasses.Field, value):
     """YAML/CLI value -> the field's type, or a ConfigError naming it."""
     name = f"{section}.{f.name}"
@@ -323,7 +310,7 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
                               "the file must be a mapping of sections (model, lora, data, ...)")
         for section, values in data.items():
             if section not in SECTIONS:
-                raise _unknown(f"{yaml_path}", section, SECTIONS)
+                raise UnknownKey(f"{yaml_path}", section, SECTIONS)
             if values is None:
                 continue
             if not isinstance(values, dict):
@@ -332,7 +319,7 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
             known = [f.name for f in fields(SECTIONS[section])]
             for k, v in values.items():
                 if k not in known:
-                    raise _unknown(f"{yaml_path}: {section}", k, known)
+                    raise UnknownKey(f"{yaml_path}: {section}", k, known)
                 raw[section][k] = v
     for section, values in (overrides or {}).items():
         raw[section].update(values)

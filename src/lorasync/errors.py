@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "LorasyncError",
     "ConfigError",
+    "UnknownKey",
     "DataError",
     "ModelError",
     "EnvironmentProblem",
@@ -32,6 +33,23 @@ class ConfigError(LorasyncError, ValueError):
     def __init__(self, field: str, value, fix: str):
         self.field, self.value, self.fix = field, value, fix
         super().__init__(f"{field}: invalid value {value!r}: {fix}")
+
+
+class UnknownKey(ConfigError):
+    """A name that is not among the known ones (a config key, a strategy option).
+
+    The message names where, the key, and the closest known name or the list.
+    """
+
+    def __init__(self, where: str, key: str, known, what: str = "key", field: str | None = None):
+        import difflib
+
+        known = list(known)
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+        hint = (f"did you mean {close[0]!r}?" if close else
+                f"known {what}s: {', '.join(known)}" if known else f"it takes no {what}s")
+        self.field, self.value, self.fix = field or where, key, hint
+        LorasyncError.__init__(self, f"{where}: unknown {what} {key!r}; {hint}")
 
 
 class DataError(LorasyncError):

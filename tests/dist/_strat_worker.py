@@ -105,7 +105,7 @@ def scenario_reference(rank, teach):
 
 def scenario_train(rank, name, opts, teach, ev, give_opt=False):
     import lorasync
-    from lorasync.comm import wire_bytes_formula
+    from lorasync.catalog import wire_bytes
 
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
@@ -129,11 +129,11 @@ def scenario_train(rank, name, opts, teach, ev, give_opt=False):
     st = sync.stats()
     return {
         "eval_before": before, "eval_after": _eval(model, ev), "train_losses": losses,
-        "wire": wire, "fp32": fp32, "formula": wire_bytes_formula(name, shapes, dist.get_world_size(), **opts),
+        "wire": wire, "fp32": fp32, "formula": wire_bytes(name, shapes, dist.get_world_size(), **opts),
         "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "spread_before_finish": spread_before_finish, "spread_after_finish": _spread(_flat(model)),
         "stats": {k: v for k, v in st.items() if k != "strategy"},
-        "per_step": type(sync).per_step, "lossless": type(sync).lossless,
+        "per_step": type(sync).spec.per_step, "lossless": type(sync).spec.lossless,
         "finish_wire": st["wire_bytes"] - last["wire_bytes"], "seconds": elapsed,
         "bucket_sizes": getattr(sync, "bucket_sizes", None),
     }
@@ -169,7 +169,7 @@ def scenario_resume(rank, name, opts, teach, give_opt=False):
         _step(ddp2, opt2, sync2, s, rank, True, teach)
     resumed = _flat(model2)
     return {"max_diff": float((uninterrupted - resumed).abs().max()),
-            "spread": _spread(resumed) if type(sync2).per_step else None}
+            "spread": _spread(resumed) if type(sync2).spec.per_step else None}
 
 
 MASS_CONFIGS = {"int8": {}, "onebit": {"warmup_steps": 0}, "topk": {}, "powersgd": {"rank": 1}}

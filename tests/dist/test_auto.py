@@ -131,7 +131,7 @@ def scenario_mass(M, rank, teach, start, force, start_opts, steps=8):
     import torch.distributed as dist
 
     import lorasync
-    from lorasync.plan.auto import _residual
+    from lorasync.comm.auto import _residual
 
     n = dist.get_world_size()
     model, ref = M.build(0), M.build(0)
@@ -171,7 +171,7 @@ def scenario_periodic(M, rank, teach, ev, with_optimizer=True):
     import torch.distributed as dist
 
     import lorasync
-    from lorasync.comm import wire_bytes_formula
+    from lorasync.catalog import wire_bytes
 
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
@@ -200,7 +200,7 @@ def scenario_periodic(M, rank, teach, ev, with_optimizer=True):
     return {"records": rec, "eval_before": before, "eval_after": _eval(model, ev),
             "finish_auto": finish_auto,
             "spread_end": _spread(_flat(model)), "numel": sync.numel,
-            "formula": {k: wire_bytes_formula(k, shapes, n, **o) for k, o in
+            "formula": {k: wire_bytes(k, shapes, n, **o) for k, o in
                         (("allreduce", {}), ("topk", {"ratio": 0.1}), ("fp16", {}))},
             "switches": sync.stats()["switches"]}
 
@@ -213,7 +213,7 @@ def scenario_onebit_adam(M, rank, teach, steps=26):
     than its warm-up: 1-bit Adam from the next step (no second warm-up),
     variance frozen; leaving it, plain AdamW again."""
     import lorasync
-    from lorasync.comm import wire_bytes_formula
+    from lorasync.catalog import wire_bytes
 
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
@@ -235,7 +235,7 @@ def scenario_onebit_adam(M, rank, teach, steps=26):
                     "spread": _spread(_flat(model)),
                     "vhat": float(state["exp_avg_sq"].sum()) / (1 - b2 ** float(state["step"]))})
         last = st
-    return {"records": rec, "formula": {k: wire_bytes_formula(k, shapes, 2, **o) for k, o in
+    return {"records": rec, "formula": {k: wire_bytes(k, shapes, 2, **o) for k, o in
                                         (("onebit", {"block": 32}), ("fp16", {}))}}
 
 
@@ -277,7 +277,7 @@ def scenario_resume(M, rank, teach, at):
 def scenario_default(M, rank, teach, ev, steps=40):
     """Plain ``attach(ddp, "auto")``: probe, measure, choose, train."""
     import lorasync
-    from lorasync.plan.auto import DEFAULT_CANDIDATES
+    from lorasync.plan.policy import DEFAULT_CANDIDATES
 
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
@@ -568,7 +568,7 @@ def forced_runs(tmp_path_factory):
 def test_cli_forced_switches_follow_the_formulas(forced_runs):
     import torch
 
-    from lorasync.comm import wire_bytes_formula
+    from lorasync.catalog import wire_bytes
 
     full, _ = forced_runs
     ck = torch.load(os.path.join(full, "checkpoints/step-000024/rank0.pt"), weights_only=False)
@@ -582,8 +582,8 @@ def test_cli_forced_switches_follow_the_formulas(forced_runs):
     assert [s for s, r in by.items() if "switch" in r] == [8, 16]
     assert by[8]["switch"]["from"] == "allreduce" and by[8]["switch"]["to"] == "int8"
     assert by[16]["switch"]["to"] == "topk"
-    int8 = wire_bytes_formula("int8", shapes, 2)
-    topk = wire_bytes_formula("topk", shapes, 2)
+    int8 = wire_bytes("int8", shapes, 2)
+    topk = wire_bytes("topk", shapes, 2)
     for s in range(1, 9):
         assert by[s]["wire_bytes"] >= n4
     assert all(by[s]["wire_bytes"] == n4 for s in (5, 6, 7, 8))   # 4: the first decision

@@ -39,7 +39,7 @@ import _strat_model as M  # noqa: E402
 
 import lorasync  # noqa: E402
 from lorasync.comm import base as comm_base  # noqa: E402
-from lorasync.comm import wire_bytes_formula  # noqa: E402
+from lorasync.catalog import wire_bytes  # noqa: E402
 
 # (label, strategy, options)
 CONFIGS = [
@@ -191,10 +191,10 @@ def run_config(name, opts, device, teach, ev, cpu_group):
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:
-        formula = wire_bytes_formula(name, shapes, 1, **opts)
+        formula = wire_bytes(name, shapes, 1, **opts)
     except ValueError:
         formula = 2 * numel if name == "torch_fp16" else None
-    out.update(numel=numel, formula=formula, per_step=type(sync).per_step,
+    out.update(numel=numel, formula=formula, per_step=type(sync).spec.per_step,
                eval_before=_eval(model, ev, device))
     wire, fp32, losses = [], [], []
     last = sync.stats()

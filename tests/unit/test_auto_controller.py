@@ -1,4 +1,4 @@
-"""The auto controller's pure parts: measurements in, decisions out.
+"""auto's policy (lorasync.plan.policy): measurements in, decisions out.
 
 No process group: probe timings, windows and link changes are synthetic.
 The strategy itself (hooks, switches, resume) is tested in tests/dist/test_auto.py.
@@ -10,8 +10,9 @@ import math
 
 import pytest
 
-from lorasync.plan import auto as A
-from lorasync.plan.costmodel import ENCODE_NS, MODELS, Net, lora_matrices, predict
+from lorasync.net.probe import allreduce_model
+from lorasync.plan import policy as A
+from lorasync.plan.costmodel import MODELS, Net, encode_ns, lora_matrices, predict
 
 N = 921_600                       # SmolLM2-135M + LoRA r=8 on q/k/v/o
 SMOL = lora_matrices(MODELS["smollm2-135m"], 8)
@@ -30,29 +31,20 @@ def timings(bw, alpha, n=2, small=A.SMALL_PROBE_BYTES, large=A.MIN_PROBE_BYTES):
     return (2 * (n - 1) * alpha + f * small / bw, 2 * (n - 1) * alpha + f * large / bw)
 
 
+def probed(ts, tl, n=2):
+    """The Net auto's live probe (1 KiB three times, one large) fits from these timings."""
+    m = allreduce_model([A.SMALL_PROBE_BYTES, A.MIN_PROBE_BYTES], [ts, tl], n)
+    return Net(alpha_s=m.alpha_s, bandwidth_Bps=m.bandwidth_Bps, world_size=n)
+
+
 # --------------------------------------------------------------------------- probe fit
 
 @pytest.mark.parametrize("n", [2, 3, 8])
 @pytest.mark.parametrize("bw,alpha", [(MB10, 2e-4), (MB100, 5e-5), (1.1e8, 1e-3)])
-def test_fit_probe_recovers_alpha_and_bandwidth(n, bw, alpha):
-    ts, tl = timings(bw, alpha, n)
-    a, b = A.fit_probe(ts, tl, A.SMALL_PROBE_BYTES, A.MIN_PROBE_BYTES, n)
-    assert a == pytest.approx(alpha, rel=1e-6)
-    assert b == pytest.approx(bw, rel=1e-6)
-
-
-def test_fit_probe_flat_times_give_a_lower_bound_not_infinity():
-    # a very fast link: the large all-reduce was not slower (timer noise)
-    a, b = A.fit_probe(1e-3, 0.9e-3, 1024, 1 << 20, 2)
-    assert math.isfinite(b) and b == pytest.approx((1 << 20) / 0.9e-3)
-    assert a >= 0
-
-
-@pytest.mark.parametrize("args", [(1e-3, 2e-3, 1024, 1024, 2), (0, 1e-3, 1024, 4096, 2),
-                                  (1e-3, 2e-3, 1024, 4096, 1)])
-def test_fit_probe_rejects_nonsense(args):
-    with pytest.raises(ValueError):
-        A.fit_probe(*args)
+def test_live_probe_recovers_alpha_and_bandwidth(n, bw, alpha):
+    net = probed(*timings(bw, alpha, n), n)
+    assert net.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert net.bandwidth_Bps == pytest.approx(bw, rel=1e-6)
 
 
 def test_probe_size_and_cadence_follow_the_budget():
@@ -147,8 +139,7 @@ def test_network_change_detected_from_synthetic_timings():
     the probe timings give the new link, the decision changes, the reason
     names the bandwidth."""
     n = 2
-    before = Net(*A.fit_probe(*timings(MB100, 2e-4), A.SMALL_PROBE_BYTES,
-                              A.MIN_PROBE_BYTES, n), world_size=n)
+    before = probed(*timings(MB100, 2e-4), n)
     first = A.decide(before, wl(), None, A.DEFAULT_CANDIDATES)
     p = first.prediction
     # a window on the old link: time beyond compute as predicted, no drift
@@ -157,8 +148,7 @@ def test_network_change_detected_from_synthetic_timings():
     cut = Net(alpha_s=2e-4, bandwidth_Bps=MB10, world_size=n)
     on_cut = predict(first.strategy, cut, wl())
     assert A.drifted(on_cut.step_s - on_cut.compute_s, p.step_s - p.compute_s, p.step_s)
-    after = Net(*A.fit_probe(*timings(MB10, 2e-4), A.SMALL_PROBE_BYTES, A.MIN_PROBE_BYTES, n),
-                world_size=n)
+    after = probed(*timings(MB10, 2e-4), n)
     assert A.link_changed(before, after, N, p.step_s)
     d = A.decide(after, wl(), first.strategy, A.DEFAULT_CANDIDATES, fresh=True)
     assert d.switch and d.strategy != first.strategy
@@ -244,7 +234,7 @@ def test_measured_extra_cost_is_charged_to_the_strategy():
     assert slow.step_s == pytest.approx(plain.step_s + 0.2, rel=1e-6)
     # periodic: the extra per step is spread over the period's syncs
     assert A.encode_ns_for("local", {"period": 8}, 0.1, N) == pytest.approx(
-        ENCODE_NS["local"] + 0.1 * 1e9 * 8 / N)
+        encode_ns("local") + 0.1 * 1e9 * 8 / N)
     assert A.encode_ns_for("powersgd", {"rank": 2}, -1.0, N) == 0.0   # never negative
 
 
@@ -333,10 +323,12 @@ def test_head_share_of_a_live_peft_model_counts_frozen_linears_only():
         r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     head = 64 * 16
     layer = 16 * 16 + 16 * 8 + 16 * 8 + 16 * 16 + 3 * 16 * 32   # q k v o gate up down
-    assert A.module_head_share(model) == pytest.approx(head / (head + 2 * layer))
+    from lorasync.comm.auto import module_head_share
+
+    assert module_head_share(model) == pytest.approx(head / (head + 2 * layer))
     assert A.workload_for(N, 1.0, head_share=0.25).head_share == 0.25
     # no output embedding: nothing known comes before the adapter's gradients
-    assert A.module_head_share(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0.0
+    assert module_head_share(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0.0
 
 
 # --------------------------------------------------------------------------- accumulation

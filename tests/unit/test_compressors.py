@@ -1,16 +1,14 @@
-"""Compressors (pure functions) and the wire-bytes formulas; no processes."""
+"""Compressors (pure functions); no processes.  The byte formulas: test_catalog.py."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
-from lorasync.comm import collectives_formula, wire_bytes_formula
+from lorasync.catalog import param_blocks
 from lorasync.comm import compress as C
 
-LORA_R8 = [(8, 576), (576, 8), (8, 576), (192, 8)]  # lora_A / lora_B shapes of a q/k proj
 
 
 def _x(n: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -24,28 +22,9 @@ def _x(n: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
 
 def _blocks(n: int, block: int = 64, world: int = 2, align: int = 1):
     """Block ids as the strategies cut one parameter (param_blocks)."""
-    nb, bs = C.param_blocks(n, block, world, align)
+    nb, bs = param_blocks(n, block, world, align)
     bid = torch.arange(nb * bs) // bs
     return bid, nb, nb * bs
-
-
-# -- param_blocks ----------------------------------------------------------------
-@pytest.mark.parametrize("numel", [1, 7, 128, 1000, 4608, 1536, 921_600])
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("block,align", [(256, 1), (512, 8), (32, 8), (8, 8)])
-def test_param_blocks(numel, world, block, align):
-    nb, bs = C.param_blocks(numel, block, world, align)
-    assert nb % world == 0                       # equal shard per rank
-    assert bs % align == 0 and bs <= max(block, align)
-    assert nb * bs >= numel                      # fits
-    assert nb * (bs - align) < numel or bs == align  # and the next smaller size would not
-
-
-def test_param_blocks_lora_shapes_need_no_padding():
-    for world in (2, 3):
-        for shape in LORA_R8:
-            nb, bs = C.param_blocks(math.prod(shape), 256, world)
-            assert nb * bs == math.prod(shape)
 
 
 # -- int8 ---------------------------------------------------------------------------
@@ -149,73 +128,6 @@ def test_error_feedback_conserves_mass(name):
         true += g.double()
         assert torch.allclose(sent + e.double(), true, atol=1e-5 * float(true.abs().max()))
     assert float(e.abs().max()) > 0  # something was actually held back
-
-
-# -- wire-bytes formulas ----------------------------------------------------------------
-N = 921_600  # SmolLM2-135M, LoRA r=8 on q/k/v/o
-
-
-def test_formula_dense():
-    assert wire_bytes_formula("allreduce", N, 2) == 4 * N
-    assert wire_bytes_formula("fp16", N, 2) == 2 * N
-    assert wire_bytes_formula("bf16", N, 4) == 2 * N
-    assert wire_bytes_formula("none", N, 2) == 0
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_formula_int8_and_onebit(world):
-    # 1 byte a value + 4 bytes a 256-block, sent once in phase 1 and 1/n in phase 2
-    shapes = LORA_R8 * 10
-    numel = sum(math.prod(s) for s in shapes)
-    int8 = wire_bytes_formula("int8", shapes, world)
-    expected = 0.0
-    for s in shapes:
-        nb, bs = C.param_blocks(math.prod(s), 256, world)
-        expected += (nb * bs + 4 * nb) * (1 + 1 / world)
-    assert int8 == pytest.approx(expected)
-    assert int8 / (4 * numel) == pytest.approx((1 + 1 / world) * (1 + 4 / 256) / 4, rel=0.02)
-    # onebit ~ 1/32 of fp32 per phase, plus one fp32 scale per 512 values
-    onebit = wire_bytes_formula("onebit", shapes, world)
-    assert onebit / (4 * numel) == pytest.approx((1 + 1 / world) * (1 / 32 + 1 / 512), rel=0.02)
-    ops = collectives_formula("onebit", shapes, world, buckets=3)
-    assert [c["op"] for c in ops] == ["all_to_all", "all_gather"]
-    assert all(c["calls_per_step"] == 3 for c in ops)
-    assert ops[1]["bytes_per_step"] == pytest.approx(ops[0]["bytes_per_step"] / world)
-
-
-def test_formula_topk_counts_indices():
-    assert wire_bytes_formula("topk", N, 2, ratio=0.01) == 8 * math.ceil(0.01 * N)
-    # per tensor k = max(1, ceil(ratio * numel))
-    assert wire_bytes_formula("topk", [10, 1000], 3, ratio=0.01) == 8 * (1 + 10)
-
-
-def test_formula_powersgd_lora():
-    # rank 1 on 8 x 576: (8 + 576) values instead of 4608 -> 7.9x
-    assert wire_bytes_formula("powersgd", [(8, 576)], 2, rank=1) == 4 * (8 + 576)
-    # rank 2 -> 3.9x; rank 8 (= r) would not compress, so it is sent as is
-    assert wire_bytes_formula("powersgd", [(8, 576)], 2, rank=2) == 4 * 2 * (8 + 576)
-    assert wire_bytes_formula("powersgd", [(8, 576)], 2, rank=8) == 4 * 8 * 576
-    # 1-D tensors always uncompressed; two all-reduces when something is compressed
-    ops = collectives_formula("powersgd", [(8, 576), (576,)], 2, rank=1)
-    assert [c["bytes_per_step"] for c in ops] == [4 * (8 + 576), 4 * 576]
-    # from a total size and the LoRA rank (the planner's view): r x (N/r)
-    assert wire_bytes_formula("powersgd", N, 2, rank=1, lora_r=8) == 4 * (8 + N // 8)
-
-
-def test_formula_periodic_amortised():
-    assert wire_bytes_formula("local", N, 2, period=8) == 4 * N / 8
-    assert wire_bytes_formula("diloco", N, 2) == 4 * N / 8
-    assert wire_bytes_formula("diloco", N, 2, period=4, delta_dtype="fp16") == 2 * N / 4
-    assert collectives_formula("local", N, 2, period=8)[0]["calls_per_step"] == 1 / 8
-
-
-def test_formula_rejects_bad_input():
-    with pytest.raises(ValueError, match="ratio"):
-        wire_bytes_formula("int8", N, 2, ratio=0.1)
-    with pytest.raises(ValueError, match="bogus"):
-        wire_bytes_formula("bogus", N, 2)
-    with pytest.raises(ValueError, match="numel"):
-        wire_bytes_formula("allreduce", [0], 2)
 
 
 def test_block_paths_give_identical_bits():

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from lorasync.errors import DataError
-from lorasync.train.data import (IGNORE, collate, demo_rows, encode_rows, read_jsonl,
-                                 step_batches)
+from lorasync.train.data import (IGNORE, batches_at, collate, demo_rows, encode_rows,
+                                 read_jsonl)
 from lorasync.train.model import load_base
 
 
@@ -81,16 +81,16 @@ def test_sharding_partitions_each_global_batch(world, bs, accum):
     spe = n // g
     seen_epoch = []
     for step in range(1, spe + 1):
-        parts = [step_batches(step, n=n, seed=3, rank=r, world=world, batch_size=bs,
-                              grad_accum=accum) for r in range(world)]
+        parts = [batches_at((step - 1) * g, n=n, seed=3, rank=r, world=world, batch_size=bs,
+                            grad_accum=accum) for r in range(world)]
         flat = [i for p in parts for mb in p for i in mb]
         assert len(flat) == g == len(set(flat))
         assert all(len(p) == accum and all(len(mb) == bs for mb in p) for p in parts)
         seen_epoch += flat
     assert len(set(seen_epoch)) == spe * g  # no example twice within an epoch
-    # a pure function of (seed, step): resume needs no replay
-    assert step_batches(2, n=n, seed=3, rank=0, world=world, batch_size=bs, grad_accum=accum) \
-        == step_batches(2, n=n, seed=3, rank=0, world=world, batch_size=bs, grad_accum=accum)
+    # a pure function of (seed, offset): resume needs no replay
+    assert batches_at(g, n=n, seed=3, rank=0, world=world, batch_size=bs, grad_accum=accum) \
+        == batches_at(g, n=n, seed=3, rank=0, world=world, batch_size=bs, grad_accum=accum)
 
 
 def test_collate_pads_right_and_masks(tok):

@@ -8,10 +8,8 @@ import pytest
 
 from lorasync.cli import main
 from lorasync.errors import ConfigError
-from lorasync.plan.costmodel import (
-    LOSSLESS, MODELS, PERIODIC, STRATEGIES, MiB, Net, Workload, head_share, lora_matrices,
-    predict,
-)
+from lorasync.catalog import LOSSLESS, PERIODIC, STRATEGIES
+from lorasync.plan.costmodel import MODELS, MiB, Net, Workload, head_share, lora_matrices, predict
 from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, Link, Measurements, choose, net_from_probe, plan, rank, what_if_net,
 )

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from lorasync.net.probe import busbw_factor, fit_alpha_beta, format_report, sweep_sizes
+from lorasync.net.probe import (allreduce_model, busbw_factor, fit_alpha_beta, format_report,
+                                sweep_sizes)
 
 
 def test_fit_recovers_exact_line():
@@ -69,6 +70,21 @@ def test_busbw_factor_is_nccl_tests():
     assert busbw_factor("broadcast", 4) == 1.0
     with pytest.raises(ValueError, match="collective"):
         busbw_factor("alltoall", 2)
+
+
+def test_allreduce_model_flat_times_give_a_lower_bound_not_infinity():
+    # a very fast link: the large all-reduce was not slower (timer noise)
+    m = allreduce_model([1024, 1 << 20], [1e-3, 0.9e-3], 2)
+    assert math.isfinite(m.bandwidth_Bps) and m.bandwidth_Bps == pytest.approx((1 << 20) / 0.9e-3)
+    assert m.alpha_s >= 0 and m.bandwidth_from.startswith("largest busbw")
+
+
+@pytest.mark.parametrize("sizes, times, n", [([1024, 1024], [1e-3, 2e-3], 2),
+                                             ([1024, 4096], [0, 1e-3], 2),
+                                             ([1024, 4096], [1e-3, 2e-3], 1)])
+def test_allreduce_model_rejects_nonsense(sizes, times, n):
+    with pytest.raises(ValueError):
+        allreduce_model(sizes, times, n)
 
 
 def test_sweep_sizes():

@@ -10,10 +10,11 @@
 trainable parameters are the adapter) and optionally a process group.
 
 Strategies (module): allreduce, none (reference); fp16, bf16 (lowprec);
-int8, onebit (twophase); topk; powersgd; local, diloco (periodic);
+int8, onebit (twophase); topk; powersgd; local, diloco (periodic); auto
+(auto: measures and switches, with the policy of ``lorasync.plan.policy``);
 torch_fp16, torch_powersgd (torch_hooks: torch's own hooks, bench baselines).
-``wire_bytes_formula`` / ``collectives_formula`` (formula) give the bytes
-and collectives per step without running anything.
+Their options, kinds and byte formulas are in :mod:`lorasync.catalog`
+(``catalog.wire_bytes`` gives the bytes per step without running anything).
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ from typing import Any
 
 import torch
 
-from lorasync.comm import (lowprec, periodic, powersgd, reference, topk,  # noqa: F401  (register)
-                           torch_hooks, twophase)
+from lorasync.comm import (auto, lowprec, periodic, powersgd, reference, topk,  # noqa: F401
+                           torch_hooks, twophase)   # (importing them registers the strategies)
 from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
-from lorasync.comm.formula import collectives_formula, wire_bytes_formula
-from lorasync.plan import auto as _auto  # noqa: E402,F401  (registers "auto": plan/auto.py)
 
-__all__ = ["attach", "Sync", "HookSync", "strategy_names", "get_strategy",
-           "wire_bytes_formula", "collectives_formula"]
+__all__ = ["attach", "Sync", "HookSync", "strategy_names", "get_strategy"]
 
 
 def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,

@@ -46,13 +46,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lorasync import catalog
+
 __all__ = ["Sync", "HookSync", "register", "strategy_names", "get_strategy"]
 
 _REGISTRY: dict[str, type["Sync"]] = {}
 
 
 def register(cls: type["Sync"]) -> type["Sync"]:
-    """Class decorator: make a strategy available under ``cls.name``."""
+    """Class decorator: make a strategy available under ``cls.name``; its
+    options, kind and byte formula are the catalog entry of that name."""
+    cls.spec = catalog.spec(cls.name)
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -73,34 +77,26 @@ def get_strategy(name: str) -> type["Sync"]:
 class Sync:
     """Base class of all strategies.
 
-    Subclasses set ``name``, ``options`` (the option names they accept, with
-    defaults) and implement ``_install`` (register a hook or prepare periodic
-    state).  ``attach()`` is the public way to build one.
+    Subclasses set ``name`` (their entry in :mod:`lorasync.catalog`, which
+    holds their options, with defaults, ranges and help) and implement
+    ``_install`` (register a hook or prepare periodic state).  ``attach()``
+    is the public way to build one.
     """
 
     name = "base"
-    #: whether the strategy sends gradients every step through a DDP hook
-    per_step = True
-    #: whether replicas stay bit-identical after every optimizer step
-    lossless = True
-    #: option name -> default; attach() rejects anything not listed here
-    options: dict[str, Any] = {}
+    #: the catalog entry (set by ``register``)
+    spec: catalog.Spec
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel,
                  process_group: dist.ProcessGroup | None = None, *,
                  _register_hook: bool = True, **options: Any):
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            known = ", ".join(sorted(self.options)) or "none"
-            raise ValueError(
-                f"{self.name}: option {unknown[0]!r} does not apply to this strategy "
-                f"(it takes: {known})"
-            )
+        #: the validated options (the catalog's dataclass); ValueError naming
+        #: ``STRATEGY.OPTION`` for an unknown option or a bad value
+        self.options = catalog.parse_options(self.name, options)
         self.ddp = ddp
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.opts = {**self.options, **options}
         self._given = frozenset(options)  # options the caller set explicitly
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         if not self.params:
@@ -132,34 +128,23 @@ class Sync:
         self._validate()
         self._install()
 
+    @property
+    def per_step(self) -> bool:
+        """Whether gradients travel every step through a DDP hook."""
+        return self.spec.per_step
+
+    @property
+    def lossless(self) -> bool:
+        """Whether replicas stay bit-identical after every optimizer step."""
+        return self.spec.lossless
+
     # -- hooks for subclasses -------------------------------------------------
     def _validate(self) -> None:
-        """Check option values (names are checked already); raise ValueError."""
-        if "warmup_steps" in self.opts:
-            self._int_opt("warmup_steps", 0)
+        """What the options alone cannot tell (relations to the optimizer,
+        the backend); raise ValueError."""
 
     def _install(self) -> None:
         raise NotImplementedError
-
-    # -- option helpers -------------------------------------------------------
-    def _int_opt(self, key: str, lo: int, hi: int | None = None) -> int:
-        v = self.opts[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ValueError(f"{self.name}: option {key}={v!r} must be an integer {rng}")
-        return v
-
-    def _float_opt(self, key: str, lo: float, hi: float, lo_open: bool = False,
-                   hi_open: bool = False) -> float:
-        v = self.opts[key]
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if ok:
-            v = float(v)
-            ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-        if not ok:
-            rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-            raise ValueError(f"{self.name}: option {key}={self.opts[key]!r} must be a number in {rng}")
-        return v
 
     def _check_dtype(self, dtype: torch.dtype, option: str) -> None:
         """Fail early, with a ValueError, if the backend cannot all-reduce ``dtype``.
@@ -373,7 +358,6 @@ class HookSync(Sync):
     two_phase = False
     #: False for hooks that only mark readiness (none, local, diloco)
     communicates = True
-    options = {"warmup_steps": 0}
 
     def _install(self) -> None:
         self._layouts: dict[tuple[int, ...], _Layout] = {}
@@ -454,7 +438,7 @@ class HookSync(Sync):
 
     def _in_warmup(self, bucket: dist.GradBucket) -> bool:
         """Whether this bucket goes as plain fp32 (``warmup_steps``)."""
-        return self._steps < self.opts.get("warmup_steps", 0)
+        return self._steps < getattr(self.options, "warmup_steps", 0)
 
     def _fp32_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buf = bucket.buffer()

@@ -5,7 +5,7 @@ collectives and error feedback.
 Blocks are described by a block id per element (``bid``, int64) and a block
 count, so blocks may differ in size, or by an int block size when they are
 all equal (the fast path: a reshape instead of scatter/gather): the strategies cut every parameter into
-its own blocks (see :func:`param_blocks`), which keeps the compressed value of
+its own blocks (:func:`lorasync.catalog.param_blocks`), which keeps the compressed value of
 an element independent of how DDP happens to bucket the parameters (DDP's
 first iteration uses a different bucket layout from later ones, and a resumed
 run starts with that first layout again).
@@ -19,12 +19,11 @@ with block ids given as a tensor).
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 __all__ = [
-    "param_blocks", "uniform_block_ids", "block_sum_index",
+    "block_sum_index",
     "int8_encode", "int8_decode",
     "onebit_encode", "onebit_decode", "pack_bits", "unpack_bits",
     "topk_encode", "topk_decode",
@@ -41,32 +40,6 @@ def _shifts(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _SHIFTS_ON[device] = _SHIFTS.to(device)
     return t
-
-
-def param_blocks(numel: int, block: int, world_size: int, align: int = 1) -> tuple[int, int]:
-    """How one parameter is cut: ``(n_blocks, block_size)``.
-
-    The block count is a multiple of ``world_size`` so that every rank owns
-    the same number of blocks of every parameter (equal shards, no padding
-    between ranks); the block size is at most ``block`` and a multiple of
-    ``align`` (8 for bit-packing).  The parameter is zero-padded to
-    ``n_blocks * block_size`` elements; for LoRA shapes (r x d, d x r with d a
-    multiple of 64) and 2-4 ranks the padding is zero or a fraction of 1%.
-    """
-    if numel <= 0:
-        raise ValueError(f"numel: must be positive, got {numel}")
-    nb = world_size * math.ceil(numel / (world_size * block))
-    bs = math.ceil(numel / nb)
-    bs = align * math.ceil(bs / align)
-    return nb, bs
-
-
-def uniform_block_ids(numel: int, block: int,
-                      device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
-    """Block ids for consecutive blocks of ``block`` elements (last one partial),
-    on ``device`` (default: the CPU)."""
-    nblocks = math.ceil(numel / block)
-    return torch.arange(numel, device=device or "cpu") // block, nblocks
 
 
 def block_sum_index(bid: torch.Tensor, nblocks: int) -> tuple[torch.Tensor, int]:
@@ -189,8 +162,16 @@ def topk_encode(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_decode(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:
+    """The sum of sparse vectors of ``numel`` elements: row j of ``idx`` and
+    ``vals`` (2-D; 1-D is one row) is one vector, e.g. one rank's top-k.
+
+    Rows are added one after another, in order: within a row the indices are
+    distinct, so every device gives the same bits (one ``index_add_`` over
+    all rows would add duplicates in an order a GPU does not fix)."""
     out = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
-    return out.index_add_(0, idx.reshape(-1).long(), vals.reshape(-1))
+    for i, v in zip(idx.reshape(-1, idx.shape[-1]), vals.reshape(-1, vals.shape[-1])):
+        out.index_add_(0, i.long(), v)
+    return out
 
 
 # -- PowerSGD -----------------------------------------------------------------

@@ -48,22 +48,7 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _Periodic(HookSync):
-    per_step = False
-    lossless = False
     communicates = False
-    options = {"period": 8, "streaming": False, "delay": 1}
-
-    def _validate(self) -> None:
-        super()._validate()
-        period = self._int_opt("period", 1)
-        if not isinstance(self.opts["streaming"], bool):
-            raise ValueError(f"{self.name}: option streaming={self.opts['streaming']!r} must be True or False")
-        if self.opts["streaming"]:
-            if period < 2:
-                raise ValueError(f"{self.name}: streaming=True needs period >= 2 (got period={period})")
-            self._int_opt("delay", 1, period - 1)
-        elif "delay" in self._given:
-            raise ValueError(f"{self.name}: option delay applies only with streaming=True")
 
     def _setup(self) -> None:
         self._pending: dict[str, Any] | None = None  # type: ignore[assignment]
@@ -93,7 +78,7 @@ class _Periodic(HookSync):
         self._dirty = True
         if self._pending is not None and self._steps >= self._pending["apply_at"]:
             self._complete()
-        if self._steps % self.opts["period"] == 0:
+        if self._steps % self.options.period == 0:
             self._launch()
 
     def _launch(self) -> None:
@@ -103,9 +88,9 @@ class _Periodic(HookSync):
         self._add_encode(time.perf_counter() - t0)
         self._sent(payload)
         work = dist.all_reduce(payload, group=self.group, async_op=True)
-        streaming = self.opts["streaming"]
+        streaming = self.options.streaming
         self._pending = {"work": work, "payload": payload, "snapshot": theta if streaming else None,
-                         "apply_at": self._steps + (self.opts["delay"] if streaming else 0)}
+                         "apply_at": self._steps + (self.options.delay if streaming else 0)}
         if not streaming:
             self._complete()
 
@@ -173,7 +158,6 @@ class _Periodic(HookSync):
 @register
 class Local(_Periodic):
     name = "local"
-    options = {"period": 8, "streaming": False, "delay": 1}
 
     def _payload(self, theta: torch.Tensor) -> torch.Tensor:
         return theta / self.world_size
@@ -185,20 +169,10 @@ class Local(_Periodic):
 @register
 class DiLoCo(_Periodic):
     name = "diloco"
-    options = {"period": 8, "outer_lr": 0.8, "outer_momentum": 0.5, "delta_dtype": "fp32",
-               "streaming": False, "delay": 1}
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._float_opt("outer_lr", 0.0, float("inf"), lo_open=True)
-        self._float_opt("outer_momentum", 0.0, 1.0, hi_open=True)
-        if self.opts["delta_dtype"] not in _DTYPES:
-            raise ValueError(f"diloco: option delta_dtype={self.opts['delta_dtype']!r} must be "
-                             f"one of {', '.join(_DTYPES)}")
 
     def _setup(self) -> None:
         super()._setup()
-        self._dtype = _DTYPES[self.opts["delta_dtype"]]
+        self._dtype = _DTYPES[self.options.delta_dtype]
         if self._dtype != torch.float32:
             self._check_dtype(self._dtype, "delta_dtype")
         self._anchor = self._flat_params()
@@ -209,7 +183,7 @@ class DiLoCo(_Periodic):
 
     def _outer(self, reduced: torch.Tensor) -> torch.Tensor:
         # torch.optim.SGD(nesterov=True, dampening=0) on the anchor, grad = mean delta
-        mu, lr = float(self.opts["outer_momentum"]), float(self.opts["outer_lr"])
+        mu, lr = self.options.outer_momentum, self.options.outer_lr
         self._momentum.mul_(mu).add_(reduced)
         self._anchor.sub_(reduced + mu * self._momentum, alpha=lr)
         return self._anchor.clone()

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lorasync.catalog import powersgd_shape
 from lorasync.comm import compress as C
 from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, completed, register
 
@@ -57,27 +58,12 @@ from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, completed, r
 class PowerSGD(HookSync):
     name = "powersgd"
     two_phase = True
-    options = {"rank": 3, "min_compression_rate": 2.0, "warm_start": True, "warmup_steps": 0}
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._int_opt("rank", 1)
-        self._float_opt("min_compression_rate", 0.0, float("inf"))
-        if not isinstance(self.opts["warm_start"], bool):
-            raise ValueError(f"powersgd: option warm_start={self.opts['warm_start']!r} must be True or False")
 
     def _setup(self) -> None:
-        k, rate = self.opts["rank"], float(self.opts["min_compression_rate"])
-        #: per parameter: (rows, cols) if compressed, else None
-        self._shape: list[tuple[int, int] | None] = []
-        for p in self.params:
-            if p.dim() >= 2:
-                a = p.shape[0]
-                b = p.numel() // a
-                if a * b >= rate * (a + b) * k:
-                    self._shape.append((a, b))
-                    continue
-            self._shape.append(None)
+        o = self.options
+        #: per parameter: (rows, cols) if compressed, else None (the catalog's rule)
+        self._shape = [powersgd_shape(tuple(p.shape), o.rank, o.min_compression_rate)
+                       for p in self.params]
         # zero outside compressed matrices
         self._E = _Residual(self.numel, len(self.params), self.device)
         self._Q: dict[int, torch.Tensor] = {}
@@ -87,7 +73,7 @@ class PowerSGD(HookSync):
     def _new_q(self, i: int, b: int, device: torch.device) -> torch.Tensor:
         # same seed on every rank; varies with the step so a re-draw differs
         g = torch.Generator(device=device).manual_seed(1_000_003 * i + self._steps)
-        return C.orthogonalize_(torch.randn(b, self.opts["rank"], generator=g, device=device))
+        return C.orthogonalize_(torch.randn(b, self.options.rank, generator=g, device=device))
 
     def _take_new_q(self) -> None:
         """Keep the usable new Qs (drop the others: re-drawn when next needed)."""
@@ -124,7 +110,7 @@ class PowerSGD(HookSync):
             cpos=torch.cat(cpos) if cpos else torch.empty(0, dtype=torch.long, device=_HOST))
 
     def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
-        n, k = self.world_size, self.opts["rank"]
+        n, k = self.world_size, self.options.rank
         buf = bucket.buffer()
         t0 = time.perf_counter()
         plan = self._plan(lay, buf.device)
@@ -137,7 +123,7 @@ class PowerSGD(HookSync):
             size = g * a * b
             m = buf.index_select(0, grp["bidx"]).float().add_(err[pos:pos + size]).view(g, a, b)
             pos += size
-            qs = [self._Q.get(i) if self.opts["warm_start"] else None for i in grp["pids"]]
+            qs = [self._Q.get(i) if self.options.warm_start else None for i in grp["pids"]]
             q = torch.stack([x if x is not None else self._new_q(i, b, buf.device)
                              for x, i in zip(qs, grp["pids"])])
             ms.append(m)
@@ -197,14 +183,14 @@ class PowerSGD(HookSync):
         err = {i: flat[self._offsets[i]:self._offsets[i + 1]].view(self._shape[i]).clone()
                for i in range(len(self.params)) if self._shape[i] is not None}
         self._take_new_q()
-        return {**super().state_dict(), "rank_k": self.opts["rank"], "error": err,
+        return {**super().state_dict(), "rank_k": self.options.rank, "error": err,
                 "q": {i: q.to(_HOST, copy=True) for i, q in self._Q.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        if state.get("rank_k", self.opts["rank"]) != self.opts["rank"]:
+        if state.get("rank_k", self.options.rank) != self.options.rank:
             raise ValueError(f"state_dict: saved with rank={state['rank_k']}, this run has "
-                             f"rank={self.opts['rank']}; pass the same rank option")
+                             f"rank={self.options.rank}; pass the same rank option")
         flat = torch.zeros(self.numel, device=_HOST)
         for i, e in state["error"].items():
             i = int(i)

@@ -20,7 +20,6 @@ class AllReduce(HookSync):
     """fp32 all-reduce, pre-divided by world size like torch's default reducer."""
 
     name = "allreduce"
-    options: dict = {}
 
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
         return self._fp32_allreduce(bucket)
@@ -29,9 +28,7 @@ class AllReduce(HookSync):
 @register
 class NoSync(HookSync):
     name = "none"
-    lossless = False
     communicates = False
-    options: dict = {}
 
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
         return completed(bucket.buffer())

@@ -24,13 +24,13 @@ The residual, index plans and buffers live on the gradients' device.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lorasync.catalog import topk_k
 from lorasync.comm import compress as C
 from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
 
@@ -38,15 +38,9 @@ from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
 @register
 class TopK(HookSync):
     name = "topk"
-    options = {"ratio": 0.1, "warmup_steps": 0}
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._float_opt("ratio", 0.0, 1.0, lo_open=True)
 
     def _setup(self) -> None:
-        ratio = float(self.opts["ratio"])
-        self._k = [max(1, math.ceil(ratio * m)) for m in self._numels]
+        self._k = [topk_k(m, self.options.ratio) for m in self._numels]
         self._E = _Residual(self.numel, len(self.params), self.device)
 
     def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
@@ -91,9 +85,8 @@ class TopK(HookSync):
         def _decode(_f: torch.futures.Future) -> torch.Tensor:
             t1 = time.perf_counter()
             rows = out.view(n, 2, -1)
-            res = torch.zeros(lay.numel, device=buf.device)
-            for j in range(n):  # rank order: the same sums on every rank
-                res.index_add_(0, rows[j, 0].long(), rows[j, 1].view(torch.float32))
+            # rank order: the same sums on every rank
+            res = C.topk_decode(rows[:, 0], rows[:, 1].view(torch.float32), lay.numel)
             buf.copy_(res.div_(n))
             self._add_encode(time.perf_counter() - t1)
             return buf
@@ -101,7 +94,7 @@ class TopK(HookSync):
         return fut.then(_decode)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ratio": float(self.opts["ratio"]),
+        return {**super().state_dict(), "ratio": self.options.ratio,
                 "residual": self._E.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

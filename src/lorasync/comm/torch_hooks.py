@@ -36,26 +36,18 @@ class TorchFP16(HookSync):
 @register
 class TorchPowerSGD(HookSync):
     name = "torch_powersgd"
-    lossless = False
-    options = {"warmup_steps": 0, "rank": 1, "start_iter": 2}
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._int_opt("rank", 1)
-        # torch requires start_powerSGD_iter > 1 with error feedback and warm start
-        self._int_opt("start_iter", 2)
 
     def _setup(self) -> None:
         self.state = psgd.PowerSGDState(
-            process_group=self.group, matrix_approximation_rank=self.opts["rank"],
-            start_powerSGD_iter=self.opts["start_iter"], use_error_feedback=True,
+            process_group=self.group, matrix_approximation_rank=self.options.rank,
+            start_powerSGD_iter=self.options.start_iter, use_error_feedback=True,
             warm_start=True, random_seed=0)
 
     def _payload_numel(self, bucket: dist.GradBucket) -> int:
         """Elements torch's hook hands to all-reduce for this bucket (mirrors its rules)."""
         if self.state.iter < self.state.start_powerSGD_iter:
             return bucket.buffer().numel()
-        r, total = self.opts["rank"], 0
+        r, total = self.options.rank, 0
         for g in bucket.gradients():
             if g.dim() == 2:
                 m, n = g.shape

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lorasync.catalog import param_blocks
 from lorasync.comm import compress as C
 from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
 
@@ -43,7 +44,6 @@ from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
 class _TwoPhase(HookSync):
     two_phase = True
     align = 1  # block size multiple (8 for bit packing)
-    options = {"block": 256, "warmup_steps": 0}
 
     # -- codec, per subclass --------------------------------------------------
     def _momentum_rows(self, lay: _Layout, plan: dict[str, Any]) -> torch.Tensor | None:
@@ -64,13 +64,9 @@ class _TwoPhase(HookSync):
         raise NotImplementedError
 
     # -- set-up ---------------------------------------------------------------
-    def _validate(self) -> None:
-        super()._validate()
-        self._int_opt("block", 8 if self.align > 1 else 1)
-
     def _setup(self) -> None:
         n = self.world_size
-        self._blocks = [C.param_blocks(m, self.opts["block"], n, self.align) for m in self._numels]
+        self._blocks = [param_blocks(m, self.options.block, n, self.align) for m in self._numels]
         self._E = _Residual(self.numel, len(self.params), self.device)  # worker, every element
         self._S = _Residual(self.numel, len(self.params), self.device)  # server, my shard only
         # all_to_all_single is in gloo, NCCL and MPI; probe, since a backend
@@ -222,14 +218,14 @@ class _TwoPhase(HookSync):
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "block": self.opts["block"],
+        return {**super().state_dict(), "block": self.options.block,
                 "worker_residual": self._E.state(), "server_residual": self._S.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        if state.get("block", self.opts["block"]) != self.opts["block"]:
+        if state.get("block", self.options.block) != self.options.block:
             raise ValueError(f"state_dict: saved with block={state['block']}, this run has "
-                             f"block={self.opts['block']}; pass the same block option")
+                             f"block={self.options.block}; pass the same block option")
         self._E.load(state["worker_residual"])
         self._S.load(state["server_residual"])
 
@@ -239,7 +235,6 @@ class Int8(_TwoPhase):
     """Blockwise int8 (scale = max|x|/127 per block of <= ``block`` values)."""
 
     name = "int8"
-    options = {"block": 256, "warmup_steps": 0}
 
     def _encode(self, x, bid, nblocks, count, sum_index=None):
         return C.int8_encode(x, bid, nblocks)
@@ -291,14 +286,6 @@ class OneBit(_TwoPhase):
 
     name = "onebit"
     align = 8
-    options = {"block": 512, "warmup_steps": 10, "momentum": True, "max_update_rms": 1.0}
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._float_opt("max_update_rms", 0.0, float("inf"))
-        if not isinstance(self.opts["momentum"], bool):
-            raise ValueError(f"onebit: option momentum={self.opts['momentum']!r} must be "
-                             "true or false")
 
     def _setup(self) -> None:
         super()._setup()
@@ -329,7 +316,7 @@ class OneBit(_TwoPhase):
         trainable parameter, without amsgrad/maximize; call it once, before
         the first step, on every rank.  A no-op with ``momentum=False``.
         """
-        if not self.opts["momentum"]:
+        if not self.options.momentum:
             return
         if self._opt is not None:
             raise ValueError("onebit: set_optimizer was called already")
@@ -338,9 +325,9 @@ class OneBit(_TwoPhase):
             raise ValueError(f"{where} needs torch.optim.AdamW, got "
                              f"{type(optimizer).__name__}; pass momentum=false to compress "
                              "gradients instead")
-        if self.opts["warmup_steps"] < 1:
+        if self.options.warmup_steps < 1:
             raise ValueError(f"{where} freezes Adam's variance after the warm-up: "
-                             f"warmup_steps={self.opts['warmup_steps']} must be at least 1")
+                             f"warmup_steps={self.options.warmup_steps} must be at least 1")
         groups: dict[int, dict[str, Any]] = {}
         betas = set()
         for g in optimizer.param_groups:
@@ -380,7 +367,7 @@ class OneBit(_TwoPhase):
 
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         if self._opt is not None and bucket.index() == 0:
-            self._mom_step = self._optimizer_steps() >= self.opts["warmup_steps"]
+            self._mom_step = self._optimizer_steps() >= self.options.warmup_steps
             if self._mom_step and self._denom is None:
                 self._freeze()
         return super()._on_bucket(bucket)
@@ -431,7 +418,7 @@ class OneBit(_TwoPhase):
             return
         self._mom_step = False
         stash, self._stash = self._stash, []
-        b1, b2, clip = self._b1, self._b2, self.opts["max_update_rms"]
+        b1, b2, clip = self._b1, self._b2, self.options.max_update_rms
         for i, (p, g, grp) in enumerate(zip(self.params, stash, self._groups)):
             p.grad = g
             if g is None:

@@ -41,7 +41,9 @@ from lorasync.units import fmt_rate
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "AlphaBeta",
+    "AllReduceModel",
     "fit_alpha_beta",
+    "allreduce_model",
     "busbw_factor",
     "sweep_sizes",
     "run_probe",
@@ -105,6 +107,40 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
     ss_res = sum((y - alpha - beta * x) ** 2 for x, y in zip(sizes, times))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     return AlphaBeta(alpha, beta, r2)
+
+
+class AllReduceModel(NamedTuple):
+    """Ring all-reduce of B bytes on n ranks: ``2(n-1) alpha_s + 2(n-1)/n B / bandwidth_Bps``."""
+
+    #: latency per message (one step of the ring)
+    alpha_s: float
+    #: never None: times that did not grow with size give the largest bus
+    #: bandwidth measured, a lower bound on the link
+    bandwidth_Bps: float
+    #: the whole all-reduce's latency, 2(n-1) alpha_s
+    allreduce_alpha_s: float
+    r2: float
+    bandwidth_from: str
+
+
+def allreduce_model(sizes: Sequence[float], times: Sequence[float], world_size: int
+                    ) -> AllReduceModel:
+    """The alpha-beta model of a group from all-reduce timings (payload bytes,
+    seconds): :func:`fit_alpha_beta` on bus bytes (the bytes each rank moves,
+    2(n-1)/n of the payload), alpha per ring step.  ``lorasync probe``'s sweep
+    and ``auto``'s two-size live probe both fit with this."""
+    n = int(world_size)
+    if n < 2:
+        raise ValueError(f"world_size: an all-reduce model needs at least 2 ranks, got {world_size}")
+    f = busbw_factor("all_reduce", n)
+    fit = fit_alpha_beta([b * f for b in sizes], times)
+    steps = 2 * (n - 1)  # ring all-reduce: n-1 reduce-scatter + n-1 all-gather messages
+    if fit.bandwidth_Bps is None:  # times flat in size: latency-bound up to the largest size
+        bw = max(b * f / t for b, t in zip(sizes, times))
+        source = "largest busbw (times did not grow with size)"
+    else:
+        bw, source = fit.bandwidth_Bps, "fit"
+    return AllReduceModel(fit.alpha_s / steps, bw, fit.alpha_s, fit.r2, source)
 
 
 def busbw_factor(collective: str, n: int) -> float:
@@ -421,21 +457,15 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
 
     model = None
     ar = [r for r in sweep if r["collective"] == "all_reduce"]
-    if ctx.n > 1 and len(ar) >= 2:
-        f = busbw_factor("all_reduce", ctx.n)
-        fit = fit_alpha_beta([r["bytes"] * f for r in ar], [r["time_s"] for r in ar])
-        steps = 2 * (ctx.n - 1)  # ring all-reduce: n-1 reduce-scatter + n-1 all-gather messages
+    if ctx.n > 1 and len(ar) >= 2 and len({r["bytes"] for r in ar}) >= 2:
+        m = allreduce_model([r["bytes"] for r in ar], [r["time_s"] for r in ar], ctx.n)
         model = {
-            "alpha_s": fit.alpha_s / steps, "beta_s_per_byte": fit.beta_s_per_byte,
-            "bandwidth_Bps": fit.bandwidth_Bps, "latency_s": fit.alpha_s / steps,
-            "allreduce_alpha_s": fit.alpha_s, "r2": fit.r2,
+            "alpha_s": m.alpha_s, "beta_s_per_byte": 1.0 / m.bandwidth_Bps,
+            "bandwidth_Bps": m.bandwidth_Bps, "latency_s": m.alpha_s,
+            "allreduce_alpha_s": m.allreduce_alpha_s, "r2": m.r2,
             "formula": "all_reduce(B) = 2(n-1)*alpha_s + 2(n-1)/n*B*beta_s_per_byte",
-            "bandwidth_from": "fit",
+            "bandwidth_from": m.bandwidth_from,
         }
-        if fit.bandwidth_Bps is None:  # times flat in size: latency-bound up to max_bytes
-            best = max(r["busbw_Bps"] for r in ar)  # a lower bound on the link, never zero
-            model.update(bandwidth_Bps=best, beta_s_per_byte=1.0 / best,
-                         bandwidth_from="largest busbw (times did not grow with size)")
         # A sweep cut short by the budget (a slow link, quick mode) fits its
         # slope on sizes a shaper's burst still flatters; the pairs went to
         # bigger messages, and a ring is never faster than its slowest link.

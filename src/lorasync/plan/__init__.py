@@ -8,21 +8,18 @@ during training.
     predict("fp16", net, wl).efficiency
     choose(Measurements(net, wl)).strategy
 
+Strategy names, options and byte formulas come from :mod:`lorasync.catalog`.
 Nothing here imports torch or does I/O (the CLI reads files).
 """
 
-from lorasync.plan.costmodel import (
-    LOSSLESS, MODELS, NONE, PERIODIC, STRATEGIES, Net, Prediction, Workload, lora_matrices,
-    predict, wire_bytes,
-)
+from lorasync.plan.costmodel import MODELS, Net, Prediction, Workload, lora_matrices, predict
 from lorasync.plan.planner import (
     Link, Measurements, Plan, Recommendation, Step, choose, net_from_probe, plan, rank,
     what_if_net,
 )
 
 __all__ = [
-    "STRATEGIES", "NONE", "LOSSLESS", "PERIODIC", "MODELS",
-    "Net", "Workload", "Prediction", "predict", "wire_bytes", "lora_matrices",
+    "MODELS", "Net", "Workload", "Prediction", "predict", "lora_matrices",
     "Link", "Measurements", "Recommendation", "Step", "Plan",
     "rank", "choose", "plan", "what_if_net", "net_from_probe",
 ]

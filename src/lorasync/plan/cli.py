@@ -24,9 +24,9 @@ import statistics
 import sys
 
 from lorasync.errors import ConfigError
+from lorasync.catalog import NONE, STRATEGIES
 from lorasync.plan.costmodel import (
-    ALLREDUCE_ALGOS, DEFAULT_OPTIONS, MODELS, NONE, STRATEGIES, MiB, ModelShape, Workload,
-    head_share, lora_matrices,
+    ALLREDUCE_ALGOS, MODELS, MiB, ModelShape, Workload, head_share, lora_matrices,
 )
 from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, options_text, plan,
@@ -274,7 +274,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     for text in args.opt:
         key, value = _kv(text, "--opt")
         strat, _, opt = key.partition(".")
-        if strat not in DEFAULT_OPTIONS or not opt:
+        if strat not in STRATEGIES + (NONE,) or not opt:
             raise ConfigError("--opt", text, "write STRATEGY.KEY=VALUE, e.g. topk.ratio=0.001")
         options.setdefault(strat, {})[opt] = _scalar(value)
     encode = {}

@@ -15,8 +15,10 @@ The model
   2(n-1) alpha + 2(n-1)/n P beta; all-gather of p bytes per rank:
   (n-1) alpha + (n-1) p beta, i.e. (n-1)/n of the gathered total; all-to-all of
   a C-byte send buffer: (n-1) alpha + (n-1)/n C beta.
-* What each strategy hands to which collective is one table,
-  ``_COLLECTIVES`` (it must agree with ``lorasync.comm.wire_bytes_formula``).
+* What each strategy hands to which collective is the strategy catalog's
+  byte formula (:func:`lorasync.catalog.collectives`, the one the strategies
+  are tested against): per sync, for the whole adapter; a bucket hands over
+  its share of it.
 * Per-step (DDP hook) strategies sync every bucket as soon as its gradients
   are ready.  Buckets fill in gradient-ready order (fp32 gradient bytes; the
   first bucket may be smaller).  Backward starts with the loss and the LM
@@ -27,7 +29,7 @@ The model
   max(ready_k, end of bucket k-1).
   Exposed communication is what is left after the backward pass ends; only
   buckets other than the last can hide behind it.  Two-phase strategies
-  (int8, onebit) also hold the backward pass up: the hook of bucket k first
+  (int8, onebit: ``Spec.holds_backward``) also hold the backward pass up: the hook of bucket k first
   waits for phase 1 of bucket k-1 (it must reduce that shard before sending
   phase 2), so backward resumes only when that transfer is done, and phase 2
   of k-1 queues ahead of phase 1 of k on the link.  With a single bucket (the
@@ -37,7 +39,8 @@ The model
   after the optimizer step; nothing overlaps (with ``streaming`` the sync
   runs during the next ``delay`` steps' compute); costs are amortized.
 * Encode/decode (casting, quantizing, top-k, PowerSGD matmuls) runs on the
-  training thread: ``encode_ns`` per element per sync, added to the step.
+  training thread: ``encode_ns`` per element per sync (the catalog's CPU
+  defaults, or what ``auto`` measured on the live device), added to the step.
 
     step_s = compute_s + encode_s + exposed_comm_s
     efficiency = compute_s / step_s          (the no-sync ceiling's step is compute_s)
@@ -53,72 +56,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from functools import lru_cache
+from typing import Any, Mapping
 
+from lorasync import catalog
+from lorasync.catalog import NONE, STRATEGIES, Collective
 from lorasync.errors import ConfigError
 
 __all__ = [
-    "MiB", "STRATEGIES", "NONE", "LOSSLESS", "PERIODIC", "DEFAULT_OPTIONS", "ENCODE_NS",
-    "ALLREDUCE_ALGOS", "Net", "Workload", "Prediction", "Collective", "ModelShape", "MODELS",
-    "lora_matrices", "head_share", "strategy_options", "collectives", "wire_bytes",
-    "collective_time",
-    "ring_allreduce_s", "recursive_doubling_allreduce_s", "reduce_broadcast_s",
-    "allgather_s", "alltoall_s", "bucket_layout", "powersgd_floats", "predict",
+    "MiB", "ALLREDUCE_ALGOS", "Net", "Workload", "Prediction", "ModelShape", "MODELS",
+    "lora_matrices", "head_share", "encode_ns", "collective_time", "bucket_layout",
+    "adapter_shapes", "predict",
 ]
 
 MiB = 1 << 20
 
-#: strategies the planner ranks ('auto' is the planner itself)
-STRATEGIES = ("allreduce", "fp16", "bf16", "int8", "onebit", "topk", "powersgd", "local", "diloco")
-#: no sync at all: the compute ceiling that efficiencies are measured against
-NONE = "none"
-#: same update every step up to rounding of the summed gradient: no error
-#: feedback, no skipped syncs (fp16/bf16 only round the values they send)
-LOSSLESS = frozenset({"allreduce", "fp16", "bf16"})
-#: sync weights (or deltas) every ``period`` steps instead of gradients every step
-PERIODIC = frozenset({"local", "diloco"})
-#: all-to-all then all-gather per bucket, the hook waiting between them
-TWO_PHASE = frozenset({"int8", "onebit"})
-
-# Default options per strategy.  MUST AGREE with the defaults of the strategies
-# in lorasync.comm (tests/unit/test_costmodel.py compares the byte formulas at
-# these defaults when lorasync.comm.wire_bytes_formula exists).
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "allreduce": {},
-    "fp16": {},
-    "bf16": {},
-    "int8": {"block": 256},
-    "onebit": {"block": 512},
-    "topk": {"ratio": 0.1},
-    "powersgd": {"rank": 3, "min_compression_rate": 2.0},
-    # streaming: the sync runs during the next `delay` steps' compute
-    "local": {"period": 8, "streaming": False, "delay": 1},
-    "diloco": {"period": 8, "delta_dtype": "fp32", "streaming": False, "delay": 1},
-}
-
-# Encode + decode cost, nanoseconds per adapter element per sync, on one CPU
-# thread: what the strategies' encode_s came to in bench/plan_accuracy.py
-# (SmolLM2-135M, 921,600 adapter elements, 2 ranks, torch 2.13 CPU; the three
-# links agree within 10%): fp16/bf16 2 (a cast each way), int8 20 (two
-# quantize/dequantize rounds with error feedback), onebit 45 (1-bit Adam: the
-# momentum blend, sign packing, two rounds), topk 18 (CPU top-k), PowerSGD 7.5
-# per unit of rank (two small matmuls per matrix scale with rank), local 2.5
-# and DiLoCo 7 per sync (the flat copy; DiLoCo's outer Nesterov step).  plain
-# all-reduce hands DDP's bucket over as it is.  Calibrate for another machine
-# from metrics.jsonl's encode_s / params (``lorasync plan --encode-ns``).
-ENCODE_NS: dict[str, float] = {
-    "none": 0.0, "allreduce": 0.0, "fp16": 2.0, "bf16": 2.0, "int8": 20.0, "onebit": 45.0,
-    "topk": 18.0, "powersgd": 7.5, "local": 2.5, "diloco": 7.0,
-}
-
-#: options of lorasync.comm strategies accepted and ignored here (they change
-#: start-up or the optimization, not the bytes or the time of a steady step)
-_STEADY_STATE_OPTIONS = frozenset({"warmup_steps", "warm_start", "outer_lr", "outer_momentum",
-                                   "momentum", "max_update_rms"})
-
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast")
-_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 # --------------------------------------------------------------------------- inputs
@@ -178,11 +131,12 @@ class Workload:
     #: first (earliest ready) bucket's cap; None = bucket_bytes (DDP does that
     #: whenever bucket_cap_mb is set explicitly, as the trainer does)
     first_bucket_bytes: int | None = None
-    #: 2-D adapter matrices (rows, cols), for PowerSGD; None = LoRA pairs of
-    #: rank lora_r with an assumed 1024-wide other side
+    #: 2-D adapter matrices (rows, cols): PowerSGD compresses them, int8/onebit
+    #: cut and top-k picks per tensor; None = LoRA pairs of rank lora_r with
+    #: an assumed 1024-wide other side (see :func:`adapter_shapes`)
     matrices: tuple[tuple[int, int], ...] | None = None
     lora_r: int = 8
-    #: per strategy: ns per element per sync, replacing ENCODE_NS
+    #: per strategy: ns per element per sync, replacing the catalog's CPU default
     encode_ns: Mapping[str, float] = field(default_factory=dict)
     #: per strategy: option overrides, e.g. {"topk": {"ratio": 0.001}}
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -204,11 +158,11 @@ class Workload:
                 if len(m) != 2 or any(not isinstance(d, int) or d < 1 for d in m):
                     raise ConfigError("matrices", m, "give (rows, cols) pairs of positive ints")
         for name, ns in self.encode_ns.items():
-            if name not in ENCODE_NS:
+            if name not in STRATEGIES + (NONE,):
                 raise ConfigError("encode_ns", name, "name a strategy: " + ", ".join(STRATEGIES))
             _positive_number(ns, f"encode_ns.{name}", zero_ok=True)
         for name, opts in self.options.items():
-            strategy_options(name, opts)  # validates
+            _options(name, opts)  # validates
 
 
 def _is_number(x) -> bool:
@@ -302,18 +256,6 @@ def lora_matrices(shape: ModelShape, r: int = 8, targets=("q", "k", "v", "o"),
 
 # --------------------------------------------------------------------------- collectives
 
-@dataclass(frozen=True)
-class Collective:
-    """One collective call: its kind and the payload bytes this rank hands to it.
-
-    For all_gather the payload is this rank's contribution; for all_to_all
-    it is this rank's whole send buffer (split in n chunks).
-    """
-
-    kind: str  # all_reduce | all_gather | all_to_all | broadcast
-    payload_bytes: float
-
-
 def _log2(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
@@ -345,169 +287,51 @@ def collective_time(c: Collective, net: Net) -> float:
     return msgs * net.alpha_s + nbytes * net.beta_s_per_byte
 
 
-def ring_allreduce_s(payload_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
-    """2(n-1) alpha + 2(n-1)/n P beta."""
-    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * payload_bytes * beta_s
+# --------------------------------------------------------------------------- bytes
 
-
-def recursive_doubling_allreduce_s(payload_bytes: float, alpha_s: float, beta_s: float,
-                                   n: int) -> float:
-    """ceil(log2 n) rounds, each exchanging the whole vector with one partner."""
-    return _log2(n) * (alpha_s + payload_bytes * beta_s)
-
-
-def reduce_broadcast_s(payload_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
-    """Binomial-tree reduce to a root, then broadcast: 2 ceil(log2 n) rounds."""
-    return 2 * _log2(n) * (alpha_s + payload_bytes * beta_s)
-
-
-def allgather_s(total_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
-    """Ring all-gather of ``total_bytes`` in all: (n-1) alpha + (n-1)/n total beta."""
-    return (n - 1) * alpha_s + (n - 1) / n * total_bytes * beta_s
-
-
-def alltoall_s(total_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
-    """Pairwise all-to-all of one rank's ``total_bytes`` send buffer."""
-    return (n - 1) * alpha_s + (n - 1) / n * total_bytes * beta_s
-
-
-# --------------------------------------------------------------------------- wire bytes
-# THE BYTE TABLE.  For each strategy: the collectives one sync of `numel`
-# gradient elements makes, with the payload bytes this rank hands to each
-# (docs/contracts.md "Wire bytes").  It MUST AGREE with
-# lorasync.comm.wire_bytes_formula(name, numel, world_size, **opts); the unit
-# test compares the two whenever the comm module provides it.
-
-def _param_blocks(numel: int, block: int, n: int, align: int) -> tuple[int, int]:
-    """(blocks, block size) one tensor is cut into, as lorasync.comm.compress.param_blocks:
-    a multiple of n blocks (equal shards), each at most ``block`` elements
-    rounded up to ``align`` (8 for bit packing); the tensor is zero-padded."""
-    nb = n * math.ceil(numel / (n * block))
-    bs = math.ceil(numel / nb)
-    return nb, align * math.ceil(bs / align)
-
-
-def _per_tensor(numel: int, matrices, fn: Callable[[int], float]) -> float:
-    """Sum of ``fn`` over the adapter's tensors; a bucket gets its share."""
-    if matrices is None:
-        return fn(numel)
-    sizes = [m * k for m, k in matrices]
-    total = sum(sizes)
-    if numel >= total:  # the whole adapter (+ any 1-D parameters outside the matrices)
-        return sum(fn(x) for x in sizes) + (fn(numel - total) if numel > total else 0.0)
-    return sum(fn(x) for x in sizes) * numel / total
-
-
-def _two_phase(numel: int, n: int, bits: int, block: int, matrices) -> list[Collective]:
-    # phase 1: every rank hands its whole compressed bucket (n equal shards:
-    # codes + one fp32 scale per block) to an all-to-all and reduces the shard
-    # it owns; phase 2: the reduced shard, compressed again, is all-gathered.
-    align = 8 if bits == 1 else 1
-
-    def compressed(m: int) -> float:
-        nb, bs = _param_blocks(m, block, n, align)
-        return nb * bs * bits / 8 + 4 * nb
-
-    total = _per_tensor(numel, matrices, compressed)
-    return [Collective("all_to_all", total), Collective("all_gather", total / n)]
-
-
-def powersgd_floats(numel: int, rank: int, matrices=None, lora_r: int = 8,
-                    min_rate: float = 2.0) -> tuple[float, float, float]:
-    """(P floats, Q floats, uncompressed floats) PowerSGD sends for ``numel`` elements.
-
-    A matrix m x k is compressed to P (m x rank) and Q (k x rank) when that
-    shrinks it by at least ``min_rate``; otherwise it is sent whole.  Elements outside the given matrices (1-D parameters) are sent
-    whole.  Without matrices: LoRA matrices lora_r x 1024.  Results scale
-    linearly when ``numel`` is a bucket's share of the matrices.
-    """
-    matrices_given = matrices is not None
-    if not matrices_given:
-        matrices = ((lora_r, 1024),)
-        total = lora_r * 1024
-    else:
-        total = sum(m * k for m, k in matrices)
-    p = q = u = 0.0
-    for m, k in matrices:
-        if m * k >= min_rate * (m + k) * rank:
-            p, q = p + m * rank, q + k * rank
-        else:
-            u += m * k
-    if matrices_given and numel >= total:  # whole adapter (+ 1-D parameters outside matrices)
-        return p, q, u + (numel - total)
-    scale = numel / total  # a bucket's share
-    return p * scale, q * scale, u * scale
-
-
-def _periodic(numel: int, opts: dict) -> list[Collective]:
-    # the average of the weights (local SGD, fp32) or of the outer delta (DiLoCo)
-    return [Collective("all_reduce", _DTYPE_BYTES[opts.get("delta_dtype", "fp32")] * numel)]
-
-
-_COLLECTIVES: dict[str, Callable[..., list[Collective]]] = {
-    "none": lambda numel, n, o, mx, r: [],
-    "allreduce": lambda numel, n, o, mx, r: [Collective("all_reduce", 4 * numel)],
-    "fp16": lambda numel, n, o, mx, r: [Collective("all_reduce", 2 * numel)],
-    "bf16": lambda numel, n, o, mx, r: [Collective("all_reduce", 2 * numel)],
-    "int8": lambda numel, n, o, mx, r: _two_phase(numel, n, 8, o["block"], mx),
-    "onebit": lambda numel, n, o, mx, r: _two_phase(numel, n, 1, o["block"], mx),
-    # values (fp32) and indices (int32) of the k largest, gathered from every rank
-    "topk": lambda numel, n, o, mx, r: [Collective("all_gather", _per_tensor(
-        numel, mx, lambda m: 8 * max(1, math.ceil(o["ratio"] * m))))],
-    # two all-reduces per bucket: P (uncompressed tensors ride along), then Q
-    "powersgd": lambda numel, n, o, mx, r: (lambda p, q, u: [
-        Collective("all_reduce", 4 * (p + u)), Collective("all_reduce", 4 * q)])(
-            *powersgd_floats(numel, o["rank"], mx, r, o["min_compression_rate"])),
-    "local": lambda numel, n, o, mx, r: _periodic(numel, o),
-    "diloco": lambda numel, n, o, mx, r: _periodic(numel, o),
-}
-
-
-def strategy_options(name: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Defaults of ``name`` updated with ``overrides``, validated."""
-    if name not in DEFAULT_OPTIONS:
+def _options(name: str, given: Mapping[str, Any] | None) -> catalog.Options:
+    """``name``'s options for a step: the catalog's, validated; ``none`` and
+    the plannable strategies only."""
+    if name != NONE and name not in STRATEGIES:
         raise ConfigError("strategy", name, "choose one of " + ", ".join(STRATEGIES + (NONE,)))
-    opts = dict(DEFAULT_OPTIONS[name])
-    for key, value in (overrides or {}).items():
-        if key in _STEADY_STATE_OPTIONS and name != NONE:
-            continue  # the strategies take them; they do not change a steady-state step
-        if key not in opts:
-            known = ", ".join(sorted(DEFAULT_OPTIONS[name])) or "none"
-            raise ConfigError(f"{name}.{key}", value, f"{name} takes the options: {known}")
-        opts[key] = value
-    for key, value in opts.items():
-        field_name = f"{name}.{key}"
-        if key in ("block", "rank", "period", "delay"):
-            _positive_int(value, field_name)
-        elif key == "streaming" and not isinstance(value, bool):
-            raise ConfigError(field_name, value, "use true or false")
-        elif key == "min_compression_rate":
-            _positive_number(value, field_name, zero_ok=True)
-        elif key == "ratio":
-            if not _is_number(value) or not 0 < value <= 1:
-                raise ConfigError(field_name, value, "use a fraction in (0, 1], e.g. 0.01")
-        elif key == "delta_dtype" and value not in _DTYPE_BYTES:
-            raise ConfigError(field_name, value, "use fp32, fp16 or bf16")
-    if opts.get("streaming") and not opts["delay"] < opts["period"]:
-        raise ConfigError(f"{name}.delay", opts["delay"], "streaming needs 1 <= delay < period")
-    return opts
+    return catalog.parse_options(name, given)
 
 
-def collectives(name: str, numel: int, world_size: int, *, matrices=None, lora_r: int = 8,
-                **opts: Any) -> list[Collective]:
-    """The collectives one sync of ``numel`` elements makes under ``name``."""
-    o = strategy_options(name, opts)
-    return _COLLECTIVES[name](numel, world_size, o, matrices, lora_r)
+def adapter_shapes(workload: "Workload") -> tuple[tuple[int, ...], ...]:
+    """The adapter's tensors as the byte formula sees them: the workload's
+    matrices (plus its 1-D remainder), or, without them, LoRA factors of rank
+    ``lora_r`` with a 1024-wide other side (the remainder a narrower one)."""
+    numel, r = workload.adapter_params, workload.lora_r
+    if workload.matrices is not None:
+        shapes = list(workload.matrices)
+        rest = numel - sum(m * k for m, k in shapes)
+        if rest > 0:
+            shapes.append((rest,))
+        return tuple(shapes)
+    shapes = [(r, 1024)] * (numel // (r * 1024))
+    rest = numel - r * 1024 * len(shapes)
+    if rest > 0:
+        shapes.append((r, rest // r) if rest % r == 0 else (rest,))
+    return tuple(shapes)
 
 
-def wire_bytes(name: str, numel: int, world_size: int, *, matrices=None, lora_r: int = 8,
-               **opts: Any) -> float:
-    """Payload bytes this rank hands to collectives per step for one bucket of
-    ``numel`` elements (periodic strategies: amortized over their period)."""
-    o = strategy_options(name, opts)
-    total = sum(c.payload_bytes for c in _COLLECTIVES[name](numel, world_size, o, matrices,
-                                                            lora_r))
-    return total / o["period"] if name in PERIODIC else total
+@lru_cache(maxsize=1024)
+def _sync(name: str, opts: catalog.Options, shapes: tuple, n: int, numel: int
+          ) -> tuple[Collective, ...]:
+    """One sync of the whole adapter (``numel`` elements), as the catalog's
+    collectives; matrices holding more than the adapter scale down to it."""
+    calls = catalog.collectives(name, shapes, n, opts)
+    total = sum(math.prod(s) for s in shapes)
+    if total > numel:
+        calls = [Collective(c.kind, c.payload_bytes * numel / total) for c in calls]
+    return tuple(calls)
+
+
+def encode_ns(name: str, options: Mapping[str, Any] | catalog.Options | None = None) -> float:
+    """The catalog's encode+decode cost of ``name`` on one CPU thread, ns per
+    element per sync (calibrate another device with ``Workload.encode_ns``,
+    e.g. ``lorasync plan --encode-ns`` from a run's encode_s / params)."""
+    return catalog.spec(name).encode_ns(catalog.parse_options(name, options))
 
 
 # --------------------------------------------------------------------------- prediction
@@ -563,32 +387,31 @@ def bucket_layout(numel: int, bucket_bytes: float, first_bucket_bytes: float | N
     return out
 
 
-def _encode_ns(name: str, opts: dict, workload: Workload) -> float:
+def _encode_ns(name: str, opts: catalog.Options, workload: Workload) -> float:
     if name in workload.encode_ns:
         return float(workload.encode_ns[name])
-    ns = ENCODE_NS[name]
-    return ns * opts["rank"] if name == "powersgd" else ns
+    return catalog.spec(name).encode_ns(opts)
 
 
 def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
     """Predicted step of ``strategy`` on ``net`` for ``workload``."""
-    opts = strategy_options(strategy, workload.options.get(strategy))
+    opts = _options(strategy, workload.options.get(strategy))
+    spec = catalog.spec(strategy)
     n, numel = net.world_size, workload.adapter_params
     compute = workload.compute_s
-    make = _COLLECTIVES[strategy]
+    whole = _sync(strategy, opts, adapter_shapes(workload), n, numel)
     encode = _encode_ns(strategy, opts, workload) * numel * 1e-9
     wire = link = msgs = comm = exposed = 0.0
-    periodic = strategy in PERIODIC
+    periodic = spec.periodic
     if periodic:
-        period = opts["period"]
-        calls = make(numel, n, opts, workload.matrices, workload.lora_r)
-        for c in calls:
+        period = opts.period
+        for c in whole:
             m, b = _terms(c, net)
             msgs, link, wire = msgs + m, link + b, wire + c.payload_bytes
             comm += collective_time(c, net)
         # after the optimizer step: nothing to hide behind, unless streaming
         # lets it run during the next `delay` steps' compute
-        exposed = max(0.0, comm - opts["delay"] * compute) if opts["streaming"] else comm
+        exposed = max(0.0, comm - opts.delay * compute) if opts.streaming else comm
         wire, link, msgs, comm, encode, exposed = (
             x / period for x in (wire, link, msgs, comm, encode, exposed))
         syncs, nbuckets = 1.0 / period, 1
@@ -604,12 +427,13 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
         p2_prev = 0.0     # two-phase: the previous bucket's phase 2, not yet issued
         for b in layout:
             times = []
-            for c in make(b, n, opts, workload.matrices, workload.lora_r):
+            for w in whole:  # this bucket's share of the sync
+                c = Collective(w.kind, w.payload_bytes * b / numel)
                 m, nb = _terms(c, net)
                 msgs, link, wire = msgs + m, link + nb, wire + c.payload_bytes
                 times.append(collective_time(c, net))
             comm += sum(times)
-            if strategy in TWO_PHASE:
+            if spec.holds_backward:
                 clock += spread * b / numel            # compute that fills this bucket
                 clock = max(clock, p1_end)             # the hook waits for k-1's phase 1
                 end = max(clock, end) + p2_prev        # then issues k-1's phase 2
@@ -619,17 +443,17 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
                 done += b
                 ready = head + spread * done / numel
                 end = max(ready, end) + sum(times)
-        if strategy in TWO_PHASE and comm > 0:
+        if spec.holds_backward and comm > 0:
             clock = max(clock, p1_end)                 # the last hook drains at once
             end = max(clock, end) + p2_prev
         exposed = max(0.0, end - backward) if comm > 0 else 0.0
         syncs, nbuckets = (0.0 if strategy == NONE else 1.0), len(layout)
     step = compute + encode + exposed
     return Prediction(
-        strategy=strategy, options=opts, world_size=n, compute_s=compute, encode_s=encode,
+        strategy=strategy, options=opts.as_dict(), world_size=n, compute_s=compute, encode_s=encode,
         comm_s=comm, exposed_comm_s=exposed, step_s=step,
         samples_per_s=n * workload.batch_size / step, efficiency=compute / step,
         wire_bytes=wire, link_bytes=link, fp32_bytes=4.0 * numel, messages=msgs,
         syncs_per_step=syncs, buckets=nbuckets,
-        lossless=strategy in LOSSLESS, periodic=periodic,
+        lossless=spec.lossless, periodic=periodic,
     )

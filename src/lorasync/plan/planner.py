@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from lorasync.errors import ConfigError
-from lorasync.plan.costmodel import (
-    NONE, PERIODIC, STRATEGIES, MiB, Net, Prediction, Workload, predict, strategy_options,
-)
+from lorasync import catalog
+from lorasync.catalog import NONE, PERIODIC, STRATEGIES
+from lorasync.plan.costmodel import MiB, Net, Prediction, Workload, predict
 from lorasync.units import fmt_bytes, fmt_duration, fmt_rate
 
 __all__ = [
@@ -383,7 +383,7 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
     """Ranking, recommendation and the expert's ordered steps for this network."""
     candidates = tuple(candidates)
     for c in candidates:
-        strategy_options(c)  # validates the name
+        catalog.spec(c)  # validates the name
     rec = choose(Measurements(net, workload, candidates=candidates))
     ceiling = predict(NONE, net, workload)
     steps: list[Step] = []

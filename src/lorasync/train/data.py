@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from lorasync.errors import DataError
 
 __all__ = ["Example", "demo_rows", "read_jsonl", "encode_rows", "load_datasets",
-           "batches_at", "step_batches", "steps_per_epoch", "collate"]
+           "batches_at", "steps_per_epoch", "collate"]
 
 IGNORE = -100
 
@@ -241,14 +241,6 @@ def batches_at(offset: int, *, n: int, seed: int, rank: int, world: int, batch_s
         pos += take
     mine = idx[rank::world]
     return [mine[i * batch_size:(i + 1) * batch_size] for i in range(grad_accum)]
-
-
-def step_batches(step: int, *, n: int, seed: int, rank: int, world: int, batch_size: int,
-                 grad_accum: int) -> list[list[int]]:
-    """``batches_at`` for step ``step`` (1-based) of a run with fixed accumulation."""
-    offset = (step - 1) * world * batch_size * grad_accum
-    return batches_at(offset, n=n, seed=seed, rank=rank, world=world, batch_size=batch_size,
-                      grad_accum=grad_accum)
 
 
 def collate(examples: list[Example], pad_id: int):

@@ -1,0 +1,521 @@
+"""The catalog of sync strategies: what each one is, in one place, torch-free.
+
+For every strategy name this module holds
+
+* its options: a typed, frozen dataclass with defaults, ranges and help
+  text (:func:`parse_options` validates a user's ``KEY=VALUE`` pairs against
+  it and names the field, the value and the fix);
+* what kind of strategy it is (:class:`Spec`: per-step or periodic, lossless,
+  whether its hooks hold the backward pass up, whether the planner ranks it);
+* its encode+decode cost on one CPU thread (the cost model's default);
+* its byte formula: the collectives one sync hands payload bytes to
+  (:func:`collectives`, :func:`wire_bytes`).
+
+The strategies in :mod:`lorasync.comm` take their options from here, the
+cost model in :mod:`lorasync.plan.costmodel` prices these collectives, and
+the dist tests check that the strategies hand exactly these bytes to their
+collectives.  A new option or a new strategy is written here once.
+
+Bytes are payload bytes one rank hands to collectives, at the dtype sent
+(docs/contracts.md "Wire bytes"), for the whole adapter, per sync.  Tensors
+are given as shapes (``(rows, cols)`` or ``(numel,)``) or plain element
+counts; shapes matter for PowerSGD (which compresses 2-D tensors) and for the
+per-tensor blocks of int8/onebit and the per-tensor k of top-k.
+
+Per strategy, with N elements, n ranks, per tensor m elements cut by
+:func:`param_blocks` into nb blocks of bs (m' = nb*bs >= m, padding):
+
+    allreduce   4 N                             all_reduce
+    fp16, bf16  2 N                             all_reduce
+    int8        (1 + 1/n) * sum(m' + 4 nb)      all_to_all, then all_gather
+    onebit      (1 + 1/n) * sum(m'/8 + 4 nb)    ~ 1/32 of fp32 (x (1+1/n)) + scales
+    topk        8 * sum(max(1, ceil(ratio m)))  int32 index + fp32 value, all_gather
+    powersgd    4 * sum(k (a + b)) over a x b matrices it compresses
+                + 4 * numel of the other tensors   (two all-reduces)
+    local       4 N every period steps
+    diloco      N * bytes(delta_dtype) every period steps
+    none        0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+from lorasync.errors import ConfigError, UnknownKey
+
+__all__ = [
+    "Options", "Spec", "Collective", "SPECS", "STRATEGIES", "NONE", "LOSSLESS", "PERIODIC",
+    "spec", "names", "parse_options", "option_help", "param_blocks", "tensor_shapes",
+    "collectives", "wire_bytes", "DTYPE_BYTES",
+]
+
+#: bytes per element of the dtypes a sync may send
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+# --------------------------------------------------------------------------- options
+
+def option(default: Any, help: str, *, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False, hi_open: bool = False,
+           choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field of an options class: default, help text and the valid range."""
+    return field(default=default, metadata={"help": help, "lo": lo, "hi": hi, "lo_open": lo_open,
+                                            "hi_open": hi_open, "choices": choices})
+
+
+def _range_text(m: Mapping[str, Any]) -> str:
+    lo, hi = m["lo"], m["hi"]
+    if hi is None:
+        return f"> {lo:g}" if m["lo_open"] else f">= {lo:g}"
+    return (f"in {'(' if m['lo_open'] else '['}{lo:g}, "
+            f"{'inf' if math.isinf(hi) else f'{hi:g}'}{')' if m['hi_open'] else ']'}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Base of every strategy's options.
+
+    Subclasses declare their fields with :func:`option`; each field's type is
+    its default's (bool, int, float or str).  Construction checks every field
+    (type, range, choices) and :meth:`check` the relations between fields;
+    :meth:`parse` also rejects unknown names and options that do not apply
+    with the others given.  Every error is a ``ConfigError`` (a ValueError)
+    named ``STRATEGY.OPTION``.
+    """
+
+    #: the strategy these options belong to (error messages name it)
+    STRATEGY: ClassVar[str] = "?"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, self._coerce(f, getattr(self, f.name)))
+        self.check()
+
+    def _coerce(self, f: dataclasses.Field, v: Any) -> Any:
+        m, default, name = f.metadata, f.default, f"{self.STRATEGY}.{f.name}"
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise ConfigError(name, v, "use true or false")
+        elif isinstance(default, int):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(name, v, f"use an integer {_range_text(m)}")
+        elif isinstance(default, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise ConfigError(name, v, f"use a number {_range_text(m)}"
+                                  if m["lo"] is not None else "use a number")
+            v = float(v)
+        elif isinstance(default, str):
+            if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+                v = ",".join(v)  # a YAML list where a comma list is meant
+            if not isinstance(v, str):
+                raise ConfigError(name, v, "use a string")
+        if m["choices"] is not None and v not in m["choices"]:
+            raise ConfigError(name, v, "use one of " + ", ".join(map(str, m["choices"])))
+        lo, hi = m["lo"], m["hi"]
+        if lo is not None and (v < lo or (m["lo_open"] and v == lo)
+                               or (hi is not None and (v > hi or (m["hi_open"] and v == hi)))):
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise ConfigError(name, v, f"use {kind} {_range_text(m)}")
+        return v
+
+    def check(self, given: frozenset[str] = frozenset()) -> None:
+        """Relations between fields (``given``: the names the user set)."""
+
+    @classmethod
+    def parse(cls, given: Mapping[str, Any] | None = None) -> "Options":
+        """The defaults updated with ``given`` (the user's ``KEY=VALUE`` pairs)."""
+        given = dict(given or {})
+        known = [f.name for f in fields(cls)]
+        for key in given:
+            if key not in known:
+                raise UnknownKey(cls.STRATEGY, key, known, what="option",
+                                 field=f"{cls.STRATEGY}.{key}")
+        opts = cls(**given)
+        opts.check(frozenset(given))
+        return opts
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _o(strategy: str):
+    """Class decorator: a frozen options dataclass of ``strategy``."""
+    def wrap(cls):
+        cls.STRATEGY = strategy
+        return dataclass(frozen=True)(cls)
+    return wrap
+
+
+_WARMUP_HELP = "plain fp32 all-reduce for the first N optimizer steps"
+
+
+@dataclass(frozen=True)
+class _NoOptions(Options):
+    pass
+
+
+@dataclass(frozen=True)
+class _Warmup(Options):
+    warmup_steps: int = option(0, _WARMUP_HELP, lo=0)
+
+
+@_o("none")
+class NoneOptions(_NoOptions):
+    pass
+
+
+@_o("allreduce")
+class AllReduceOptions(_NoOptions):
+    pass
+
+
+@_o("fp16")
+class FP16Options(_Warmup):
+    pass
+
+
+@_o("bf16")
+class BF16Options(_Warmup):
+    pass
+
+
+@_o("int8")
+class Int8Options(_Warmup):
+    block: int = option(256, "values per fp32 scale (blockwise int8)", lo=1)
+
+
+@_o("onebit")
+class OneBitOptions(Options):
+    block: int = option(512, "values per fp32 scale (packed signs)", lo=8)
+    warmup_steps: int = option(10, "full-precision steps before compressing (1-bit Adam: the "
+                               "optimizer's own steps, then Adam's variance is frozen)", lo=0)
+    momentum: bool = option(True, "1-bit Adam when given an AdamW optimizer: send the momentum "
+                            "as signs (false: signed gradients)")
+    max_update_rms: float = option(1.0, "cap on the RMS of each tensor's 1-bit Adam step, in "
+                                   "units of the learning rate (0: no cap)", lo=0.0,
+                                   hi=math.inf)
+
+
+@_o("topk")
+class TopKOptions(_Warmup):
+    ratio: float = option(0.1, "share of each tensor's entries sent per step (with error "
+                          "feedback); 0.1 keeps quality on short fine-tunes", lo=0.0, hi=1.0,
+                          lo_open=True)
+
+
+@_o("powersgd")
+class PowerSGDOptions(_Warmup):
+    rank: int = option(3, "rank of the P, Q factors of each 2-D gradient", lo=1)
+    min_compression_rate: float = option(2.0, "send a matrix uncompressed unless low rank "
+                                         "shrinks it at least this much", lo=0.0, hi=math.inf)
+    warm_start: bool = option(True, "reuse last step's Q (one power iteration per step)")
+
+
+@dataclass(frozen=True)
+class _PeriodicOptions(Options):
+    period: int = option(8, "optimizer steps between syncs", lo=1)
+    streaming: bool = option(False, "overlap the sync with the next `delay` steps' compute "
+                             "(the update is applied delay steps late)")
+    delay: int = option(1, "steps a streamed sync has to arrive (1 <= delay < period)", lo=1)
+
+    def check(self, given: frozenset[str] = frozenset()) -> None:
+        if self.streaming:
+            if self.period < 2:
+                raise ConfigError(f"{self.STRATEGY}.period", self.period,
+                                  "streaming needs period >= 2")
+            if self.delay >= self.period:
+                raise ConfigError(f"{self.STRATEGY}.delay", self.delay,
+                                  f"streaming needs 1 <= delay < period ({self.period})")
+        elif "delay" in given and self.delay != type(self)().delay:
+            # a delay that would change nothing: the user expected streaming
+            raise ConfigError(f"{self.STRATEGY}.delay", self.delay,
+                              "delay applies only with streaming=true")
+
+
+@_o("local")
+class LocalOptions(_PeriodicOptions):
+    pass
+
+
+@_o("diloco")
+class DiLoCoOptions(_PeriodicOptions):
+    outer_lr: float = option(0.8, "outer Nesterov SGD learning rate", lo=0.0, hi=math.inf,
+                             lo_open=True)
+    outer_momentum: float = option(0.5, "outer Nesterov momentum", lo=0.0, hi=1.0, hi_open=True)
+    delta_dtype: str = option("fp32", "dtype the outer delta travels in",
+                              choices=tuple(DTYPE_BYTES))
+
+
+@_o("torch_fp16")
+class TorchFP16Options(_Warmup):
+    pass
+
+
+@_o("torch_powersgd")
+class TorchPowerSGDOptions(_Warmup):
+    rank: int = option(1, "matrix approximation rank of torch's hook", lo=1)
+    start_iter: int = option(2, "iterations of plain all-reduce before torch's hook "
+                             "compresses (torch needs > 1 with error feedback)", lo=2)
+
+
+@_o("auto")
+class AutoOptions(Options):
+    candidates: str = option("allreduce,fp16,int8,topk,powersgd,local,diloco",
+                             "strategies auto chooses among (comma list)")
+    interval: int = option(10, "steps between re-plans (0: decide once)", lo=0)
+    measure_steps: int = option(4, "steps measured under the start strategy before the first "
+                                "choice", lo=0)
+    start: str = option("", "start strategy (default: diloco, else local, else the lossless "
+                        "candidate that sends least)")
+    probe: str = option("quick", "start probe: quick (lorasync probe --quick), live (two timed "
+                        "all-reduces) or none", choices=("quick", "live", "none"))
+    lossless_margin: float = option(0.05, "prefer a lossless strategy within this share of the "
+                                    "best", lo=0.0, hi=1.0, hi_open=True)
+    switch_margin: float = option(0.05, "switch only when the pick is this much faster "
+                                  "(twice in a row)", lo=0.0, hi=10.0)
+    batch_size: int = option(1, "samples per rank per step (for samples/s in log lines)", lo=1)
+    force_switch_at: str = option("", "STEP:NAME[,STEP:NAME]: switch at these steps (tests)")
+    encode_probe: bool = option(True, "time each candidate's encode+decode on the live device "
+                                "at start (else the CPU defaults of the cost model)")
+    log: bool = option(True, "log decisions on rank 0 (stderr)")
+
+
+# --------------------------------------------------------------------------- byte formulas
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a sync: its kind and the payload bytes this rank hands to it.
+
+    For all_gather the payload is this rank's contribution; for all_to_all
+    it is this rank's whole send buffer (split in n chunks).
+    """
+
+    kind: str  # all_reduce | all_gather | all_to_all | broadcast
+    payload_bytes: float
+
+
+Shape = tuple[int, ...]
+
+
+def tensor_shapes(tensors: int | Sequence[int | Sequence[int]]) -> tuple[Shape, ...]:
+    """Shapes from an element count, or a sequence of counts and shapes."""
+    items: Sequence[Any] = [tensors] if isinstance(tensors, int) else list(tensors)
+    shapes = []
+    for it in items:
+        shape = (int(it),) if isinstance(it, int) else tuple(int(d) for d in it)
+        if not shape or math.prod(shape) <= 0:
+            raise ConfigError("tensors", it, "every tensor needs a positive size")
+        shapes.append(shape)
+    if not shapes:
+        raise ConfigError("tensors", tensors, "give at least one tensor")
+    return tuple(shapes)
+
+
+def param_blocks(numel: int, block: int, world_size: int, align: int = 1) -> tuple[int, int]:
+    """How one parameter is cut for int8/onebit: ``(n_blocks, block_size)``.
+
+    The block count is a multiple of ``world_size`` so that every rank owns
+    the same number of blocks of every parameter (equal shards, no padding
+    between ranks); the block size is at most ``block`` and a multiple of
+    ``align`` (8 for bit packing).  The parameter is zero-padded to
+    ``n_blocks * block_size`` elements; for LoRA shapes (r x d, d x r with d a
+    multiple of 64) and 2-4 ranks the padding is zero or a fraction of 1%.
+    """
+    if numel <= 0:
+        raise ValueError(f"numel: must be positive, got {numel}")
+    nb = world_size * math.ceil(numel / (world_size * block))
+    bs = math.ceil(numel / nb)
+    return nb, align * math.ceil(bs / align)
+
+
+def topk_k(numel: int, ratio: float) -> int:
+    """Entries top-k keeps of a tensor of ``numel`` (at least one)."""
+    return max(1, math.ceil(ratio * numel))
+
+
+def powersgd_shape(shape: Shape, rank: int, min_rate: float) -> tuple[int, int] | None:
+    """(rows, cols) PowerSGD compresses a tensor of ``shape`` as, or None when
+    it goes uncompressed (1-D, or low rank would not shrink it ``min_rate``x)."""
+    if len(shape) < 2:
+        return None
+    a = shape[0]
+    b = math.prod(shape) // a
+    return (a, b) if a * b >= min_rate * (a + b) * rank else None
+
+
+def _two_phase(shapes, n: int, bits: int, block: int) -> list[Collective]:
+    # phase 1: every rank hands its whole compressed bucket (n equal shards:
+    # codes + one fp32 scale per block) to an all-to-all and reduces the shard
+    # it owns; phase 2: the reduced shard, compressed again, is all-gathered
+    total = 0.0
+    for s in shapes:
+        nb, bs = param_blocks(math.prod(s), block, n, 8 if bits == 1 else 1)
+        total += nb * bs * bits / 8 + 4 * nb
+    return [Collective("all_to_all", total), Collective("all_gather", total / n)]
+
+
+def _powersgd(shapes, n: int, o: PowerSGDOptions) -> list[Collective]:
+    # two all-reduces: P (with the uncompressed tensors riding along), then Q
+    first = second = 0.0
+    for s in shapes:
+        ab = powersgd_shape(s, o.rank, o.min_compression_rate)
+        if ab is None:
+            first += 4.0 * math.prod(s)
+        else:
+            first += 4.0 * ab[0] * o.rank
+            second += 4.0 * ab[1] * o.rank
+    out = [Collective("all_reduce", first)]
+    if second:
+        out.append(Collective("all_reduce", second))
+    return out
+
+
+def _numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+# --------------------------------------------------------------------------- the catalog
+
+@dataclass(frozen=True)
+class Spec:
+    """What one strategy is (everything but its torch implementation)."""
+
+    name: str
+    summary: str
+    options: type[Options]
+    #: collectives of one sync of the given tensors (None: no formula, measured)
+    wire: Callable[[tuple[Shape, ...], int, Any], list[Collective]] | None
+    #: encode+decode ns per adapter element per sync on one CPU thread, given
+    #: the options: what the strategies' own encode_s came to in
+    #: bench/plan_accuracy.py (SmolLM2-135M, 921,600 elements, 2 ranks)
+    encode_ns: Callable[[Any], float] = lambda o: 0.0
+    #: sends gradients every step from DDP's bucket hooks
+    per_step: bool = True
+    #: the same update every step up to rounding of the summed gradient (no
+    #: error feedback, no skipped syncs)
+    lossless: bool = False
+    #: syncs weights (or deltas) every ``period`` steps, after the optimizer step
+    periodic: bool = False
+    #: a bucket's hook waits for the previous bucket's first collective before
+    #: the backward pass goes on (the cost model charges it)
+    holds_backward: bool = False
+    #: ranked by the planner and choosable by auto
+    plannable: bool = True
+
+
+def _spec(name, summary, options, wire, **kw) -> Spec:
+    return Spec(name=name, summary=summary, options=options, wire=wire, **kw)
+
+
+_SPECS = [
+    _spec("allreduce", "fp32 gradients, all-reduced (the reference: DDP without a hook)",
+          AllReduceOptions, lambda s, n, o: [Collective("all_reduce", 4.0 * _numel(s))],
+          lossless=True),
+    # a cast each way
+    _spec("fp16", "16-bit gradients, pre-divided by the world size", FP16Options,
+          lambda s, n, o: [Collective("all_reduce", 2.0 * _numel(s))],
+          encode_ns=lambda o: 2.0, lossless=True),
+    _spec("bf16", "bfloat16 gradients, pre-divided by the world size", BF16Options,
+          lambda s, n, o: [Collective("all_reduce", 2.0 * _numel(s))],
+          encode_ns=lambda o: 2.0, lossless=True),
+    # two quantize/dequantize rounds with error feedback
+    _spec("int8", "blockwise int8 + one scale per block, two-phase, error feedback",
+          Int8Options, lambda s, n, o: _two_phase(s, n, 8, o.block),
+          encode_ns=lambda o: 20.0, holds_backward=True),
+    # 1-bit Adam: the momentum blend, sign packing, two rounds
+    _spec("onebit", "packed signs + one scale per block (1-bit Adam with AdamW)",
+          OneBitOptions, lambda s, n, o: _two_phase(s, n, 1, o.block),
+          encode_ns=lambda o: 45.0, holds_backward=True),
+    # CPU top-k
+    _spec("topk", "the largest `ratio` of each tensor's entries + indices, error feedback",
+          TopKOptions, lambda s, n, o: [Collective("all_gather", 8.0 * sum(
+              topk_k(math.prod(x), o.ratio) for x in s))],
+          encode_ns=lambda o: 18.0),
+    # two small matmuls per matrix, scaling with the rank
+    _spec("powersgd", "rank-`rank` factors P, Q of each 2-D gradient, error feedback",
+          PowerSGDOptions, lambda s, n, o: _powersgd(s, n, o),
+          encode_ns=lambda o: 7.5 * o.rank),
+    # the flat copy
+    _spec("local", "the adapter averaged every `period` steps (local SGD)", LocalOptions,
+          lambda s, n, o: [Collective("all_reduce", 4.0 * _numel(s))],
+          encode_ns=lambda o: 2.5, per_step=False, periodic=True),
+    # the flat copy and the outer Nesterov step
+    _spec("diloco", "the adapter delta every `period` steps, outer Nesterov SGD", DiLoCoOptions,
+          lambda s, n, o: [Collective("all_reduce",
+                                      float(DTYPE_BYTES[o.delta_dtype]) * _numel(s))],
+          encode_ns=lambda o: 7.0, per_step=False, periodic=True),
+    _spec("none", "no sync (ranks diverge): the compute ceiling of the bench", NoneOptions,
+          lambda s, n, o: [], plannable=False),
+    _spec("torch_fp16", "torch's fp16_compress_hook (a baseline)", TorchFP16Options, None,
+          lossless=True, plannable=False),
+    _spec("torch_powersgd", "torch's PowerSGD hook (a baseline)", TorchPowerSGDOptions, None,
+          plannable=False),
+    _spec("auto", "measures the network and picks (and re-picks) a strategy", AutoOptions, None,
+          per_step=False, plannable=False),
+]
+
+#: every strategy, by name
+SPECS: dict[str, Spec] = {s.name: s for s in _SPECS}
+#: strategies the planner ranks and auto chooses among
+STRATEGIES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.plannable)
+#: no sync at all: the compute ceiling that efficiencies are measured against
+NONE = "none"
+LOSSLESS = frozenset(s.name for s in _SPECS if s.lossless)
+PERIODIC = frozenset(s.name for s in _SPECS if s.periodic)
+
+
+def spec(name: str) -> Spec:
+    """The catalog entry of ``name``; ConfigError for an unknown name."""
+    try:
+        return SPECS[name]
+    except (KeyError, TypeError):
+        raise ConfigError("strategy", name, "choose one of " + ", ".join(sorted(SPECS))) from None
+
+
+def names() -> list[str]:
+    """Every strategy name, sorted."""
+    return sorted(SPECS)
+
+
+def parse_options(name: str, given: Mapping[str, Any] | Options | None = None) -> Options:
+    """``name``'s options: the defaults updated with ``given``, validated."""
+    cls = spec(name).options
+    if isinstance(given, Options):
+        if not isinstance(given, cls):
+            raise ConfigError("options", type(given).__name__, f"give {cls.__name__} for {name}")
+        return given
+    return cls.parse(given)
+
+
+def option_help(name: str) -> list[tuple[str, Any, str]]:
+    """``(option, default, help)`` of every option of ``name``."""
+    return [(f.name, f.default, f.metadata["help"]) for f in fields(spec(name).options)]
+
+
+def collectives(name: str, tensors, world_size: int,
+                options: Mapping[str, Any] | Options | None = None) -> list[Collective]:
+    """The collectives one sync of ``tensors`` makes under ``name``."""
+    s = spec(name)
+    if s.wire is None:
+        raise ConfigError("strategy", name, "has no byte formula (its bytes are measured)")
+    n = int(world_size)
+    if n < 1:
+        raise ConfigError("world_size", world_size, "use an integer >= 1")
+    return s.wire(tensor_shapes(tensors), n, parse_options(name, options))
+
+
+def wire_bytes(name: str, tensors, world_size: int, **options: Any) -> float:
+    """Payload bytes one rank hands to collectives per optimizer step, steady
+    state (after ``warmup_steps``; periodic strategies averaged over their period).
+
+    >>> wire_bytes("allreduce", 921_600, 2)
+    3686400.0
+    >>> wire_bytes("onebit", 921_600, 2) / wire_bytes("allreduce", 921_600, 2)
+    0.0498046875
+    """
+    o = parse_options(name, options)
+    total = sum(c.payload_bytes for c in collectives(name, tensors, world_size, o))
+    return total / o.period if spec(name).periodic else total

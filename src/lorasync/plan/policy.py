@@ -1,0 +1,406 @@
+"""``auto``'s policy: measurements in, decisions out (pure: no torch, no I/O).
+
+The strategy that runs it, :class:`lorasync.comm.auto.Auto`, measures and
+switches; everything it decides with is here, unit-tested without a process
+group: which candidates (:func:`parse_candidates`), when to probe
+(:func:`probe_size`, :func:`probe_every`, :func:`drifted`,
+:func:`link_changed`), how the cost model is corrected by what was measured
+(:func:`corrections`, :func:`inflation`, :func:`split_extra`,
+:func:`encode_ns_for`, :func:`workload_for`), what to pick (:func:`decide`,
+:func:`describe`) and how many micro-batches per sync (:func:`suggest_accum`).
+
+How a network change is seen (exposed sync time alone is ambiguous when sync
+overlaps with backward or happens every few steps): the per-step time beyond
+compute (wall time of the step minus compute, so evaluations and checkpoints
+between steps cancel out) is compared with the cost model's prediction for
+the current strategy, calibrated on it while it runs.  A drift of more than
+``DRIFT`` of the step triggers a probe at the boundary: three 1 KiB
+all-reduces (latency) and one of 256 KiB to 4 MiB (bandwidth; never smaller,
+because a shaper's token bucket lets the first tens of KiB through at line
+rate), timed, the fastest rank's time counting (the others may have waited
+for it to arrive); a probe that finds another link is repeated at once and
+the faster of the two counts (a rank descheduled during one probe must not
+read as a cut link).  Without a trigger the probe runs every m K-step
+windows, m chosen so it costs about ``PROBE_BUDGET`` (1%) of the step time.
+
+The cost model is corrected by what it sees (:func:`corrections`,
+:func:`split_extra`): what the strategy in use cost beyond its prediction is
+split into a base that every strategy pays (ranks waiting for each other on
+a busy host, per-step overheads) and the share of the collective time the
+model hides behind backward that was in fact exposed; every candidate is
+then predicted with the same two numbers, so none looks better merely
+because it has not run yet, and load common to all cancels out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from lorasync import catalog
+from lorasync.catalog import PERIODIC, STRATEGIES
+from lorasync.plan.costmodel import Net, Prediction, Workload, encode_ns, predict
+from lorasync.plan.planner import Measurements, choose
+from lorasync.units import fmt_duration, fmt_rate
+
+__all__ = [
+    "DEFAULT_CANDIDATES", "DEFAULT_CHILD_OPTIONS", "Window", "Decision", "probe_size",
+    "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for",
+    "encode_ns_for", "decide", "drifted", "link_changed", "suggest_accum", "describe",
+    "parse_candidates", "parse_force",
+]
+
+#: the strategies auto chooses among unless ``candidates`` says otherwise
+#: (the catalog's default of that option; why onebit is not among them: there)
+DEFAULT_CANDIDATES = tuple(catalog.AutoOptions().candidates.split(","))
+#: candidate options auto uses unless given (``NAME.OPTION``): DiLoCo's outer
+#: sync as fp16 and overlapped with the next inner step, which is what makes a
+#: periodic strategy worth picking on a slow link (quality on the embedded
+#: default, 60 steps: eval loss 0.2455 with fp16 or fp32 deltas, limit 0.273)
+DEFAULT_CHILD_OPTIONS = {"diloco": {"streaming": True, "delta_dtype": "fp16"}}
+#: latency probe payload (three of them, the fastest counts)
+SMALL_PROBE_BYTES = 1024
+#: bandwidth probe payload bounds; a token-bucket shaper (tbf/htb, 32 KiB
+#: bursts here) lets the first KiBs through at line rate, so smaller
+#: transfers would read a cut link as a fast one
+MIN_PROBE_BYTES = 256 << 10
+MAX_PROBE_BYTES = 4 << 20
+#: share of the training time the periodic (untriggered) probe may take
+PROBE_BUDGET = 0.01
+#: duration the bandwidth probe aims at on fast links
+PROBE_TARGET_S = 0.02
+#: time beyond compute that moved by more than this share of the step
+#: (calibrated / not yet calibrated prediction) triggers a probe
+DRIFT = 0.2
+DRIFT_UNCALIBRATED = 0.5
+#: compute this much above the last one measured under a strategy idle in
+#: backward (local, diloco) counts as the cost of running collectives inside
+#: backward (the CPU they take from it), charged to every per-step strategy
+INFLATION_MIN = 0.02
+#: a probe that moves an fp32 sync of the adapter by this share of the step
+#: (and is BANDWIDTH_CHANGE off) found another link: decide afresh
+LINK_MOVE = 0.05
+#: a probe this many times faster or slower than the last forgets the
+#: per-strategy corrections measured on the old link
+BANDWIDTH_CHANGE = 1.5
+
+
+# --------------------------------------------------------------------------- pure parts
+
+def parse_candidates(value: Any, field: str = "candidates") -> tuple[str, ...]:
+    """``"allreduce,topk"`` or a list -> a validated tuple of strategy names."""
+    if isinstance(value, str):
+        names = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        names = [str(v).strip() for v in value]
+    else:
+        raise ValueError(f"auto: option {field}={value!r} must be a comma-separated list of "
+                         f"strategies, e.g. allreduce,fp16,topk")
+    if not names:
+        raise ValueError(f"auto: option {field} is empty; name at least one strategy")
+    for n in names:
+        if n not in STRATEGIES:
+            raise ValueError(f"auto: option {field}: {n!r} cannot be chosen automatically; "
+                             f"use some of {', '.join(STRATEGIES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"auto: option {field}={value!r} names a strategy twice")
+    return tuple(names)
+
+
+def parse_force(value: Any) -> dict[int, str]:
+    """``"10:int8,20:allreduce"`` (or ``{10: "int8"}``) -> ``{10: "int8", 20: "allreduce"}``."""
+    if value in (None, "", {}):
+        return {}
+    items: list[tuple[Any, Any]]
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, str):
+        items = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            step, sep, name = part.partition(":")
+            if not sep:
+                raise ValueError(f"auto: option force_switch_at={value!r}: write STEP:NAME, "
+                                 "e.g. 10:int8 (comma-separated for several)")
+            items.append((step.strip(), name.strip()))
+    else:
+        raise ValueError(f"auto: option force_switch_at={value!r}: write STEP:NAME, e.g. 10:int8")
+    out: dict[int, str] = {}
+    for step, name in items:
+        try:
+            s = int(step)
+        except (TypeError, ValueError):
+            s = 0
+        if s < 1:
+            raise ValueError(f"auto: option force_switch_at: step {step!r} must be an integer >= 1")
+        if name not in STRATEGIES:
+            raise ValueError(f"auto: option force_switch_at: {name!r} is not one of "
+                             f"{', '.join(STRATEGIES)}")
+        out[s] = name
+    return out
+
+
+def probe_size(bandwidth_Bps: float) -> int:
+    """Bytes of the bandwidth probe: a transfer of about ``PROBE_TARGET_S``
+    (long enough for the timer, short enough to run every window), a power
+    of two in [256 KiB, 4 MiB]."""
+    target = bandwidth_Bps * PROBE_TARGET_S
+    if target <= MIN_PROBE_BYTES:
+        return MIN_PROBE_BYTES
+    return int(min(MAX_PROBE_BYTES, 2 ** math.floor(math.log2(target))))
+
+
+def probe_every(probe_s: float, step_s: float, interval: int,
+                budget: float = PROBE_BUDGET) -> int:
+    """Windows of ``interval`` steps between untriggered probes so that a
+    probe of ``probe_s`` costs about ``budget`` of the training time."""
+    window = budget * max(1, interval) * step_s
+    if window <= 0:
+        return 1
+    return max(1, math.ceil(probe_s / window))
+
+
+def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: int) -> float:
+    """The cost model's encode time of ``name`` (ns per element per sync) plus
+    ``extra_s`` per optimizer step that it was measured to cost beyond its
+    prediction (never below zero)."""
+    opts = catalog.parse_options(name, options)
+    per_sync = opts.period if name in PERIODIC else 1
+    return max(0.0, encode_ns(name, opts) + extra_s * 1e9 * per_sync / numel)
+
+
+def corrections(names: Sequence[str], hidden_s: Mapping[str, float], base_s: float = 0.0,
+                exposed: float = 0.0) -> dict[str, float]:
+    """Seconds per step each strategy costs beyond the cost model:
+    ``base_s + exposed * hidden_s[name]`` -- what any strategy was seen to pay
+    (ranks waiting for each other on a busy host, per-step overheads) plus the
+    share of the collective time the model hides behind backward
+    (``hidden_of(prediction)``) that turned out exposed (CPU contention, one
+    bucket ready late).  Both are fitted on the strategy in use
+    (:func:`split_extra`), so every strategy is compared on the same footing:
+    none looks better merely because it has not run yet, a lighter one is not
+    charged a heavier one's transfer, and load that comes and goes (common to
+    all) cancels out."""
+    return {n: base_s + exposed * hidden_s.get(n, 0.0) for n in names}
+
+
+def inflation(compute_s: float, quiet_s: float) -> float:
+    """Seconds per step that running collectives inside backward costs:
+    ``compute_s`` (measured under such a strategy) beyond ``quiet_s``
+    (measured with nothing inside backward); nothing below
+    ``INFLATION_MIN`` of the quiet compute (noise).
+
+    Measured here (2 ranks on 2 cores, 1 MB buckets): 3-7% of the step for
+    allreduce, fp16 and top-k alike at 100 Mbit/s and 1 Gbit/s, so it is
+    charged to every per-step strategy the same, not per byte."""
+    extra = compute_s - quiet_s
+    return extra if extra > INFLATION_MIN * quiet_s else 0.0
+
+
+def hidden_of(p: Prediction) -> float:
+    """Collective time per step the model expects to overlap with backward."""
+    return max(0.0, p.comm_s - p.exposed_comm_s)
+
+
+#: a strategy whose hidden collective time exceeds this share of the step
+#: tells how much of it is really hidden; below, its extra cost is all base
+SIGNIFICANT_HIDDEN = 0.02
+#: before any fit: half of what the model hides is assumed exposed
+EXPOSED_PRIOR = 0.5
+
+
+def split_extra(extra_s: float, hidden_s: float, step_s: float, base_s: float,
+                exposed: float) -> tuple[float, float]:
+    """``(base_s, exposed)`` updated with the strategy in use's measured extra
+    cost (``extra_s``; ``hidden_s``: its collective time the model hides).
+
+    A strategy with significant hidden time updates the exposed share (0..1)
+    given the base; one without updates the base.
+    """
+    if hidden_s > SIGNIFICANT_HIDDEN * step_s:
+        share = (extra_s - base_s) / hidden_s
+        if share > 1.0:
+            return extra_s - hidden_s, 1.0
+        if share < 0.0:
+            return extra_s, 0.0
+        return base_s, share
+    return extra_s - exposed * hidden_s, exposed
+
+
+def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = (),
+                 bucket_cap_bytes: int = 25 << 20, matrices=None,
+                 options: Mapping[str, Mapping[str, Any]] | None = None,
+                 extra_s: Mapping[str, float] | None = None, batch_size: int = 1,
+                 head_share: float = 0.0) -> Workload:
+    """A cost-model ``Workload`` from what a running job knows about itself.
+
+    ``bucket_sizes``: elements per DDP bucket in ready order (a strategy's
+    ``bucket_sizes``), else DDP's cap; ``extra_s``: measured per-step cost
+    beyond the prediction, per strategy (see :func:`encode_ns_for`);
+    ``head_share``: :func:`module_head_share` of the model.
+    """
+    options = {k: dict(v) for k, v in (options or {}).items()}
+    if bucket_sizes:
+        bucket_bytes = 4 * max(bucket_sizes)
+        first = 4 * bucket_sizes[0]
+    else:
+        bucket_bytes, first = int(bucket_cap_bytes), None
+    encode = {name: encode_ns_for(name, options.get(name, {}), x, numel)
+              for name, x in (extra_s or {}).items()}
+    return Workload(adapter_params=int(numel), compute_s=max(float(compute_s), 1e-6),
+                    batch_size=int(batch_size), head_share=float(head_share),
+                    bucket_bytes=int(bucket_bytes),
+                    first_bucket_bytes=first, matrices=matrices, encode_ns=encode,
+                    options=options)
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the ranks measured over the last window of steps (the same numbers
+    on every rank after the all-reduce)."""
+
+    #: median compute per optimizer step (forward, backward, optimizer, data;
+    #: no sync, no encode), slowest rank
+    compute_s: float
+    #: mean time per step beyond compute (sync waited on, encode, periodic
+    #: syncs in after_step), on the rank that waited least
+    overhead_s: float
+    #: steps measured
+    steps: int
+    #: the same mean over the window's last third (a change late in the window)
+    recent_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    strategy: str
+    options: dict
+    #: whether this is a change of strategy
+    switch: bool
+    #: the planner's reason (lossless preference, hysteresis, ...)
+    rule: str
+    prediction: Prediction
+    #: the strategy in use, as predicted on the same measurements (None at start)
+    current: Prediction | None
+    ranking: tuple[Prediction, ...]
+
+
+def decide(net: Net, workload: Workload, current: str | None, candidates: Sequence[str], *,
+           lossless_margin: float = 0.05, switch_margin: float = 0.05,
+           fresh: bool = False) -> Decision:
+    """The strategy to use from now on.
+
+    The pick is ``planner.choose``'s on these measurements (best predicted
+    throughput; a lossless strategy within ``lossless_margin`` of the best).
+    ``fresh`` (the first choice, or the link changed): that pick, whatever is
+    in use.  Otherwise (a routine re-evaluation) the strategy in use stays
+    unless the pick is predicted more than ``switch_margin`` faster -- in
+    either direction, lossy to lossless included, so noisy measurements
+    cannot make it flap -- or the fastest candidate is: then the pick is
+    taken even if it gains less (a lossless strategy in use that is more than
+    the margin behind the fastest does not stay because another lossless
+    one is only slightly better than it).  A current strategy that is not a candidate is
+    always left.
+    """
+    cands = tuple(candidates)
+    rec = choose(Measurements(net, workload, candidates=cands),
+                 lossless_margin=lossless_margin)
+    cur = None
+    if current is not None:
+        cur = next((p for p in rec.ranking if p.strategy == current), None)
+        if cur is None:
+            cur = predict(current, net, workload)
+    pick, rule = rec.prediction, rec.reason
+    fastest = rec.ranking[0]
+    if not fresh and current in cands and pick.strategy != current \
+            and pick.samples_per_s <= (1 + switch_margin) * cur.samples_per_s \
+            and fastest.samples_per_s <= (1 + switch_margin) * cur.samples_per_s:
+        gain = pick.samples_per_s / cur.samples_per_s - 1
+        rule = (f"keep {current}: {pick.strategy} would gain {gain:.1%}, not more than "
+                f"{switch_margin:.0%}")
+        pick = cur
+    return Decision(strategy=pick.strategy, options=pick.options,
+                    switch=current is None or pick.strategy != current, rule=rule,
+                    prediction=pick, current=cur, ranking=rec.ranking)
+
+
+def drifted(overhead_s: float, predicted_overhead_s: float, step_s: float,
+            calibrated: bool = True) -> bool:
+    """Whether the time per step beyond compute moved away from the prediction
+    for the strategy in use by more than ``DRIFT`` of the step (the link
+    changed, or something else did: either way, measure again)."""
+    tol = DRIFT if calibrated else DRIFT_UNCALIBRATED
+    return abs(overhead_s - predicted_overhead_s) > tol * max(step_s, 1e-9) + 2e-3
+
+
+def link_changed(previous: Net, net: Net, numel: int, step_s: float) -> bool:
+    """Whether a new probe describes another link for this job: bandwidth off
+    by more than ``BANDWIDTH_CHANGE`` either way *and* enough to move an fp32
+    sync of the adapter by more than ``LINK_MOVE`` of the step, as much as
+    the margins a choice is made with (on a fast link the estimate is noisy
+    and irrelevant).  1 Gbit/s cut to 100 Mbit/s moves it by 0.27 s of a
+    1.4 s step: a change, which ``DRIFT`` (20%) did not call one."""
+    ratio = net.bandwidth_Bps / previous.bandwidth_Bps
+    if 1 / BANDWIDTH_CHANGE <= ratio <= BANDWIDTH_CHANGE:
+        return False
+    moved = abs(4.0 * numel / net.bandwidth_Bps - 4.0 * numel / previous.bandwidth_Bps)
+    return moved > LINK_MOVE * step_s
+
+
+def suggest_accum(current: int, compute_s: float, overhead_s: float, *, max_accum: int,
+                  min_accum: int = 1, target: float = 0.9, slack: float = 0.05) -> int:
+    """Micro-batches per optimizer step for the next steps.
+
+    ``compute_s`` and ``overhead_s`` (sync time waited per step) were measured
+    at ``current`` micro-batches per step.  More micro-batches per sync when
+    the step spends less than ``target - slack`` of its time computing, fewer
+    when it spends more than ``target + slack``; the new value is the fewest
+    that reach ``target`` (the sync per step stays, compute grows with the
+    micro-batches), bounded by [min_accum, max_accum] -- the user's range of
+    effective batch sizes.  Returns ``current`` (clamped) when no change is due.
+    """
+    for name, v in (("current", current), ("max_accum", max_accum), ("min_accum", min_accum)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    if min_accum > max_accum:
+        raise ValueError(f"min_accum ({min_accum}) must not exceed max_accum ({max_accum})")
+    if not 0 < target < 1:
+        raise ValueError(f"target: must be in (0, 1), got {target!r}")
+    cur = min(max(current, min_accum), max_accum)
+    if not (compute_s > 0) or not math.isfinite(overhead_s):
+        return cur
+    overhead = max(0.0, overhead_s)
+    per_micro = compute_s / current
+    eff = compute_s / (compute_s + overhead)
+    need = math.ceil(target / (1 - target) * overhead / per_micro - 1e-9) if overhead else 1
+    need = min(max(need, min_accum), max_accum)
+    if need > cur and eff < target - slack:
+        return need
+    if need < cur and eff > target + slack:
+        return need
+    return cur
+
+
+def _pred_text(p: Prediction) -> str:
+    return f"{p.strategy} {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync)"
+
+
+def describe(d: Decision, net: Net, compute_s: float, previous: Net | None = None,
+             initial: bool = False, samples: bool = True) -> str:
+    """One line: what was measured, what was picked and why."""
+    if previous is not None and previous.bandwidth_Bps != net.bandwidth_Bps:
+        bw = f"bandwidth {fmt_rate(previous.bandwidth_Bps, 'both')} -> {fmt_rate(net.bandwidth_Bps, 'both')}"
+    else:
+        bw = f"bandwidth {fmt_rate(net.bandwidth_Bps, 'both')}"
+    head = (f"{'initial choice: ' if initial else ''}{bw}, alpha {fmt_duration(net.alpha_s)}, "
+            f"compute {compute_s:.3g} s/step")
+    p = d.prediction
+    sps = f", {p.samples_per_s:.3g} samples/s" if samples else ""
+    parts = [f"{p.strategy} predicted {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync{sps})"]
+    if d.current is not None and d.current.strategy != p.strategy:
+        parts.append(f"vs {_pred_text(d.current)}")
+    others = [q for q in d.ranking if q.strategy not in (p.strategy, getattr(d.current, "strategy",
+                                                                             None))][:2]
+    if others:
+        parts.append("others: " + ", ".join(_pred_text(q) for q in others))
+    return f"{head}: {'; '.join(parts)}; {d.rule}"
