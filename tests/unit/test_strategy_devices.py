@@ -57,6 +57,35 @@ def test_every_factory_call_in_comm_names_a_device():
     assert not missing, "factory calls without device=: " + ", ".join(missing)
 
 
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "all_to_all", "all_to_all_single", "broadcast", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "gather", "scatter", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv", "all_gather_object", "broadcast_object_list"}
+
+
+def _is_dist(node) -> bool:
+    """``dist`` or ``torch.distributed``."""
+    if isinstance(node, ast.Name):
+        return node.id == "dist"
+    return (isinstance(node, ast.Attribute) and node.attr == "distributed"
+            and isinstance(node.value, ast.Name) and node.value.id == "torch")
+
+
+def test_only_the_wire_hands_tensors_to_torch_distributed():
+    """Every collective of a strategy goes through its Wire, which counts the
+    bytes (docs/contracts.md "Wire bytes"), so a new strategy cannot forget to."""
+    direct = []
+    for path in sorted(COMM_DIR.glob("*.py")):
+        if path.name == "wire.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in COLLECTIVES and _is_dist(node.func.value)):
+                direct.append(f"{path.name}:{node.lineno} dist.{node.func.attr}")
+    assert not direct, "collectives that bypass the Wire (and its byte count): " + \
+        ", ".join(direct)
+
+
 class _CheckedTorch:
     """Stands in for ``torch`` inside the comm modules; records factory calls
     that do not name a device."""

@@ -338,21 +338,20 @@ class Auto(Sync):
         """Where auto's own collectives run: the gradients' device (NCCL takes
         CUDA tensors only)."""
         dev = self.params[0].device
-        if dev.type == "cpu" and dist.get_backend(self.group) == "nccl":
+        if dev.type == "cpu" and self.wire.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return dev
 
     def _allreduce_max(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
-        self._sent_auto(t)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.wire.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
-    def _sent_auto(self, *tensors: torch.Tensor) -> None:
-        n = sum(t.numel() * t.element_size() for t in tensors)
+    def _count(self, nbytes: int) -> None:
+        # auto's own collectives (its children count theirs): also auto_bytes
         with self._lock:
-            self._wire_bytes += n
-            self._auto_bytes += n
+            self._wire_bytes += nbytes
+            self._auto_bytes += nbytes
 
     def _live_probe(self, nbytes: int) -> tuple[Net, float]:
         """Three small all-reduces and one large, timed; min over ranks."""
@@ -363,14 +362,13 @@ class Auto(Sync):
         ts = []
         for _ in range(3):
             t0 = time.perf_counter()
-            dist.all_reduce(small, group=self.group)
+            self.wire.all_reduce(small)
             self._sync_device(dev)
             ts.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dist.all_reduce(large, group=self.group)
+        self.wire.all_reduce(large)
         self._sync_device(dev)
         tl = time.perf_counter() - t0
-        self._sent_auto(small, small, small, large)
         # min over ranks: the rank that entered last waited for nobody, its
         # time is the transfer's (a rank the host descheduled for a moment
         # makes the others' times long, not its own)
@@ -564,10 +562,8 @@ class Auto(Sync):
         # rank 0's pick is everybody's (the inputs are identical; this makes sure)
         t = torch.tensor([self._candidates.index(pick) if pick in self._candidates else -1],
                          dtype=torch.int32, device=self._comm_device())
-        self._sent_auto(t)
         t0 = time.perf_counter()
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                       group=self.group)
+        self.wire.broadcast(t, 0)
         self._add_comm(time.perf_counter() - t0)
         idx = int(t.item())
         if idx >= 0 and self._candidates[idx] != pick:
@@ -611,9 +607,8 @@ class Auto(Sync):
             if not self._child.per_step:
                 # gradients are not averaged every step now: average the debt once
                 carry = carry.to(self._comm_device()).div_(self.world_size)
-                self._sent_auto(carry)
                 t0 = time.perf_counter()
-                dist.all_reduce(carry, group=self.group)
+                self.wire.all_reduce(carry)
                 self._add_comm(time.perf_counter() - t0)
             self._carry = carry
             self._carry_left = set(range(len(self.params)))
@@ -681,9 +676,8 @@ class Auto(Sync):
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors]).to(self._comm_device())
         flat.div_(self.world_size)
-        self._sent_auto(flat)
         t0 = time.perf_counter()
-        dist.all_reduce(flat, group=self.group)
+        self.wire.all_reduce(flat)
         self._add_comm(time.perf_counter() - t0)
         off = 0
         with torch.no_grad():
@@ -696,9 +690,8 @@ class Auto(Sync):
         self._carry, self._carry_left = None, set()
         if self._may_differ and self._child.per_step:
             avg = self._flat_params().to(self._comm_device()).div_(self.world_size)
-            self._sent_auto(avg)
             t0 = time.perf_counter()
-            dist.all_reduce(avg, group=self.group)
+            self.wire.all_reduce(avg)
             self._add_comm(time.perf_counter() - t0)
             self._set_flat_params(avg)
         self._may_differ = False

@@ -9,7 +9,9 @@ Accounting rules every strategy follows (tests assert them):
 
 * ``wire_bytes`` counts the bytes of every tensor this rank hands to a
   collective, at the dtype it is sent in (payload, not ring traffic: an
-  all-reduce of P bytes moves about 2(n-1)/n * P per rank on a ring).
+  all-reduce of P bytes moves about 2(n-1)/n * P per rank on a ring).  Every
+  collective goes through the strategy's :class:`~lorasync.comm.wire.Wire`,
+  which counts them as it hands them to torch.distributed.
 * ``fp32_bytes`` is what plain fp32 all-reduce would have handed over for the
   same gradients, so ``fp32_bytes / wire_bytes`` is the compression ratio.
 * ``comm_s`` is exposed waiting the trainer cannot see by itself: time
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync import catalog
+from lorasync.comm.wire import Wire
 
 __all__ = ["Sync", "HookSync", "register", "strategy_names", "get_strategy"]
 
@@ -89,14 +92,17 @@ class Sync:
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel,
                  process_group: dist.ProcessGroup | None = None, *,
-                 _register_hook: bool = True, **options: Any):
+                 _register_hook: bool = True, _wire=None, **options: Any):
         #: the validated options (the catalog's dataclass); ValueError naming
         #: ``STRATEGY.OPTION`` for an unknown option or a bad value
         self.options = catalog.parse_options(self.name, options)
         self.ddp = ddp
         self.group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        #: every collective goes through it (``_wire``: a LoopbackWire, to
+        #: time the hooks alone; see lorasync.comm.loopback)
+        self.wire = _wire if _wire is not None else Wire(process_group, self._count)
+        self.world_size = self.wire.size
+        self.rank = self.wire.rank
         self._given = frozenset(options)  # options the caller set explicitly
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         if not self.params:
@@ -153,10 +159,10 @@ class Sync:
         every rank calls attach, so every rank takes part.
         """
         try:
-            dist.all_reduce(torch.zeros(1, dtype=dtype, device=self._probe_device()),
-                            group=self.group)
+            self.wire.all_reduce(torch.zeros(1, dtype=dtype, device=self._probe_device()),
+                                 count=False)
         except (RuntimeError, ValueError, TypeError) as e:
-            backend = dist.get_backend(self.group)
+            backend = self.wire.backend
             raise ValueError(
                 f"{self.name}: {option}: backend {backend!r} cannot all-reduce {dtype} "
                 f"({str(e).splitlines()[0][:120]}); use allreduce or int8 instead"
@@ -165,16 +171,15 @@ class Sync:
     def _probe_device(self) -> torch.device:
         """Device for attach-time probes: the gradients' (what the collectives
         will carry), but NCCL takes CUDA tensors only."""
-        if self.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+        if self.device.type == "cpu" and self.wire.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return self.device
 
     # -- accounting helpers ---------------------------------------------------
-    def _sent(self, *tensors: torch.Tensor) -> None:
-        """Count tensors handed to a collective."""
-        n = sum(t.numel() * t.element_size() for t in tensors)
+    def _count(self, nbytes: int) -> None:
+        """What the wire handed to a collective (callbacks count too: locked)."""
         with self._lock:
-            self._wire_bytes += n
+            self._wire_bytes += nbytes
 
     def _would_send_fp32(self, numel: int) -> None:
         with self._lock:
@@ -444,8 +449,7 @@ class HookSync(Sync):
         buf = bucket.buffer()
         # DDP's own reducer multiplies by 1/n (not divides by n): same bits as no hook
         buf.mul_(1.0 / self.world_size)
-        self._sent(buf)
-        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        fut = self.wire.all_reduce(buf, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:

@@ -29,8 +29,7 @@ class _LowPrecision(HookSync):
         t0 = time.perf_counter()
         half = buf.div(self.world_size).to(self.dtype)
         self._add_encode(time.perf_counter() - t0)
-        self._sent(half)
-        fut = dist.all_reduce(half, group=self.group, async_op=True).get_future()
+        fut = self.wire.all_reduce(half, async_op=True).get_future()
 
         def _decode(f: torch.futures.Future) -> torch.Tensor:
             t1 = time.perf_counter()

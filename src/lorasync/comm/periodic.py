@@ -86,8 +86,7 @@ class _Periodic(HookSync):
         t0 = time.perf_counter()
         payload = self._payload(theta)
         self._add_encode(time.perf_counter() - t0)
-        self._sent(payload)
-        work = dist.all_reduce(payload, group=self.group, async_op=True)
+        work = self.wire.all_reduce(payload, async_op=True)
         streaming = self.options.streaming
         self._pending = {"work": work, "payload": payload, "snapshot": theta if streaming else None,
                          "apply_at": self._steps + (self.options.delay if streaming else 0)}
@@ -122,9 +121,8 @@ class _Periodic(HookSync):
         if not self._dirty:
             return
         avg = self._flat_params().div_(self.world_size)
-        self._sent(avg)
         t0 = time.perf_counter()
-        dist.all_reduce(avg, group=self.group)
+        self.wire.all_reduce(avg)
         self._add_comm(time.perf_counter() - t0)
         self._set_flat_params(avg)
         self._on_final_average(avg)

@@ -131,8 +131,7 @@ class PowerSGD(HookSync):
         unc = plan["unc"]
         payload = torch.cat([buf.index_select(0, unc).float()] + [p.reshape(-1) for p in ps])
         self._add_encode(time.perf_counter() - t0)
-        self._sent(payload)
-        work = dist.all_reduce(payload, group=self.group, async_op=True)
+        work = self.wire.all_reduce(payload, async_op=True)
 
         def phase2() -> torch.futures.Future:
             t1 = time.perf_counter()
@@ -152,8 +151,7 @@ class PowerSGD(HookSync):
                 qs.append(torch.bmm(m.transpose(1, 2), p).reshape(-1))
             payload2 = torch.cat(qs)
             self._add_encode(time.perf_counter() - t1)
-            self._sent(payload2)
-            fut = dist.all_reduce(payload2, group=self.group, async_op=True).get_future()
+            fut = self.wire.all_reduce(payload2, async_op=True).get_future()
 
             def decode(_f: torch.futures.Future) -> torch.Tensor:
                 t2 = time.perf_counter()

@@ -79,8 +79,7 @@ class TopK(HookSync):
                              torch.cat(vals).view(torch.int32)])
         out = torch.empty(n * payload.numel(), dtype=torch.int32, device=payload.device)
         self._add_encode(time.perf_counter() - t0)
-        self._sent(payload)
-        fut = dist.all_gather_into_tensor(out, payload, group=self.group, async_op=True).get_future()
+        fut = self.wire.all_gather(out, payload, async_op=True).get_future()
 
         def _decode(_f: torch.futures.Future) -> torch.Tensor:
             t1 = time.perf_counter()

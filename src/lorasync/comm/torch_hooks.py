@@ -3,8 +3,10 @@
 ``torch_fp16`` wraps ``default_hooks.fp16_compress_hook`` and
 ``torch_powersgd`` wraps ``powerSGD_hook.powerSGD_hook`` (rank 1, error
 feedback, warm start): what a user would pick instead of lorasync.  They go
-through :class:`HookSync` only so that the same accounting applies (wire
-bytes, the moment compute ended); the collectives are torch's.
+through :class:`HookSync` only so that the same accounting applies (the
+moment compute ended); the collectives are torch's, issued on a process group
+of their own whose all-reduces :func:`lorasync.comm.wire.count_group`
+counts, so their wire bytes are measured, not inferred from torch's rules.
 
 Known problem kept on purpose: torch's PowerSGD hook waits on its second
 all-reduce inside a ``.then()`` callback and has hung on gloo with
@@ -20,44 +22,49 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from lorasync.comm.base import HookSync, _Layout, register
+from lorasync.comm.wire import count_group
 
 __all__ = ["TorchFP16", "TorchPowerSGD"]
 
 
+def _own_group(sync: HookSync) -> dist.ProcessGroup:
+    """A process group of the sync's ranks for torch's hook alone, so that
+    counting the all-reduces that name it counts the hook's and nothing else."""
+    ranks = dist.get_process_group_ranks(sync.group) if sync.group is not None else None
+    return dist.new_group(ranks=ranks)
+
+
+class _TorchHook(HookSync):
+    """Shared part: torch's hook on a group of its own, its bytes counted there."""
+
+    def _setup(self) -> None:
+        self._tgroup = _own_group(self)
+        count_group(self._tgroup, self._count)
+
+    def finish(self) -> None:
+        super().finish()
+        count_group(self._tgroup, None)
+
+
 @register
-class TorchFP16(HookSync):
+class TorchFP16(_TorchHook):
     name = "torch_fp16"
 
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
-        self._sent(torch.empty(lay.numel, dtype=torch.float16, device="meta"))
-        return default_hooks.fp16_compress_hook(self.group, bucket)
+        return default_hooks.fp16_compress_hook(self._tgroup, bucket)
 
 
 @register
-class TorchPowerSGD(HookSync):
+class TorchPowerSGD(_TorchHook):
     name = "torch_powersgd"
 
     def _setup(self) -> None:
+        super()._setup()
+        # torch requires start_powerSGD_iter > 1 with error feedback and warm start
         self.state = psgd.PowerSGDState(
-            process_group=self.group, matrix_approximation_rank=self.options.rank,
+            process_group=self._tgroup, matrix_approximation_rank=self.options.rank,
             start_powerSGD_iter=self.options.start_iter, use_error_feedback=True,
             warm_start=True, random_seed=0)
 
-    def _payload_numel(self, bucket: dist.GradBucket) -> int:
-        """Elements torch's hook hands to all-reduce for this bucket (mirrors its rules)."""
-        if self.state.iter < self.state.start_powerSGD_iter:
-            return bucket.buffer().numel()
-        r, total = self.options.rank, 0
-        for g in bucket.gradients():
-            if g.dim() == 2:
-                m, n = g.shape
-                rr = min(m, n, r)
-                if psgd._should_compress(m, n, rr, self.state.min_compression_rate)[0]:
-                    total += (m + n) * rr  # P (m x r) and Q (n x r)
-                    continue
-            total += g.numel()
-        return total
-
     def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
-        self._sent(torch.empty(self._payload_numel(bucket), device="meta"))
         return psgd.powerSGD_hook(self.state, bucket)

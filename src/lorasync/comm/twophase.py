@@ -73,7 +73,7 @@ class _TwoPhase(HookSync):
         # without it would otherwise fail mid-backward
         try:
             x = torch.zeros(n, dtype=torch.uint8, device=self._probe_device())
-            dist.all_to_all_single(torch.empty_like(x), x, group=self.group)
+            self.wire.all_to_all(torch.empty_like(x), x, count=False)
             self.phase1_collective = "all_to_all"
         except (RuntimeError, NotImplementedError, ValueError):
             self.phase1_collective = "all_gather"
@@ -166,14 +166,13 @@ class _TwoPhase(HookSync):
             e.masked_fill_(plan["pad"], 0.0)
         send = self._pack(codes, scales, n)
         self._add_encode(time.perf_counter() - t0)
-        self._sent(send)
         if self.phase1_collective == "all_to_all":
             recv = torch.empty_like(send)
-            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            work = self.wire.all_to_all(recv, send, async_op=True)
             take = lambda: recv  # noqa: E731
         else:
             gathered = torch.empty((n,) + tuple(send.shape), dtype=torch.uint8, device=send.device)
-            work = dist.all_gather_into_tensor(gathered, send, group=self.group, async_op=True)
+            work = self.wire.all_gather(gathered, send, async_op=True)
             take = lambda: gathered[:, r]  # noqa: E731
 
         def phase2() -> torch.futures.Future:
@@ -196,9 +195,7 @@ class _TwoPhase(HookSync):
             send2 = self._pack(c2, s2, 1)
             out = torch.empty((n, send2.shape[1]), dtype=torch.uint8, device=send2.device)
             self._add_encode(time.perf_counter() - t1)
-            self._sent(send2)
-            fut = dist.all_gather_into_tensor(out, send2, group=self.group,
-                                              async_op=True).get_future()
+            fut = self.wire.all_gather(out, send2, async_op=True).get_future()
 
             def decode(_f: torch.futures.Future) -> torch.Tensor:
                 t2 = time.perf_counter()

@@ -29,6 +29,10 @@ import torch.distributed as dist
 __all__ = ["Wire", "LoopbackWire", "count_group"]
 
 
+#: torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases lack the new one
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -41,12 +45,13 @@ class Wire:
     returns torch's ``Work``.  ``broadcast``'s ``src`` is a rank of the group.
     """
 
-    __slots__ = ("group", "size", "rank", "_count")
+    __slots__ = ("group", "size", "rank", "backend", "_count")
 
     def __init__(self, group: dist.ProcessGroup | None, count: Callable[[int], None]):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.backend = dist.get_backend(group)
         self._count = count
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False,
@@ -60,7 +65,7 @@ class Wire:
         """``out`` holds every rank's ``t``, in rank order (``size`` x ``t``)."""
         if count:
             self._count(_nbytes(t))
-        return dist.all_gather_into_tensor(out, t, group=self.group, async_op=async_op)
+        return _all_gather(out, t, group=self.group, async_op=async_op)
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, *, async_op: bool = False,
                    count: bool = True):
@@ -99,10 +104,11 @@ class LoopbackWire:
     taken to have sent what this rank sent (a sum over ranks is left as it is,
     an all-gather repeats the tensor).  Counts like :class:`Wire`."""
 
-    __slots__ = ("group", "size", "rank", "_count")
+    __slots__ = ("group", "size", "rank", "backend", "_count")
 
     def __init__(self, size: int, rank: int = 0, count: Callable[[int], None] = lambda n: None):
         self.group = None
+        self.backend = "loopback"
         self.size, self.rank, self._count = int(size), int(rank), count
 
     def _done(self, t: torch.Tensor, async_op: bool, count: bool):
