@@ -10,8 +10,10 @@
    an H200: 0.18 s (fp32 and bf16 alike: this small batch is bound by kernel
    launches), against ~1.3 s on one CPU thread, so the same 3.7 MB sync
    dominates sooner.
-2. Encode+decode time of lorasync's compressors on the 921,600-value adapter
-   gradient on the GPU (int8, onebit, topk 1%).
+2. Encode+decode time of every strategy on the embedded default's adapter
+   (921,600 values in 240 tensors) on the GPU, as ``auto`` times it at start
+   (``lorasync.comm.loopback.time_encode``: the strategy's hooks alone, as on
+   2 ranks), in ms per sync, and the catalog's CPU figure next to it.
 Medians over repeats, CUDA-synchronised.
 """
 
@@ -28,8 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from lorasync.comm import compress as C  # noqa: E402
+from lorasync import catalog  # noqa: E402
+from lorasync.comm.loopback import time_encode  # noqa: E402
 from lorasync.config import LoraSettings  # noqa: E402
+from lorasync.plan.costmodel import MODELS, encode_ns, lora_matrices  # noqa: E402
 from lorasync.train.model import add_lora  # noqa: E402
 
 
@@ -67,22 +71,13 @@ def step_time(steps: int, bf16: bool) -> dict:
 
 
 def codecs(repeats: int) -> dict:
-    n = 921_600
-    x = torch.randn(n, device="cuda")
+    params = [torch.zeros(m, device="cuda") for m in lora_matrices(MODELS["smollm2-135m"], 8)]
+    n = sum(p.numel() for p in params)
     res = {}
-    for name, block in (("int8", 256), ("onebit", 512)):
-        bid, nb = C.uniform_block_ids(n, block)
-        bid = bid.cuda() if isinstance(bid, torch.Tensor) else bid
-        if name == "int8":
-            fn = lambda: C.int8_decode(*C.int8_encode(x, bid, nb), bid)  # noqa: E731
-        else:
-            fn = lambda: C.onebit_decode(*C.onebit_encode(x, bid, nb)[:2], bid)  # noqa: E731
-        fn()
-        res[name] = statistics.median(timed(fn, repeats))
-    k = n // 100
-    fn = lambda: C.topk_decode(*C.topk_encode(x, k), n)  # noqa: E731
-    fn()
-    res["topk_1pct"] = statistics.median(timed(fn, repeats))
+    for name in catalog.STRATEGIES:
+        t = [time_encode(name, params, 2, bucket_cap_bytes=1 << 20, seed=i) * n * 1e-6
+             for i in range(repeats)]
+        res[name] = {"gpu_ms": statistics.median(t), "cpu_figure_ms": encode_ns(name) * n * 1e-6}
     return res
 
 
@@ -94,7 +89,7 @@ def main() -> None:
         sys.exit("no CUDA device: run this on a GPU machine")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "step_fp32": step_time(a.steps, False), "step_bf16": step_time(a.steps, True),
-           "codec_s": codecs(20)}
+           "encode_ms_per_sync": codecs(5)}
     print(json.dumps(out, indent=1))
 
 

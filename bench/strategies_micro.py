@@ -3,13 +3,16 @@
     python bench/strategies_micro.py [--steps 20] [--threads 1] [--json]
 
 The adapter has the shapes of SmolLM2-135M with LoRA r=8 on q/k/v/o (30
-layers, 921,600 parameters).  Two measurements:
+layers, 921,600 parameters).  Three measurements:
 
 * ``strategy``: the real hook code (``stats()["encode_s"]`` per step: all
   compression and decompression a rank does, index plumbing included) on a
   1-rank gloo group, so no network time is involved.  With n ranks a rank
   encodes the same number of elements in phase 1 and 1/n of them in phase 2,
   so this is close to the per-rank cost at any world size.
+* ``loopback``: what ``auto`` times at start for the strategies it has not
+  run (``lorasync.comm.loopback.time_encode``: the hooks alone, as on 2
+  ranks, wall time per step), in ms per step for this adapter.
 * ``codec``: the bare compressor round trip on the flat 921,600 values
   (``torch.utils.benchmark``), for comparison.
 
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import lorasync  # noqa: E402
 from lorasync.comm import compress as C  # noqa: E402
+from lorasync.comm.loopback import time_encode  # noqa: E402
 
 LAYER = [(8, 576), (576, 8), (8, 576), (192, 8), (8, 576), (192, 8), (8, 576), (576, 8)]
 SHAPES = LAYER * 30
@@ -76,15 +80,26 @@ def bench_strategies(steps: int) -> list[dict]:
     return out
 
 
+def bench_loopback(calls: int) -> list[dict]:
+    params = [torch.zeros(s) for s in SHAPES]
+    n = sum(p.numel() for p in params)
+    out = []
+    for name, opts in STRATEGIES + [("local", {}), ("diloco", {})]:
+        runs = [time_encode(name, params, 2, options=opts, bucket_cap_bytes=1 << 20,
+                            calls=calls, seed=i) * n * 1e-6 for i in range(3)]
+        label = name + "".join(f" {k}={v}" for k, v in opts.items())
+        out.append({"what": "loopback", "name": label, "median_ms": statistics.median(runs),
+                    "min_ms": min(runs), "max_ms": max(runs), "n": len(runs)})
+    return out
+
+
 def bench_codecs() -> list[dict]:
     n = sum(torch.Size(s).numel() for s in SHAPES)
     x = torch.randn(n)
-    bid8, nb8 = C.uniform_block_ids(n, 256)
-    bid1, nb1 = C.uniform_block_ids(n, 512)
     k = n // 100
-    cases = {
-        "int8 blockwise (256) encode+decode": lambda: C.int8_decode(*C.int8_encode(x, bid8, nb8), bid8),
-        "onebit (512) encode+decode": lambda: C.onebit_decode(*C.onebit_encode(x, bid1, nb1), bid1),
+    cases = {  # equal blocks: the reshape path (n is a multiple of both block sizes)
+        "int8 blockwise (256) encode+decode": lambda: C.int8_decode(*C.int8_encode(x, 256, n // 256), 256),
+        "onebit (512) encode+decode": lambda: C.onebit_decode(*C.onebit_encode(x, 512, n // 512), 512),
         "topk 1% encode+decode": lambda: C.topk_decode(*C.topk_encode(x, k), n),
         "fp16 cast there and back": lambda: x.half().float(),
     }
@@ -106,7 +121,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
         try:
-            rows = bench_strategies(args.steps) + bench_codecs()
+            rows = bench_strategies(args.steps) + bench_loopback(5) + bench_codecs()
         finally:
             dist.destroy_process_group()
     if args.json:

@@ -87,6 +87,7 @@ import torch.distributed as dist
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
 from lorasync.comm.base import Sync, _hook, get_strategy, register
+from lorasync.comm.loopback import time_encode
 from lorasync.errors import LorasyncError
 from lorasync.net.probe import allreduce_model
 from lorasync.plan.costmodel import Net, Workload, predict
@@ -242,6 +243,7 @@ class Auto(Sync):
         if not usable:
             raise ValueError("auto: none of the candidates can run here")
         self._candidates = tuple(usable)
+        self._encode_ns = self._time_encodes() if self.options.encode_probe else {}
         self.ddp.register_comm_hook(self, _hook)
         t0 = time.perf_counter()
         self._start_net = self._start_probe()
@@ -274,6 +276,23 @@ class Auto(Sync):
                 f"starting with {start}" + (f", re-planning every {self._interval} steps"
                                             if self._interval else ""))
         self._log(f"auto: {what}; {plan}")
+
+    def _time_encodes(self) -> dict[str, float]:
+        """Each candidate's encode+decode on this device, ns per element per
+        sync (lorasync.comm.loopback: its hooks run alone, a few calls on
+        copies of the adapter's shapes); the slowest rank's figure, so every
+        rank plans with the same numbers."""
+        t0 = time.perf_counter()
+        cap = getattr(self.ddp, "bucket_bytes_cap", 25 << 20)
+        ns = [time_encode(c, self.params, self.world_size, rank=self.rank,
+                          options=self._child_opts.get(c, {}), bucket_cap_bytes=cap)
+              for c in self._candidates]
+        if self.world_size > 1:
+            ns = self._allreduce_max(ns)
+        out = dict(zip(self._candidates, ns))
+        self._log(f"auto: encode+decode on {self.device.type} ({time.perf_counter() - t0:.1f} s): "
+                  + ", ".join(f"{c} {v:.3g}" for c, v in out.items()) + " ns per element")
+        return out
 
     def _start_probe(self) -> Net | None:
         if self.world_size < 2 or self.options.probe == "none":
@@ -475,7 +494,8 @@ class Auto(Sync):
                   bucket_cap_bytes=getattr(self.ddp, "bucket_bytes_cap", 25 << 20),
                   matrices=self._matrices,
                   options={c: self._child_opts.get(c, {}) for c in names},
-                  batch_size=self.options.batch_size, head_share=self._head_share)
+                  batch_size=self.options.batch_size, head_share=self._head_share,
+                  encode_base=self._encode_ns)
         plain = workload_for(self.numel, compute_s, **kw)
         if net is None:
             return plain

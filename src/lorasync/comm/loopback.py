@@ -7,13 +7,14 @@ encode+decode costs default to what the strategies measured on one CPU thread
 times its candidates here when it starts: the strategy's own hooks (or, for
 a periodic one, its sync) run a few times on copies of the adapter's
 tensors, with a :class:`~lorasync.comm.wire.LoopbackWire` in place of the
-network, and the wall time per call (device synchronised) is the figure.
-The bench's microbenchmarks use the same function.
+network, and what the strategy counts as ``encode_s`` is the figure: the
+same quantity the catalog's CPU defaults are (the strategies' own encode_s
+in bench/plan_accuracy.py), so the cost model means one thing on every
+device.  The bench's microbenchmarks use the same function.
 """
 
 from __future__ import annotations
 
-import time
 import types
 from typing import Any, Mapping, Sequence
 
@@ -105,18 +106,18 @@ def time_encode(name: str, params: Sequence[torch.Tensor], world_size: int, *,
                               _register_hook=False, **opts)
     buckets = _buckets(list(clones), bucket_cap_bytes)
     numel = sum(p.numel() for p in clones)
-    total = 0.0
+    start = 0.0
     for call in range(calls + 1):
         for b in buckets:  # fresh gradients every call
             b.buffer().normal_(generator=g).mul_(1e-3)
         _sync(device)
-        t0 = time.perf_counter()
+        if call == 1:
+            start = sync.stats()["encode_s"]
         if spec.per_step:
             for f in [sync._on_bucket(b) for b in buckets]:
                 f.wait()
         sync.after_step()
         _sync(device)
-        if call:
-            total += time.perf_counter() - t0
+    encode = sync.stats()["encode_s"] - start
     sync.finish()
-    return total / calls * 1e9 / numel
+    return encode / calls * 1e9 / numel

@@ -160,13 +160,16 @@ def probe_every(probe_s: float, step_s: float, interval: int,
     return max(1, math.ceil(probe_s / window))
 
 
-def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: int) -> float:
-    """The cost model's encode time of ``name`` (ns per element per sync) plus
-    ``extra_s`` per optimizer step that it was measured to cost beyond its
-    prediction (never below zero)."""
+def encode_ns_for(name: str, options: Mapping[str, Any], extra_s: float, numel: int,
+                  base_ns: float | None = None) -> float:
+    """The encode time of ``name`` (ns per element per sync: ``base_ns`` as
+    timed on the live device, else the catalog's CPU figure) plus ``extra_s``
+    per optimizer step that it was measured to cost beyond its prediction
+    (never below zero)."""
     opts = catalog.parse_options(name, options)
     per_sync = opts.period if name in PERIODIC else 1
-    return max(0.0, encode_ns(name, opts) + extra_s * 1e9 * per_sync / numel)
+    base = encode_ns(name, opts) if base_ns is None else base_ns
+    return max(0.0, base + extra_s * 1e9 * per_sync / numel)
 
 
 def corrections(names: Sequence[str], hidden_s: Mapping[str, float], base_s: float = 0.0,
@@ -231,13 +234,16 @@ def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = 
                  bucket_cap_bytes: int = 25 << 20, matrices=None,
                  options: Mapping[str, Mapping[str, Any]] | None = None,
                  extra_s: Mapping[str, float] | None = None, batch_size: int = 1,
-                 head_share: float = 0.0) -> Workload:
+                 head_share: float = 0.0,
+                 encode_base: Mapping[str, float] | None = None) -> Workload:
     """A cost-model ``Workload`` from what a running job knows about itself.
 
     ``bucket_sizes``: elements per DDP bucket in ready order (a strategy's
     ``bucket_sizes``), else DDP's cap; ``extra_s``: measured per-step cost
     beyond the prediction, per strategy (see :func:`encode_ns_for`);
-    ``head_share``: :func:`module_head_share` of the model.
+    ``head_share``: :func:`lorasync.comm.auto.module_head_share` of the model;
+    ``encode_base``: encode+decode ns per element per sync timed on the live
+    device, per strategy (else the catalog's CPU figures).
     """
     options = {k: dict(v) for k, v in (options or {}).items()}
     if bucket_sizes:
@@ -245,8 +251,10 @@ def workload_for(numel: int, compute_s: float, *, bucket_sizes: Sequence[int] = 
         first = 4 * bucket_sizes[0]
     else:
         bucket_bytes, first = int(bucket_cap_bytes), None
-    encode = {name: encode_ns_for(name, options.get(name, {}), x, numel)
-              for name, x in (extra_s or {}).items()}
+    extra, base = dict(extra_s or {}), dict(encode_base or {})
+    encode = {name: encode_ns_for(name, options.get(name, {}), extra.get(name, 0.0), numel,
+                                  base.get(name))
+              for name in sorted(set(extra) | set(base))}
     return Workload(adapter_params=int(numel), compute_s=max(float(compute_s), 1e-6),
                     batch_size=int(batch_size), head_share=float(head_share),
                     bucket_bytes=int(bucket_bytes),
