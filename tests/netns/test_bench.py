@@ -33,14 +33,18 @@ def test_bench_rows_predictions_and_cleanup(tmp_path):
     # the ceiling (link-independent) runs at the very start and at the very end
     assert md.count("| no sync (ceiling) |") == 1 and md.count("| no sync (ceiling, again)") == 1
     assert md.count("reference ceiling: ") == 2 and "fastest of 2 no-sync runs" in md
-    assert md.count("plan vs measured step time: 1/1 rows") + \
-        md.count("plan vs measured step time: 0/1 rows") == 2
     assert "probe: all-reduce bandwidth" in md
     res = json.loads((out / "results.json").read_text())["results"]
     for prof in ("100mbit", "1gbit"):
         fp16 = next(c for c in res[prof] if c.get("key") == "fp16")
         assert fp16["status"] == "ok" and fp16["wire_mb"] > 0 and fp16["predicted_step_s"] > 0
         assert fp16["efficiency"] > 0   # (tiny steps of ~20 ms: noise can put it above 1)
+        # the verdict under the table is the data's: steps of ~20 ms on the tiny
+        # model say nothing of the cost model's accuracy, but the count must agree
+        err = fp16["measured_step_s"] / fp16["predicted_step_s"] - 1
+        assert fp16["plan_error"] == pytest.approx(err)
+        assert f"plan vs measured step time: {int(abs(err) <= 0.15)}/1 rows within 15%" in \
+            md.split(f"#### {prof}")[1].split("####")[0]
     assert (out / "chart.png").stat().st_size > 1000
     # the tuned row's TCP settings were reverted with the namespaces: nothing is left
     assert _bench_namespaces() == before

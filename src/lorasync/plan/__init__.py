@@ -1,6 +1,5 @@
 """Planning: a pure cost model of gradient sync, a planner that ranks the
-strategies for a network, and (later) the auto controller that re-plans
-during training.
+strategies for a network, and the policy ``auto`` re-plans with while training.
 
     from lorasync.plan import Net, Workload, predict, choose, Measurements
     net = Net(alpha_s=1e-3, bandwidth_Bps=1.25e6, world_size=2)     # 10 Mbit/s
@@ -8,8 +7,9 @@ during training.
     predict("fp16", net, wl).efficiency
     choose(Measurements(net, wl)).strategy
 
-Strategy names, options and byte formulas come from :mod:`lorasync.catalog`.
-Nothing here imports torch or does I/O (the CLI reads files).
+Strategy names, options and byte formulas come from :mod:`lorasync.catalog`;
+the strategy that runs the policy is :mod:`lorasync.comm.auto`.  Nothing here
+imports torch or does I/O (the CLI reads files).
 """
 
 from lorasync.plan.costmodel import MODELS, Net, Prediction, Workload, lora_matrices, predict
