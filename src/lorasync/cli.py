@@ -41,7 +41,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lorasync", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="lorasync", description="Distributed LoRA fine-tuning that stays fast "
+                     "when the network is the bottleneck.")
     parser.add_argument("--version", action="version", version=f"lorasync {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (modname, help_text) in SUBCOMMANDS.items():

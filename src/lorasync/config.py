@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lorasync import catalog
 from lorasync.errors import ConfigError, LorasyncError, UnknownKey
 
 __all__ = [
@@ -161,8 +162,9 @@ class TrainConfig:
 
 @dataclass
 class CommConfig:
-    strategy: str = _f("allreduce", "gradient-sync strategy (allreduce, fp16, bf16, int8, "
-                       "onebit, topk, powersgd, local, diloco, auto; none = no sync)",
+    strategy: str = _f("allreduce", "gradient-sync strategy: " + ", ".join(
+                       n for n in catalog.names() if n != "none") + " (none = no sync: the "
+                       "compute ceiling; `lorasync train --list-strategies` describes them)",
                        flag="--comm")
     options: dict = _f(dict, "strategy options as key=value pairs, e.g. period=8",
                        flag="--comm-opt")

@@ -184,3 +184,17 @@ def test_formulas_refuse_bad_input():
         wire_bytes("allreduce", [0], 2)
     with pytest.raises(ValueError, match="measured"):
         wire_bytes("torch_powersgd", N, 2)
+
+
+def test_list_strategies_shows_every_strategy_and_option(capsys):
+    from lorasync.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--list-strategies"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in catalog.SPECS:
+        assert f"\n{name}: {catalog.spec(name).summary}" in out
+        for key, default, _ in catalog.option_help(name):
+            shown = str(default).lower() if isinstance(default, bool) else default
+            assert f"{key}={shown}" in out, (name, key)

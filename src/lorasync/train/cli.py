@@ -28,10 +28,38 @@ import time
 from lorasync.config import iter_fields, load_config, parse_options
 from lorasync.errors import ConfigError, LorasyncError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "strategies_text"]
+
+
+class _ListStrategies(argparse.Action):
+    """``--list-strategies``: every strategy, what it sends and its options, then exit."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(strategies_text())
+        parser.exit(0)
+
+
+def strategies_text() -> str:
+    """The catalog for people: each strategy, its summary and options (default: help)."""
+    from lorasync import catalog
+
+    lines = []
+    for name in catalog.names():
+        spec = catalog.spec(name)
+        lines.append(f"{name}: {spec.summary}")
+        for key, default, help_text in catalog.option_help(name):
+            value = str(default).lower() if isinstance(default, bool) else default
+            lines.append(f"    {f'{key}={value}':<24} {help_text}")
+    return ("strategies (--comm NAME) and their options (--comm-opt KEY=VALUE, defaults shown):\n"
+            + "\n".join(lines))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--list-strategies", action=_ListStrategies,
+                   help="print every sync strategy with its options and defaults, and exit")
     p.add_argument("--config", metavar="FILE", help="YAML file with model/lora/data/train/comm/"
                    "run sections; flags override it")
     p.add_argument("--resume", action="store_true",
