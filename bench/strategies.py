@@ -2,9 +2,10 @@
 """Every sync strategy on the embedded default: speed, bytes and quality.
 
     .venv/bin/python bench/strategies.py [--steps 60] [--seeds 3] [--emulate nodes=2,rate=10mbit]
+    .venv/bin/python bench/strategies.py --strategies topk,topk:ratio=0.01,diloco:outer_momentum=0.9
 
-Runs ``lorasync train`` once per strategy (seed 0) and the ``allreduce``
-reference once per seed, all with the same data, steps and batch (so the same
+Runs ``lorasync train`` once per strategy (seed 0; ``NAME:KEY=VALUE:...``
+runs it with those options) and the ``allreduce`` reference once per seed, all with the same data, steps and batch (so the same
 number of samples), then prints one table: samples/s, exposed sync share,
 wire MB per step, compression ratio, encode+decode time per step (and its
 share of the compute step; target <= 5%), final eval loss and exact-match
@@ -35,7 +36,9 @@ STRATEGIES = ["fp16", "bf16", "int8", "onebit", "topk", "powersgd", "local", "di
 
 
 def train(out: str, strategy: str, seed: int, a) -> dict:
-    cmd = [sys.executable, "-m", "lorasync", "train", "--comm", strategy, "--seed", str(seed),
+    name, *opts = strategy.split(":")
+    cmd = [sys.executable, "-m", "lorasync", "train", "--comm", name, "--seed", str(seed),
+           *[x for o in opts for x in ("--comm-opt", o)],
            "--max-steps", str(a.steps), "--eval-size", str(a.eval_size), "--no-progress",
            "--ckpt-interval", "0", "--no-eval-before", "--output-dir", out, *a.extra]
     if a.emulate:
@@ -76,7 +79,8 @@ def main() -> None:
             res[key] = train(os.path.join(work, f"ref{seed}"), "allreduce", seed, a)
             print(f"{key}: {res[key].get('error') or 'done'}", file=sys.stderr, flush=True)
         for name in [s.strip() for s in a.strategies.split(",") if s.strip()]:
-            res[name] = train(os.path.join(work, name), name, 0, a)
+            res[name] = train(os.path.join(work, name.replace(":", "_").replace("=", "-")),
+                              name, 0, a)
             print(f"{name}: {res[name].get('error') or 'done'}", file=sys.stderr, flush=True)
     refs = [v["eval_after"]["eval_loss"] for k, v in res.items()
             if k.startswith("allreduce") and "error" not in v and v.get("eval_after")]
@@ -111,7 +115,9 @@ def main() -> None:
               f"+-{100 * se(p, n):.0f}) | {verdict} |")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+            json.dump({"args": {"steps": a.steps, "seeds": a.seeds, "eval_size": a.eval_size,
+                                "emulate": a.emulate, "extra": a.extra},
+                       "load_average": load, "limit": limit, "runs": res}, fh, indent=1)
 
 
 if __name__ == "__main__":
