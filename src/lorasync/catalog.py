@@ -263,6 +263,11 @@ class TorchPowerSGDOptions(_Warmup):
 
 @_o("auto")
 class AutoOptions(Options):
+    # the strategies whose defaults kept eval quality (bench/strategies.py).
+    # onebit is left out: as 1-bit Adam it keeps quality on the embedded
+    # default, but only with the optimizer (set_optimizer) and after a
+    # full-precision warm-up, and its signed-gradient form without them does
+    # not; named in `candidates`, it gets the optimizer auto was given
     candidates: str = option("allreduce,fp16,int8,topk,powersgd,local,diloco",
                              "strategies auto chooses among (comma list)")
     interval: int = option(10, "steps between re-plans (0: decide once)", lo=0)
