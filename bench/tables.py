@@ -28,7 +28,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "bench" / "reference"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARK = re.compile(r"(<!-- BEGIN table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- END table:(?P=name) -->)",
+MARK = re.compile(r"(<!-- BEGIN table:(?P<name>[\w.+-]+) -->\n)(?P<body>.*?)(<!-- END table:(?P=name) -->)",
                   re.S)
 
 sys.path.insert(0, str(ROOT / "src"))
@@ -72,9 +72,180 @@ def strategies() -> str:
     return "\n".join(lines)
 
 
+def _bench() -> dict:
+    return _load("bench", "results.json")["results"]
+
+
+def _eff(cells: list[dict], key: str) -> dict | None:
+    return next((c for c in cells if c.get("key") == key and c.get("samples_per_s")), None)
+
+
+def headline() -> str:
+    """Scaling efficiency on each link (samples/s against the no-sync ceiling):
+    plain DDP, torch's hooks, lorasync auto (lorasync bench)."""
+    res = _bench()
+    lines = ["| link | plain DDP | torch fp16 hook | torch PowerSGD (rank 1) | lorasync `auto` "
+             "(its pick) | auto vs plain DDP |", "|---|---|---|---|---|---|"]
+    for prof, cells in res.items():
+        ddp, auto = _eff(cells, "ddp"), _eff(cells, "auto")
+        row = [prof.replace("mbit", " Mbit/s").replace("gbit", " Gbit/s").replace("+", " + ")]
+        for key in ("ddp", "torch_fp16", "torch_powersgd"):
+            c = _eff(cells, key)
+            row.append(f"{100 * c['efficiency']:.0f}%" if c else "-")
+        if auto:
+            pick = auto.get("final_strategy") or auto.get("strategy")
+            row.append(f"**{100 * auto['efficiency']:.0f}%** ({pick})")
+            row.append(f"{auto['samples_per_s'] / ddp['samples_per_s']:.2f}x" if ddp else "-")
+        else:
+            row += ["-", "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def bench_profile(prof: str) -> str:
+    """One profile's progressive-optimization table with its verdicts."""
+    from lorasync.bench_cli import format_table, verdicts
+
+    cells = _bench()[prof]
+    table = format_table(prof, cells).split("\n", 3)[3]  # without the heading
+    return table + "\n\n" + "\n".join(f"- {v}" for v in verdicts(cells))
+
+
+def plan_accuracy() -> str:
+    """Measured / predicted step time - 1, every strategy on every link (bench/plan_accuracy.py)."""
+    base = REF / "plan-accuracy"
+    profiles = sorted((p for p in base.iterdir() if (p / "rows.json").is_file()),
+                      key=lambda p: _rate_key(p.name))
+    names: list[str] = []
+    table: dict[str, dict[str, dict]] = {}
+    probes = {}
+    for pdir in profiles:
+        rows = json.loads((pdir / "rows.json").read_text())
+        table[pdir.name] = {r["row"]: r for r in rows if not r["row"].startswith("ceiling")}
+        names += [r["row"] for r in rows if not r["row"].startswith("ceiling")
+                  and r["row"] not in names]
+        probe = json.loads((pdir / "probe.json").read_text())
+        probes[pdir.name] = probe["model"]["bandwidth_Bps"]
+    from lorasync.units import fmt_rate
+
+    lines = ["| link (probe) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    within = total = 0
+    worst = (0.0, "")
+    for prof, rows in table.items():
+        cells = []
+        for n in names:
+            r = rows.get(n, {})
+            if "plan_error" not in r:
+                cells.append(r.get("status", "-"))
+                total += 1
+                continue
+            e = r["plan_error"]
+            total += 1
+            within += abs(e) <= 0.15
+            worst = max(worst, (abs(e), f"{n} at {prof}"))
+            cells.append(f"{100 * e:+.1f}%")
+        lines.append(f"| {prof} ({fmt_rate(probes[prof])}) | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"{within} of {total} within the 15% target; worst {100 * worst[0]:.1f}% "
+                 f"({worst[1]}).")
+    return "\n".join(lines)
+
+
+def quality() -> str:
+    """bench/strategies.py: bytes, encode cost and eval quality of every strategy."""
+    import math
+
+    data = _load("strategies", "strategies.json")
+    runs, limit = data["runs"], data["limit"]
+    refs = [v["eval_after"]["eval_loss"] for k, v in runs.items() if k.startswith("allreduce")
+            and "error" not in v]
+    lines = [f"Reference: fp32 all-reduce over {len(refs)} seeds, eval loss {min(refs):.4f} .. "
+             f"{max(refs):.4f}; quality limit (worst + 5%): {limit:.4f}. "
+             f"{data['args']['steps']} steps x 2 ranks, {data['args']['eval_size']} eval examples.",
+             "", "| strategy (options) | wire MB/step | compression | encode+decode ms/step "
+             "(share of compute) | eval loss | exact-match | quality |", "|---|---|---|---|---|---|---|"]
+    for k, v in runs.items():
+        if "error" in v:
+            lines.append(f"| {k} | failed: {v['error']} | | | | | |")
+            continue
+        ea = v["eval_after"]
+        n = ea["n"]
+        p = ea["correct"] / n if n else float("nan")
+        se = math.sqrt(p * (1 - p) / n) if n else float("nan")
+        comp = v["fp32_bytes_per_step"] / v["wire_bytes_per_step"] if v["wire_bytes_per_step"] \
+            else float("inf")
+        share = v["encode_s"] / v["compute_s_mean"] if v["compute_s_mean"] else 0.0
+        verdict = "reference" if k.startswith("allreduce") else (
+            "pass" if ea["eval_loss"] <= limit else "fail")
+        name = k.replace(":", " ", 1).replace(":", ", ")
+        lines.append(f"| {name} | {_mb(v['wire_bytes_per_step'])} | {comp:.1f}x | "
+                     f"{1000 * v['encode_s']:.1f} ({100 * share:.1f}%) | {ea['eval_loss']:.4f} | "
+                     f"{100 * p:.0f}% +-{100 * se:.0f} | {verdict} |")
+    return "\n".join(lines)
+
+
+def auto_cut() -> str:
+    """bench/auto_adapt.py: auto against fixed strategies through a link cut."""
+    data = _load("auto-cut", "results.json")
+    a, rows = data["args"], data["rows"]
+    c, end = a["cut_at"], a["steps"]
+    lines = [f"| run | strategies | {a['rate']} (steps 2-{c}) | {a['cut_rate']}, first 50 steps "
+             f"after the cut | {a['cut_rate']} steady ({min(end, c + 21)}-{end}) |",
+             "|---|---|---|---|---|"]
+
+    def f(x, k):
+        v, e = x.get(k), x.get(k + "_eff")
+        return "-" if v is None else f"{v:.2f} ({e:.0%})"
+
+    for x in rows:
+        if x["error"]:
+            lines.append(f"| {x['label']} | {x['error']} | | | |")
+            continue
+        lines.append(f"| {x['label']} | {x['sequence']} | {f(x, 'before')} | {f(x, 'adapt')} "
+                     f"| {f(x, 'steady')} |")
+    r = data["ratios"]
+    lines += ["", f"auto against the best fixed strategy (samples/s): {r['before']:.0%} before "
+              f"the cut (target 95%), {r['adapt']:.0%} over the 50 steps after it (target 80%), "
+              f"{r['steady']:.0%} in the steady state (target 95%); by compute share "
+              f"{r['before_eff']:.0%}, {r['adapt_eff']:.0%}, {r['steady_eff']:.0%}."]
+    return "\n".join(lines)
+
+
+def scaling() -> str:
+    """bench/train_scaling.py: samples/s with 1 and 2 ranks on this machine."""
+    data = _load("scaling", "scaling.json")
+    base = data["1"]["samples_per_s"]
+    lines = ["| ranks | samples/s | vs 1 rank | step s (median) | sync share | wire MB/step |",
+             "|---|---|---|---|---|---|"]
+    for n, s in sorted(data.items()):
+        lines.append(f"| {n} | {s['samples_per_s']:.2f} | {s['samples_per_s'] / base:.2f}x | "
+                     f"{s['step_s_median']:.3f} | {100 * s['sync_share']:.1f}% | "
+                     f"{_mb(s['wire_bytes_per_step'])} |")
+    return "\n".join(lines)
+
+
+def _rate_key(prof: str) -> float:
+    from lorasync.units import parse_rate_bps
+
+    return parse_rate_bps(prof.split("+")[0].split("_")[0])
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "strategies": strategies,
+    "headline": headline,
+    "plan-accuracy": plan_accuracy,
+    "quality": quality,
+    "auto-cut": auto_cut,
+    "scaling": scaling,
 }
+
+
+def renderer(name: str) -> Callable[[], str] | None:
+    if name in RENDERERS:
+        return RENDERERS[name]
+    if name.startswith("bench-"):
+        return lambda: bench_profile(name[len("bench-"):])
+    return None
 
 
 # --------------------------------------------------------------------------- files
@@ -82,10 +253,11 @@ RENDERERS: dict[str, Callable[[], str]] = {
 def render(text: str, path: Path) -> str:
     def sub(m: re.Match) -> str:
         name = m.group("name")
-        if name not in RENDERERS:
+        fn = renderer(name)
+        if fn is None:
             raise SystemExit(f"{path.relative_to(ROOT)}: no renderer for table {name!r} "
-                             f"(known: {', '.join(sorted(RENDERERS))})")
-        return m.group(1) + RENDERERS[name]().rstrip("\n") + "\n" + m.group(4)
+                             f"(known: {', '.join(sorted(RENDERERS))}, bench-PROFILE)")
+        return m.group(1) + fn().rstrip("\n") + "\n" + m.group(4)
     return MARK.sub(sub, text)
 
 
