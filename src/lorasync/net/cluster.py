@@ -676,12 +676,12 @@ class Cluster:
         """Short TCP test from ``src`` to ``dst``: RTT, then bulk data for ``seconds``
         or ``max_bytes``, whichever ends first.
 
-        Takes about ``seconds`` plus process start-up (0.3 s); run with
-        Python's socket module inside the namespaces, no extra tools.
+        Takes about ``seconds`` plus process start-up (0.3 s): the two ends of
+        :mod:`lorasync.net.linktest` run inside the namespaces, no extra tools.
         """
         s, d = self.node(src), self.node(dst)
-        py = [sys.executable, "-S", "-c"]
-        server = subprocess.Popen(self.exec_argv(d.index, [*py, _SERVER, d.address, str(seconds),
+        py = [sys.executable, "-m", "lorasync.net.linktest"]
+        server = subprocess.Popen(self.exec_argv(d.index, [*py, "serve", d.address, str(seconds),
                                                                  str(int(max_bytes))]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -690,7 +690,7 @@ class Cluster:
             if not port.isdigit():
                 raise EnvironmentProblem(f"measurement server in {d.netns} did not start: "
                                          f"{server.stderr.read() if server.poll() is not None else 'timeout'}")
-            client = subprocess.run(self.exec_argv(s.index, [*py, _CLIENT, d.address, port, str(seconds)]),
+            client = subprocess.run(self.exec_argv(s.index, [*py, "measure", d.address, port, str(seconds)]),
                                     capture_output=True, text=True, timeout=seconds + 30)
             if client.returncode != 0:
                 raise EnvironmentProblem(f"measurement {s.name} -> {d.name} failed: "
@@ -723,73 +723,6 @@ class Cluster:
         if measure and len(self.nodes) >= 2:
             out["measured"] = self.measure(0, 1, seconds).to_dict()
         return out
-
-
-_SERVER = r"""
-import json, socket, sys, time
-addr, window, max_bytes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-srv = socket.socket(); srv.bind((addr, 0)); srv.listen(8); srv.settimeout(window + 20)
-print(srv.getsockname()[1], flush=True)
-while True:
-    c, _ = srv.accept(); c.settimeout(window + 20)
-    mode = c.recv(1)
-    if mode == b"p":  # echo single bytes until EOF
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while True:
-            b = c.recv(1)
-            if not b: break
-            c.sendall(b)
-        c.close(); continue
-    buf = bytearray(1 << 20); n = 0; marks = []; t0 = None
-    while True:
-        k = c.recv_into(buf)
-        if not k: break
-        now = time.monotonic(); n += k
-        if t0 is None: t0 = now
-        if not marks or now - marks[-1][0] >= 0.005: marks.append((now, n))
-        if now - t0 >= window or n >= max_bytes: break
-    marks.append((time.monotonic(), n))
-    ws = t0 + 0.25 * (marks[-1][0] - t0)  # leave out TCP's ramp-up
-    a = next(m for m in marks if m[0] >= ws)
-    dt = marks[-1][0] - a[0]
-    rate = (marks[-1][1] - a[1]) * 8 / dt if dt > 0 else 0.0
-    c.sendall(json.dumps({"bytes": n, "seconds": marks[-1][0] - t0, "rate_bps": rate}).encode() + b"\n")
-    c.settimeout(5)
-    try:
-        while c.recv_into(buf): pass
-    except OSError: pass
-    c.close(); break
-"""
-
-_CLIENT = r"""
-import json, select, socket, statistics, struct, sys, time
-addr, port, window = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-t = time.monotonic(); c = socket.create_connection((addr, port), timeout=10); connect = time.monotonic() - t
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); c.sendall(b"p")
-rtts = []
-for _ in range(7):
-    t = time.monotonic(); c.sendall(b"x")
-    if c.recv(1) != b"x": sys.exit("echo failed")
-    rtts.append(time.monotonic() - t)
-c.close()
-d = socket.create_connection((addr, port), timeout=10); d.sendall(b"d"); d.setblocking(False)
-chunk = b"\0" * (1 << 16); deadline = time.monotonic() + window + 15; reply = b""
-while not reply.endswith(b"\n"):
-    if time.monotonic() > deadline: sys.exit("bulk transfer timed out")
-    r, w, _ = select.select([d], [d], [], 1.0)
-    if r:
-        got = d.recv(4096)
-        if not got: break
-        reply += got
-    elif w:
-        try: d.send(chunk)
-        except BlockingIOError: pass
-# drop what is still queued instead of trickling it out at a slow rate
-d.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)); d.close()
-res = json.loads(reply)
-res.update(rtt_s=statistics.median(rtts[1:]), rtt_min_s=min(rtts[1:]), connect_s=connect)
-print(json.dumps(res))
-"""
 
 
 @contextlib.contextmanager
@@ -853,7 +786,7 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     try:
         for n in cluster.nodes:
-            cmd = [sys.executable, "-c", _AGENT, "--nnodes", str(nn),
+            cmd = [sys.executable, "-m", "lorasync.net.agent", "--nnodes", str(nn),
                    "--node-rank", str(n.index), "--nproc-per-node", str(nproc_per_node),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
                    # node0 hosts the rendezvous store; torch's own guess compares
@@ -896,23 +829,6 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     finally:
         for f in logs:
             f.close()
-
-
-# torchrun itself exits 1 whatever its workers returned; this keeps the worker's code
-# (2 = a user error) the way lorasync.launch.run_torchrun does in-process
-_AGENT = """
-import sys
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
-try:
-    run(get_args_parser().parse_args(sys.argv[1:]))
-except ChildFailedError as exc:
-    codes = [f.exitcode for f in exc.failures.values()]
-    sys.exit(2 if 2 in codes else next((c for c in codes if c and c > 0), 1))
-except SignalException as exc:  # stopped by launch_on_cluster; the agent has stopped its workers
-    sys.exit(128 + int(exc.sigval))
-"""
 
 
 def _stop_agents(procs: Sequence[subprocess.Popen]) -> None:
