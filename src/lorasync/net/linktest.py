@@ -13,6 +13,9 @@ Protocol, one TCP connection per part, the first byte saying which:
   arrives for ``window`` seconds or ``max_bytes``, leaves out the first
   quarter (TCP's ramp-up) and answers one JSON line with its goodput, then
   drains the rest so the client never blocks on a full buffer.
+- ``D`` + 4 bytes: the same with the window (milliseconds, big-endian, at
+  most 10 s) chosen by the client, for a long-running server (the overlay's
+  supervisor serves ``lorasync tunnel status`` this way).
 
 Run as ``python -m lorasync.net.linktest serve ADDR WINDOW MAX_BYTES`` (prints
 its port, serves pings until one data connection has been measured, exits)
@@ -78,8 +81,21 @@ def _serve_data(c: socket.socket, window: float, max_bytes: int) -> dict:
     return res
 
 
+MAX_CLIENT_WINDOW = 10.0
+
+
+def _recv_exact(c: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = c.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("closed early")
+        buf += got
+    return buf
+
+
 def handle(c: socket.socket, window: float, max_bytes: int) -> str:
-    """Serve one accepted connection (either part); returns ``"p"`` or ``"d"``."""
+    """Serve one accepted connection (any part); returns its mode letter."""
     c.settimeout(window + 20)
     try:
         mode = c.recv(1)
@@ -87,6 +103,11 @@ def handle(c: socket.socket, window: float, max_bytes: int) -> str:
             _serve_ping(c)
         elif mode == b"d":
             _serve_data(c, window, max_bytes)
+        elif mode == b"D":
+            asked = struct.unpack("!I", _recv_exact(c, 4))[0] / 1000
+            asked = min(MAX_CLIENT_WINDOW, max(0.05, asked))
+            c.settimeout(asked + 20)
+            _serve_data(c, asked, max_bytes)
         return mode.decode(errors="replace")
     finally:
         c.close()
@@ -104,17 +125,18 @@ def serve(addr: str, window: float, max_bytes: int, port: int = 0, ready=None) -
             ready(srv.getsockname()[1])
         while True:
             c, _ = srv.accept()
-            if handle(c, window, max_bytes) == "d":
+            if handle(c, window, max_bytes) in ("d", "D"):
                 break
     finally:
         srv.close()
 
 
 def measure(addr: str, port: int, window: float, pings: int = PINGS,
-            connect_timeout: float = 10.0) -> dict:
+            connect_timeout: float = 10.0, send_window: bool = False) -> dict:
     """Client side: RTT from ``pings`` one-byte round trips, then ``window``
     seconds of bulk data; returns the server's figures plus rtt_s, rtt_min_s
-    and connect_s (time to open the first connection)."""
+    and connect_s (time to open the first connection).  ``send_window``: tell
+    the server the window (mode ``D``) instead of relying on its own."""
     t = time.monotonic()
     c = socket.create_connection((addr, port), timeout=connect_timeout)
     connect = time.monotonic() - t
@@ -132,7 +154,7 @@ def measure(addr: str, port: int, window: float, pings: int = PINGS,
         c.close()
     d = socket.create_connection((addr, port), timeout=connect_timeout)
     try:
-        d.sendall(b"d")
+        d.sendall(b"D" + struct.pack("!I", int(window * 1000)) if send_window else b"d")
         d.setblocking(False)
         chunk = b"\0" * _CHUNK
         deadline = time.monotonic() + window + 15
@@ -164,7 +186,9 @@ def measure(addr: str, port: int, window: float, pings: int = PINGS,
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = ("usage: python -m lorasync.net.linktest serve ADDR WINDOW MAX_BYTES | "
-             "measure ADDR PORT WINDOW")
+             "measure ADDR PORT WINDOW [--send-window]")
+    send_window = "--send-window" in argv
+    argv = [a for a in argv if a != "--send-window"]
     if len(argv) != 4 or argv[0] not in ("serve", "measure"):
         print(usage, file=sys.stderr)
         return 2
@@ -172,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(argv[1], float(argv[2]), int(argv[3]), ready=lambda p: print(p, flush=True))
         return 0
     try:
-        res = measure(argv[1], int(argv[2]), float(argv[3]))
+        res = measure(argv[1], int(argv[2]), float(argv[3]), send_window=send_window)
     except (OSError, ValueError) as exc:
         print(f"linktest: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
