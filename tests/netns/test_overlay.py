@@ -219,6 +219,22 @@ def test_training_traffic_survives_a_tunnel_restart(relay, tmp_path):
     assert after["restarts"] == 1 and after["wg_pid"] != st["wg_pid"]
 
 
+def test_tunnel_launch_runs_torchrun_over_the_overlay(relay, tmp_path):
+    """What a user runs on each real host, here in each node's namespace."""
+    out = tmp_path / "probe.json"
+    procs = [subprocess.Popen(relay.exec_argv(n.index, [
+        sys.executable, "-m", "lorasync", "tunnel", "launch", "--ifname", n.overlay_ifname,
+        "--port", "29411", "--run-id", f"t{TAG}", "--", "probe", "--quick", "--no-pairs",
+        "--output", str(out)]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1")) for n in relay.nodes]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[-1500:] for o in outs]
+    probe = json.loads(out.read_text())
+    assert probe["world_size"] == 3
+    assert sorted(r["ifname"] for r in probe["ranks"]) == sorted(n.overlay_ifname for n in relay.nodes)
+    assert f"rendezvous {relay.nodes[0].overlay_address}:29411 (here)" in outs[0]
+
+
 TINY = ["--model", "tiny", "--batch-size", "2", "--eval-size", "0", "--max-steps", "3",
         "--no-progress", "--ckpt-interval", "0"]
 

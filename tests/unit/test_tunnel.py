@@ -17,7 +17,7 @@ import pytest
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.net import tunnel, wireguard as wg
 from lorasync.net.nat import ruleset as nat_ruleset
-from lorasync.net.tunnel import NodeSpec, parse_node_spec, plan_overlay, supervise_step
+from lorasync.net.tunnel import parse_node_spec, plan_overlay, supervise_step
 
 
 def fake_keys():

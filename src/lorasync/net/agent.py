@@ -28,7 +28,6 @@ additions, each an option given before torchrun's own arguments:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import errno
 import json
 import os

@@ -521,6 +521,7 @@ class Supervisor:
         self.tracks: dict[str, PeerTrack] = {}
         self._stop = threading.Event()
         self._server: socket.socket | None = None
+        self._last_error: str | None = None
 
     # -- events
 
@@ -610,8 +611,11 @@ class Supervisor:
             try:
                 state = wg.show(self.cfg.ifname)
             except (LorasyncError, ValueError) as exc:
-                self.event(f"wg show failed: {exc}")
+                if str(exc) != self._last_error:  # once, not every second
+                    self.event(f"wg show failed: {exc}")
+                self._last_error = str(exc)
                 continue
+            self._last_error = None
             for a in supervise_step(self.cfg.peers, state, time.time(), self.since, self.tracks,
                                     stale_s=self.cfg.stale_s):
                 self.event(a.message)
@@ -787,26 +791,29 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
     if cluster:
         argv += ["--cluster", cluster]
     err = open(STATE_DIR / f"{cfg.ifname}.log", "ab")
-    # its own session: a Ctrl-C in the shell that ran `up` must not take the tunnel down
+    # its own session: once up, a Ctrl-C in the shell that ran `up` must not take it down
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                             start_new_session=True, close_fds=True)
     err.close()
-    ready, _, _ = select.select([proc.stdout], [], [], 30.0)
-    line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
-    proc.stdout.close()
-    if line != "ready":
-        with contextlib.suppress(Exception):
-            proc.kill()
-        proc.wait()
-        down(cfg.ifname)
-        if line.startswith("error: "):
-            raise EnvironmentProblem(f"tunnel {cfg.ifname}: {line[7:]}")
-        raise EnvironmentProblem(f"tunnel {cfg.ifname}: the supervisor did not start (see "
-                                 f"{STATE_DIR / (cfg.ifname + '.log')})")
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        proc.stdout.close()
+        if line != "ready":
+            if line.startswith("error: "):
+                raise EnvironmentProblem(f"tunnel {cfg.ifname}: {line[7:]}")
+            raise EnvironmentProblem(f"tunnel {cfg.ifname}: the supervisor did not start (see "
+                                     f"{STATE_DIR / (cfg.ifname + '.log')})")
         if not cfg.is_hub and cfg.hub_peer is not None:
             wait_handshake(cfg, cfg.hub_peer, hub_timeout)
-    except BaseException:
+    except BaseException:  # a failure or Ctrl-C before the tunnel is up: nothing stays
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         down(cfg.ifname)
         raise
     return next(s for s in _states() if s.get("ifname") == cfg.ifname)

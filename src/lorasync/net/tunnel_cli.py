@@ -212,8 +212,9 @@ def _launch(args) -> int:
     if not rest:
         raise ConfigError("args", "", "give the lorasync command after --, e.g. "
                           "lorasync tunnel launch -- train --output-dir runs/x")
-    ups = [s for s in tunnel._states() if not s.get("cluster") and tunnel._alive(s.get("pid"))
-           and (args.ifname is None or s["ifname"] == args.ifname)]
+    # by default the host's own tunnels (an emulated cluster's live in its namespaces)
+    ups = [s for s in tunnel._states() if tunnel._alive(s.get("pid"))
+           and (s["ifname"] == args.ifname if args.ifname else not s.get("cluster"))]
     if not ups:
         raise ConfigError("--ifname", args.ifname or "", "no tunnel is up here: "
                           "`lorasync tunnel up --config FILE` first")

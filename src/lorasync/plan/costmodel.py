@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from lorasync.errors import ConfigError
 
@@ -63,7 +63,7 @@ __all__ = [
     "lora_matrices", "head_share", "strategy_options", "collectives", "wire_bytes",
     "collective_time",
     "ring_allreduce_s", "recursive_doubling_allreduce_s", "reduce_broadcast_s",
-    "allgather_s", "alltoall_s", "bucket_layout", "powersgd_floats", "predict",
+    "allgather_s", "alltoall_s", "bucket_layout", "powersgd_floats", "predict", "ring_link_load",
 ]
 
 MiB = 1 << 20
@@ -359,6 +359,31 @@ def recursive_doubling_allreduce_s(payload_bytes: float, alpha_s: float, beta_s:
 def reduce_broadcast_s(payload_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
     """Binomial-tree reduce to a root, then broadcast: 2 ceil(log2 n) rounds."""
     return 2 * _log2(n) * (alpha_s + payload_bytes * beta_s)
+
+
+def ring_link_load(ring: Sequence[int], relayed: Mapping[tuple[int, int], int]) -> int:
+    """How many ring legs the busiest node link carries, in one direction.
+
+    ``ring`` lists the nodes in ring order (rank order); ``relayed`` maps a
+    directed pair (a, b) that cannot connect to the node relaying it (an
+    overlay's hub for two nodes behind NAT).  A direct leg a -> b loads a's
+    uplink and b's downlink once; a relayed one also loads the relay's downlink
+    and uplink.  A ring all-reduce runs at the pace of the busiest link, so on
+    links of rate R a what-if ``Net`` takes ``bandwidth_Bps = R / load``.  A
+    probe run over the overlay measures this already; only nominal rates need it.
+    """
+    n = len(ring)
+    up: dict[int, int] = {}
+    down: dict[int, int] = {}
+    for k in range(n if n > 1 else 0):
+        a, b = ring[k], ring[(k + 1) % n]
+        up[a] = up.get(a, 0) + 1
+        down[b] = down.get(b, 0) + 1
+        hub = relayed.get((a, b))
+        if hub is not None:
+            up[hub] = up.get(hub, 0) + 1
+            down[hub] = down.get(hub, 0) + 1
+    return max([*up.values(), *down.values()], default=1)
 
 
 def allgather_s(total_bytes: float, alpha_s: float, beta_s: float, n: int) -> float:
