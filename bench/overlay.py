@@ -222,11 +222,15 @@ def main() -> int:
     for part in parts:
         d = os.path.join(args.out, part)
         os.makedirs(d, exist_ok=True)
+        load0 = os.getloadavg()
         results[part] = {"probe": part_probe, "nat": part_nat, "relay": part_relay}[part](args, d)
-        results[part].update(time=time.time(), args={k: v for k, v in vars(args).items()})
+        # how busy the machine was: ratios from a loaded machine are noisy
+        results[part].update(time=time.time(), args={k: v for k, v in vars(args).items()},
+                             loadavg_start=load0, loadavg_end=os.getloadavg(), cpus=os.cpu_count())
         with open(os.path.join(args.out, f"{part}.json"), "w") as f:
             json.dump(results[part], f, indent=1)
-    text = _report(results) + f"\n\nwall time {(time.time() - t0) / 60:.1f} min; results in {args.out}/"
+    loads = ", ".join(f"{k} {r['loadavg_start'][0]:.1f}->{r['loadavg_end'][0]:.1f}" for k, r in results.items())
+    text = _report(results) + f"\n\nload average (1 min) per part on {os.cpu_count()} CPUs: {loads}" + f"\nwall time {(time.time() - t0) / 60:.1f} min; results in {args.out}/"
     print(text)
     with open(os.path.join(args.out, "results.txt"), "w") as f:
         f.write(text + "\n")
