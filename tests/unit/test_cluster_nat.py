@@ -59,5 +59,7 @@ def test_layout_behind_nat_and_on_the_overlay():
     assert c.measured_pair() == (0, 1, True)
     plain = Cluster(parse_emulate("nodes=2,nat=node1,name=p"))
     assert plain.overlay_hub is None and plain.measured_pair() == (1, 0, False)
+    assert Cluster(parse_emulate("nodes=3,nat=node0,node1,name=p")).measured_pair() == (0, 2, False)
+    assert Cluster(parse_emulate("nodes=2,nat=node0,node1,name=p")).measured_pair() is None
     with pytest.raises(ConfigError, match="behind NAT"):
         plain.measure(0, 1)

@@ -859,15 +859,18 @@ class Cluster:
                                rtt_min_s=r["rtt_min_s"], connect_s=r["connect_s"], bytes=r["bytes"],
                                seconds=r["seconds"])
 
-    def measured_pair(self) -> tuple[int, int, bool]:
+    def measured_pair(self) -> tuple[int, int, bool] | None:
         """(src, dst, through the overlay) that ``status`` measures: node0 -> node1,
-        through the overlay when there is one; without it, towards a node behind
-        NAT nothing connects, so from it instead."""
+        through the overlay when there is one; without it nothing connects to a
+        node behind NAT, so towards the first node outside NAT (None: none is)."""
         if self.spec.overlay:
             return 0, 1, True
-        if self.nodes[1].nat and not self.nodes[0].nat:
-            return 1, 0, False
-        return 0, 1, False
+        if not self.nodes[1].nat:
+            return 0, 1, False
+        dst = next((n.index for n in self.nodes if not n.nat), None)
+        if dst is None:
+            return None
+        return (1 if dst == 0 else 0), dst, False
 
     @property
     def overlay_hub(self) -> Node | None:
@@ -906,8 +909,9 @@ class Cluster:
                               "nodes": [{"node": n.name, "address": n.overlay_address,
                                          "ifname": n.overlay_ifname} for n in self.nodes],
                               "tunnels": tunnel.status(cluster=self.spec.name, measure=False)}
-        if measure and len(self.nodes) >= 2:
-            src, dst, over = self.measured_pair()
+        pair = self.measured_pair() if len(self.nodes) >= 2 else None
+        if measure and pair:
+            src, dst, over = pair
             out["measured"] = dict(self.measure(src, dst, seconds, overlay=over).to_dict(), overlay=over)
         return out
 
