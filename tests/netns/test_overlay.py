@@ -176,18 +176,14 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=90))
 rank, world = dist.get_rank(), dist.get_world_size()
 if rank == 0:
     open(sys.argv[1], "w").write("started")
-n = bad = 0
-t0 = time.time()
-while time.time() - t0 < float(sys.argv[2]):
+bad = 0
+for i in range(int(sys.argv[2])):  # a fixed count: every rank runs the same collectives
     t = torch.full((1 << 15,), float(rank + 1))
     dist.all_reduce(t)
     bad += int(t[0].item() != world * (world + 1) / 2)
-    n += 1
     time.sleep(0.02)
-cnt = torch.tensor([n])
-dist.all_reduce(cnt, op=dist.ReduceOp.MIN)   # every rank did as many as the slowest
 with open(f"{sys.argv[1]}.{rank}", "w") as f:
-    f.write(f"{n} {bad} {cnt.item()}")
+    f.write(f"{i + 1} {bad}")
 dist.destroy_process_group()
 """
 
@@ -200,19 +196,19 @@ def test_training_traffic_survives_a_tunnel_restart(relay, tmp_path):
     import threading
     rc = []
     t = threading.Thread(target=lambda: rc.append(launch_on_cluster(
-        relay, [str(script), str(mark), "12"], module=None, timeout=200, log_dir=tmp_path / "logs")))
+        relay, [str(script), str(mark), "200"], module=None, timeout=200, log_dir=tmp_path / "logs")))
     t.start()
     deadline = time.monotonic() + 120
     while not mark.exists() and time.monotonic() < deadline and t.is_alive():
         time.sleep(0.2)
     st = json.loads((tunnel.STATE_DIR / f"{relay.nodes[2].overlay_ifname}.json").read_text())
-    time.sleep(2)
+    time.sleep(1)
     os.kill(st["wg_pid"], signal.SIGKILL)
+    assert not any((tmp_path / f"go.{r}").exists() for r in range(3))  # killed mid-run
     t.join(220)
     assert rc == [0], [p.read_text()[-1500:] for p in (tmp_path / "logs").glob("*.log")]
     for r in range(3):
-        n, bad, common = map(int, (tmp_path / f"go.{r}").read_text().split())
-        assert bad == 0 and n >= common > 0
+        assert (tmp_path / f"go.{r}").read_text().split() == ["200", "0"]  # all done, none wrong
     log = (tunnel.STATE_DIR / f"{relay.nodes[2].overlay_ifname}.log").read_text()
     assert "wireguard-go exited (code -9)" in log and "wireguard-go restarted" in log
     after = json.loads((tunnel.STATE_DIR / f"{relay.nodes[2].overlay_ifname}.json").read_text())
