@@ -287,6 +287,8 @@ def bare(tmp_path):
         subprocess.run(["ip", "netns", "exec", BARE, sys.executable, "-m", "lorasync", "tunnel", "down",
                         "--ifname", f"lsx{TAG}"], capture_output=True)
         subprocess.run(["ip", "netns", "del", BARE], capture_output=True)
+        for log in tunnel.STATE_DIR.glob(f"lsx{TAG}*.log"):  # down keeps event logs; a test does not
+            log.unlink()
 
 
 def _up(cfg, *extra):
