@@ -25,6 +25,7 @@ __all__ = ["main"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("lorasync.train.cli", "LoRA fine-tuning on torchrun (the main job)"),
     "cluster": ("lorasync.net.cluster_cli", "emulated multi-node cluster in network namespaces"),
+    "tunnel": ("lorasync.net.tunnel_cli", "WireGuard overlay for nodes in different networks / behind NAT"),
     "probe": ("lorasync.net.probe_cli", "measure the links training will use"),
     "doctor": ("lorasync.net.doctor_cli", "find host and network problems, with fixes"),
     "tune": ("lorasync.net.tune_cli", "check, emit, apply or revert TCP tuning"),

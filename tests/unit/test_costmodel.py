@@ -325,3 +325,15 @@ def test_the_head_delays_every_bucket_by_its_share_of_backward():
     one = dict(base, bucket_bytes=4 * MiB)
     assert predict("allreduce", x, Workload(**one, head_share=0.2)).exposed_comm_s == \
         pytest.approx(predict("allreduce", x, Workload(**one)).exposed_comm_s)
+
+
+def test_ring_link_load_counts_relayed_legs_twice_on_the_hub():
+    from lorasync.plan.costmodel import ring_link_load
+
+    assert ring_link_load([0, 1, 2], {}) == 1
+    # nodes 1 and 2 behind NAT: their leg goes through hub 0, whose links carry two legs
+    assert ring_link_load([0, 1, 2], {(1, 2): 0, (2, 1): 0}) == 2
+    assert ring_link_load([0, 2, 1], {(1, 2): 0, (2, 1): 0}) == 2   # any ring order of 3
+    # four nodes, legs 1->2 and 2->3 relayed through 0: its links carry its own leg and both
+    assert ring_link_load([0, 1, 2, 3], {(1, 2): 0, (2, 3): 0}) == 3
+    assert ring_link_load([0], {}) == 1

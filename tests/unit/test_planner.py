@@ -368,3 +368,18 @@ def test_cli_model_from_config_json(tmp_path, capsys):
 
 def test_periodic_and_lossless_sets_are_disjoint():
     assert not (PERIODIC & LOSSLESS)
+
+
+def test_nodes_behind_nat_share_the_hubs_link(capsys):
+    """Two NAT'd nodes reach each other through the hub, whose link then carries
+    two ring legs: the what-if ring runs at half the rate (measured through
+    the overlay: 4.85 against 8.69 MB/s, bench/reference/overlay/relay.json)."""
+    assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)["net"]["bandwidth_Bps"]
+    assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--behind-nat", "2", "--json"]) == 0
+    relayed = json.loads(capsys.readouterr().out)
+    assert relayed["net"]["bandwidth_Bps"] == pytest.approx(direct / 2)
+    assert any("behind NAT" in n for n in relayed["input_notes"])
+    assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--behind-nat", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["net"]["bandwidth_Bps"] == pytest.approx(direct)
+    assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--behind-nat", "3"]) == 2

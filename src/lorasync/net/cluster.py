@@ -29,6 +29,18 @@ packet crosses it once: one-way delay = ``delay``, RTT = 2 x ``delay``.  The
 forwarder is one Python process for the whole cluster (measured here: about
 60 MB/s in total at MTU 65000), so links with delay default to MTU 65000.
 
+Nodes behind NAT (``nat=node2``): such a node sits in a LAN of its own
+(``10.214.I.2/24``) behind a router namespace ``lsync-NAME-natI`` whose
+cluster side takes the node's place (address ``10.213.0.I+1``, the veth to the
+hub, the hub's shaping); an nft masquerade there lets the node connect out
+and nothing connect in (:mod:`lorasync.net.nat`).  The node's own link is
+still shaped at its ``eth0``.
+
+Overlay (``overlay=wireguard``): every node runs a WireGuard tunnel over
+those links (:mod:`lorasync.net.cluster_overlay`), with an address in
+``10.215.0.0/24``; ``launch_on_cluster`` then runs gloo and the rendezvous
+over it, the rendezvous on the overlay's hub (the first node outside NAT).
+
 State lives in ``/run/lorasync/clusters/NAME.json`` so ``exec``, ``status``,
 ``set_rate`` and ``down`` work from other processes.
 """
@@ -52,6 +64,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem
+from lorasync.net.agent import agent_argv
 from lorasync.units import fmt_rate, parse_duration, parse_rate_bps
 
 __all__ = [
@@ -150,6 +163,14 @@ class ClusterSpec:
     """Private subnet, used only inside the cluster's namespaces."""
     mtu: int | None = None
     """Link MTU; None = 1500, or 65000 when delay/loss needs the userspace forwarder."""
+    nat: list = dataclasses.field(default_factory=list)
+    """Nodes behind NAT (indices): they can connect out, nothing can connect in."""
+    overlay: str | None = None
+    """``"wireguard"``: every node on a WireGuard overlay; None: none."""
+    overlay_subnet: str = "10.215.0.0/24"
+    """The overlay's addresses (with ``overlay``)."""
+    nat_subnet: str = "10.214.0.0/16"
+    """LANs of the nodes behind NAT: node I is 10.214.I.2/24 behind router 10.214.I.1."""
 
     def __post_init__(self):
         if isinstance(self.rate_bps, str):
@@ -186,6 +207,31 @@ class ClusterSpec:
         self.pair_rates = pairs
         if self.mtu is not None and not 576 <= int(self.mtu) <= 65000:
             raise ConfigError("mtu", self.mtu, "must be between 576 and 65000")
+        self.nat = sorted({_node_index(x, self.nodes, "nat") for x in (self.nat or [])})
+        if self.overlay in ("", "none"):
+            self.overlay = None
+        if self.overlay is not None:
+            from lorasync.net.cluster_overlay import KINDS, hub_index
+
+            if self.overlay not in KINDS:
+                raise ConfigError("overlay", self.overlay, f"use one of: {', '.join(KINDS)} (or none)")
+            hub_index(self.nodes, self.nat)  # a hub outside NAT exists
+        nets = {"subnet": net}
+        for key in ("overlay_subnet", "nat_subnet"):
+            try:
+                other = ipaddress.IPv4Network(getattr(self, key))
+            except ValueError:
+                raise ConfigError(key, getattr(self, key), "give an IPv4 network such as 10.214.0.0/16") from None
+            if not other.is_private:
+                raise ConfigError(key, getattr(self, key), "use a private range")
+            clash = next((k for k, n in nets.items() if n.overlaps(other)), None)
+            if clash:
+                raise ConfigError(key, getattr(self, key), f"overlaps {clash} {nets[clash]}: use another range")
+            nets[key] = other
+        if self.nat and (ipaddress.IPv4Network(self.nat_subnet).prefixlen > 16
+                         or max(self.nat) > 254):
+            raise ConfigError("nat_subnet", self.nat_subnet, "needs a /16 (one /24 per node behind NAT, "
+                              "at most 255 nodes)")
 
     @property
     def needs_forwarder(self) -> bool:
@@ -202,6 +248,10 @@ class ClusterSpec:
         if self.loss:
             parts.append(f"loss {self.loss * 100:g}%")
         parts += [f"pair {i}-{j} {fmt_rate(r, 'tc', unit='bit')}" for (i, j), r in sorted(self.pair_rates.items())]
+        if self.nat:
+            parts.append(", ".join(f"node{i}" for i in self.nat) + " behind NAT")
+        if self.overlay:
+            parts.append(f"{self.overlay} overlay {self.overlay_subnet}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -210,17 +260,34 @@ class ClusterSpec:
         return d
 
 
+def _node_index(x, nodes: int, field: str) -> int:
+    """``2``, ``"2"`` or ``"node2"`` -> 2, checked against the node count."""
+    key = str(x).strip().removeprefix("node")
+    if not key.isdigit():
+        raise ConfigError(field, x, "name nodes as node0, node1, ... (or their indices)")
+    if not 0 <= int(key) < nodes:
+        raise ConfigError(field, x, f"this cluster has nodes node0..node{nodes - 1}")
+    return int(key)
+
+
 def parse_emulate(text: str) -> ClusterSpec:
     """``"nodes=2,rate=10mbit,delay=40ms,loss=0.1%"`` -> validated :class:`ClusterSpec`.
 
     Keys: nodes, rate, delay, loss, pair (``pair=0-1:10mbit``, repeatable),
-    name, subnet, mtu.  Errors raise ``ConfigError`` naming the key.
+    name, subnet, mtu, nat (``nat=node2``; several: ``nat=node1,node2`` or
+    ``nat=node1+node2``), overlay (``overlay=wireguard``).  Errors raise
+    ``ConfigError`` naming the key.
     """
-    kw: dict = {"pair_rates": {}}
+    kw: dict = {"pair_rates": {}, "nat": []}
+    last = None
     for item in filter(None, (s.strip() for s in str(text).split(","))):
         key, sep, value = item.partition("=")
         key = key.strip().lower().replace("-", "_")
         value = value.strip()
+        if not sep and last == "nat" and re.fullmatch(r"(node)?\d+", key):
+            kw["nat"].append(key)  # nat=node1,node2: the list goes on
+            continue
+        last = key
         if not sep or not value:
             raise ConfigError("emulate", item, "write KEY=VALUE items separated by commas, "
                               "e.g. nodes=2,rate=10mbit,delay=20ms")
@@ -243,8 +310,13 @@ def parse_emulate(text: str) -> ClusterSpec:
             if not value.isdigit():
                 raise ConfigError("mtu", value, "give a whole number of bytes, e.g. 1500")
             kw["mtu"] = int(value)
+        elif key == "nat":
+            kw["nat"] += [v for v in value.split("+") if v.strip()]
+        elif key == "overlay":
+            kw["overlay"] = value.lower()
         else:
-            raise ConfigError("emulate", key, "known keys: nodes, rate, delay, loss, pair, name, subnet, mtu")
+            raise ConfigError("emulate", key, "known keys: nodes, rate, delay, loss, pair, name, subnet, "
+                              "mtu, nat, overlay")
     return ClusterSpec(**kw)
 
 
@@ -273,7 +345,7 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 def _ns_names(name: str | None) -> list[str]:
     """Namespaces of cluster ``name`` (all lorasync clusters when None)."""
     out = _run(["ip", "netns", "list"], check=False).stdout
-    pat = re.compile(rf"^{PREFIX}-{re.escape(name) if name else '[A-Za-z0-9_]+'}-(hub|node\d+)$")
+    pat = re.compile(rf"^{PREFIX}-{re.escape(name) if name else '[A-Za-z0-9_]+'}-(hub|node\d+|nat\d+)$")
     return [line.split()[0] for line in out.splitlines() if line.strip() and pat.match(line.split()[0])]
 
 
@@ -360,7 +432,10 @@ def down(name: str | None = "default") -> list[str]:
     removes every lorasync cluster on this host.  Returns what was removed.
     """
     _require_host()
-    removed = []
+    from lorasync.net import cluster_overlay
+
+    # tunnels first: their supervisors remove interfaces, sockets and nft tables themselves
+    removed = cluster_overlay.remove(name)
     namespaces = _ns_names(name)
     pids = set(_forwarder_pids(name))
     for ns in namespaces:
@@ -389,13 +464,28 @@ def down(name: str | None = "default") -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """One emulated node: its namespace, address and interface."""
+    """One emulated node: its namespace, address and interface.
+
+    ``address`` is the one on the node's own interface; behind NAT that is a
+    LAN address nobody else can reach, and ``outside`` is the router's
+    cluster address its packets leave with.  With an overlay, the node also
+    has ``overlay_address`` on interface ``overlay_ifname``.
+    """
 
     index: int
     name: str
     netns: str
     address: str
     ifname: str = NODE_IF
+    nat: bool = False
+    outside: str = ""
+    nat_netns: str | None = None
+    overlay_address: str | None = None
+    overlay_ifname: str | None = None
+
+    def __post_init__(self):
+        if not self.outside:
+            object.__setattr__(self, "outside", self.address)
 
 
 @dataclasses.dataclass
@@ -434,9 +524,21 @@ class Cluster:
         hosts = list(net.hosts())
         self.hub_netns = f"{PREFIX}-{spec.name}-hub"
         self.hub_address = str(hosts[-1])
-        self.nodes: list[Node] = [
-            Node(i, f"node{i}", f"{PREFIX}-{spec.name}-node{i}", str(hosts[i])) for i in range(spec.nodes)
-        ]
+        overlay = None
+        if spec.overlay:
+            from lorasync.net.cluster_overlay import layout
+
+            overlay = layout(spec.nodes, spec.nat, spec.overlay_subnet, spec.name)
+        self.nodes: list[Node] = []
+        for i in range(spec.nodes):
+            nat = i in spec.nat
+            lan = list(ipaddress.IPv4Network(spec.nat_subnet).subnets(new_prefix=24))[i] if nat else None
+            self.nodes.append(Node(
+                i, f"node{i}", f"{PREFIX}-{spec.name}-node{i}",
+                str(lan.network_address + 2) if nat else str(hosts[i]), nat=nat, outside=str(hosts[i]),
+                nat_netns=f"{PREFIX}-{spec.name}-nat{i}" if nat else None,
+                overlay_address=overlay[i][0] if overlay else None,
+                overlay_ifname=overlay[i][1] if overlay else None))
 
     # -- lifecycle
 
@@ -493,6 +595,13 @@ class Cluster:
 
     def _build(self) -> None:
         spec, hub, mtu = self.spec, self.hub_netns, self.spec.link_mtu
+        if spec.nat and not shutil.which("nft"):
+            raise EnvironmentProblem("nodes behind NAT need nftables for their routers' masquerade: "
+                                     "apt-get install -y nftables")
+        if spec.overlay:
+            from lorasync.net import wireguard
+
+            wireguard.require_tools()  # before anything is built: the install command, fast
         _run(["ip", "netns", "add", hub])
         for n in self.nodes:
             _run(["ip", "netns", "add", n.netns])
@@ -512,15 +621,18 @@ class Cluster:
                   "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
                   "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"])
             peer = f"p{n.index}"
-            # create the pair inside the namespaces: the root namespace never sees it
-            _run(["ip", "-n", hub, "link", "add", peer, "mtu", str(mtu), "type", "veth",
-                  "peer", "name", n.ifname, "netns", n.netns, "mtu", str(mtu)])
             _run(["ip", "-n", n.netns, "link", "set", "lo", "up"])
-            _run(["ip", "-n", n.netns, "addr", "add", f"{n.address}/{prefix}", "dev", n.ifname])
-            _run(["ip", "-n", n.netns, "link", "set", n.ifname, "up"])
+            if n.nat:
+                self._build_nat(n, prefix)
+            else:
+                # create the pair inside the namespaces: the root namespace never sees it
+                _run(["ip", "-n", hub, "link", "add", peer, "mtu", str(mtu), "type", "veth",
+                      "peer", "name", n.ifname, "netns", n.netns, "mtu", str(mtu)])
+                _run(["ip", "-n", n.netns, "addr", "add", f"{n.address}/{prefix}", "dev", n.ifname])
+                _run(["ip", "-n", n.netns, "link", "set", n.ifname, "up"])
             _run(["ip", "-n", hub, "addr", "add", f"{self.hub_address}/32", "dev", peer])
             _run(["ip", "-n", hub, "link", "set", peer, "up"])
-            _run(["ip", "-n", hub, "route", "add", f"{n.address}/32", "dev", peer])
+            _run(["ip", "-n", hub, "route", "add", f"{n.outside}/32", "dev", peer])
         # proxy ARP answers after a random wait of up to 0.8 s by default
         # (per device only: a namespace has no neigh/default of its own)
         _run(["ip", "netns", "exec", hub, "sh", "-ec", "; ".join(
@@ -529,6 +641,40 @@ class Cluster:
             self._start_forwarder()
         for n in self.nodes:
             self._shape(n.index)
+        if spec.overlay:
+            from lorasync.net import cluster_overlay
+
+            cluster_overlay.build(self)
+
+    def _build_nat(self, n: Node, prefix: int) -> None:
+        """Node ``n`` behind its own router: node eth0 -- lan [router] wan -- hub pI."""
+        from lorasync.net.nat import ruleset
+
+        r, mtu = n.nat_netns, self.spec.link_mtu
+        gw = str(ipaddress.IPv4Address(n.address) - 1)
+        _run(["ip", "netns", "add", r])
+        _run(["ip", "netns", "exec", r, "sh", "-ec",
+              "echo 1 > /proc/sys/net/ipv4/ip_forward; echo 0 > /proc/sys/net/ipv4/conf/all/rp_filter; "
+              "echo 0 > /proc/sys/net/ipv4/conf/default/rp_filter; "
+              "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+              "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"])
+        _run(["ip", "-n", r, "link", "set", "lo", "up"])
+        _run(["ip", "-n", self.hub_netns, "link", "add", f"p{n.index}", "mtu", str(mtu), "type", "veth",
+              "peer", "name", "wan", "netns", r, "mtu", str(mtu)])
+        _run(["ip", "-n", r, "link", "add", "lan", "mtu", str(mtu), "type", "veth",
+              "peer", "name", n.ifname, "netns", n.netns, "mtu", str(mtu)])
+        _run(["ip", "-n", r, "addr", "add", f"{n.outside}/{prefix}", "dev", "wan"])
+        _run(["ip", "-n", r, "addr", "add", f"{gw}/24", "dev", "lan"])
+        for dev in ("wan", "lan"):
+            _run(["ip", "-n", r, "link", "set", dev, "up"])
+        _run(["ip", "-n", n.netns, "addr", "add", f"{n.address}/24", "dev", n.ifname])
+        _run(["ip", "-n", n.netns, "link", "set", n.ifname, "up"])
+        _run(["ip", "-n", n.netns, "route", "add", "default", "via", gw])
+        proc = subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=ruleset("lan", "wan"),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise EnvironmentProblem(f"the NAT router of {n.name} could not be set up (nft: "
+                                     f"{(proc.stderr.strip().splitlines() or ['failed'])[0]})")
 
     def _start_forwarder(self) -> None:
         spec, hub = self.spec, self.hub_netns
@@ -566,7 +712,8 @@ class Cluster:
         n, spec = self.nodes[index], self.spec
         pairs = {(j if i == index else i): r for (i, j), r in spec.pair_rates.items() if index in (i, j)}
         rate = self.node_rates[index]
-        self._shape_dev(n.netns, n.ifname, rate, {self.nodes[j].address: r for j, r in sorted(pairs.items())})
+        # by the address the other node's packets carry (its router's, behind NAT)
+        self._shape_dev(n.netns, n.ifname, rate, {self.nodes[j].outside: r for j, r in sorted(pairs.items())})
         self._shape_dev(self.hub_netns, f"p{index}", rate, {})
 
     def _shape_dev(self, ns: str, dev: str, rate: int | None, by_dst: dict[str, int]) -> None:
@@ -660,16 +807,24 @@ class Cluster:
         return ["ip", "netns", "exec", self.node(node).netns, *argv]
 
     def measure(self, src: int = 0, dst: int = 1, seconds: float = 1.0,
-                max_bytes: int = 256 << 20) -> LinkMeasurement:
+                max_bytes: int = 256 << 20, overlay: bool = False) -> LinkMeasurement:
         """Short TCP test from ``src`` to ``dst``: RTT, then bulk data for ``seconds``
-        or ``max_bytes``, whichever ends first.
+        or ``max_bytes``, whichever ends first; ``overlay``: between the nodes'
+        overlay addresses (through the tunnels).
 
-        Takes about ``seconds`` plus process start-up (0.3 s); run with
-        Python's socket module inside the namespaces, no extra tools.
+        Takes about ``seconds`` plus process start-up (0.3 s): the two ends of
+        :mod:`lorasync.net.linktest` run inside the namespaces, no extra tools.
         """
         s, d = self.node(src), self.node(dst)
-        py = [sys.executable, "-S", "-c"]
-        server = subprocess.Popen(self.exec_argv(d.index, [*py, _SERVER, d.address, str(seconds),
+        if overlay and not d.overlay_address:
+            raise ConfigError("overlay", True, "this cluster has no overlay: bring it up with "
+                              "overlay=wireguard (--overlay wireguard)")
+        if d.nat and not overlay:
+            raise ConfigError("dst", d.name, "is behind NAT: nothing can connect to it; measure "
+                              f"from it ({d.name} -> another node) or through the overlay")
+        addr = d.overlay_address if overlay else d.address
+        py = [sys.executable, "-m", "lorasync.net.linktest"]
+        server = subprocess.Popen(self.exec_argv(d.index, [*py, "serve", addr, str(seconds),
                                                                  str(int(max_bytes))]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -678,7 +833,7 @@ class Cluster:
             if not port.isdigit():
                 raise EnvironmentProblem(f"measurement server in {d.netns} did not start: "
                                          f"{server.stderr.read() if server.poll() is not None else 'timeout'}")
-            client = subprocess.run(self.exec_argv(s.index, [*py, _CLIENT, d.address, port, str(seconds)]),
+            client = subprocess.run(self.exec_argv(s.index, [*py, "measure", addr, port, str(seconds)]),
                                     capture_output=True, text=True, timeout=seconds + 30)
             if client.returncode != 0:
                 raise EnvironmentProblem(f"measurement {s.name} -> {d.name} failed: "
@@ -692,8 +847,31 @@ class Cluster:
                                rtt_min_s=r["rtt_min_s"], connect_s=r["connect_s"], bytes=r["bytes"],
                                seconds=r["seconds"])
 
+    def measured_pair(self) -> tuple[int, int, bool] | None:
+        """(src, dst, through the overlay) that ``status`` measures: node0 -> node1,
+        through the overlay when there is one; without it nothing connects to a
+        node behind NAT, so towards the first node outside NAT (None: none is)."""
+        if self.spec.overlay:
+            return 0, 1, True
+        if not self.nodes[1].nat:
+            return 0, 1, False
+        dst = next((n.index for n in self.nodes if not n.nat), None)
+        if dst is None:
+            return None
+        return (1 if dst == 0 else 0), dst, False
+
+    @property
+    def overlay_hub(self) -> Node | None:
+        """The overlay's hub node (the rendezvous host over the overlay)."""
+        if not self.spec.overlay:
+            return None
+        from lorasync.net.cluster_overlay import hub_index
+
+        return self.nodes[hub_index(len(self.nodes), self.spec.nat)]
+
     def status(self, measure: bool = True, seconds: float = 1.0) -> dict:
-        """Configuration, and (``measure``) a measurement node0 -> node1."""
+        """Configuration, and (``measure``) a measurement node0 -> node1 (see
+        :meth:`measured_pair`)."""
         rates = self.node_rates
         out = {
             "name": self.spec.name, "spec": self.spec.to_dict(), "created": self.created,
@@ -708,76 +886,22 @@ class Cluster:
                            "delay_s": self.spec.delay_s,
                            "rtt_s": 2 * self.spec.delay_s, "loss": self.spec.loss},
         }
-        if measure and len(self.nodes) >= 2:
-            out["measured"] = self.measure(0, 1, seconds).to_dict()
+        if self.spec.nat:
+            out["nat"] = [{"node": n.name, "router_netns": n.nat_netns, "lan_address": n.address,
+                           "outside_address": n.outside} for n in self.nodes if n.nat]
+        if self.spec.overlay:
+            from lorasync.net import tunnel
+
+            out["overlay"] = {"kind": self.spec.overlay, "subnet": self.spec.overlay_subnet,
+                              "hub": self.overlay_hub.name,
+                              "nodes": [{"node": n.name, "address": n.overlay_address,
+                                         "ifname": n.overlay_ifname} for n in self.nodes],
+                              "tunnels": tunnel.status(cluster=self.spec.name, measure=False)}
+        pair = self.measured_pair() if len(self.nodes) >= 2 else None
+        if measure and pair:
+            src, dst, over = pair
+            out["measured"] = dict(self.measure(src, dst, seconds, overlay=over).to_dict(), overlay=over)
         return out
-
-
-_SERVER = r"""
-import json, socket, sys, time
-addr, window, max_bytes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-srv = socket.socket(); srv.bind((addr, 0)); srv.listen(8); srv.settimeout(window + 20)
-print(srv.getsockname()[1], flush=True)
-while True:
-    c, _ = srv.accept(); c.settimeout(window + 20)
-    mode = c.recv(1)
-    if mode == b"p":  # echo single bytes until EOF
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while True:
-            b = c.recv(1)
-            if not b: break
-            c.sendall(b)
-        c.close(); continue
-    buf = bytearray(1 << 20); n = 0; marks = []; t0 = None
-    while True:
-        k = c.recv_into(buf)
-        if not k: break
-        now = time.monotonic(); n += k
-        if t0 is None: t0 = now
-        if not marks or now - marks[-1][0] >= 0.005: marks.append((now, n))
-        if now - t0 >= window or n >= max_bytes: break
-    marks.append((time.monotonic(), n))
-    ws = t0 + 0.25 * (marks[-1][0] - t0)  # leave out TCP's ramp-up
-    a = next(m for m in marks if m[0] >= ws)
-    dt = marks[-1][0] - a[0]
-    rate = (marks[-1][1] - a[1]) * 8 / dt if dt > 0 else 0.0
-    c.sendall(json.dumps({"bytes": n, "seconds": marks[-1][0] - t0, "rate_bps": rate}).encode() + b"\n")
-    c.settimeout(5)
-    try:
-        while c.recv_into(buf): pass
-    except OSError: pass
-    c.close(); break
-"""
-
-_CLIENT = r"""
-import json, select, socket, statistics, struct, sys, time
-addr, port, window = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-t = time.monotonic(); c = socket.create_connection((addr, port), timeout=10); connect = time.monotonic() - t
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); c.sendall(b"p")
-rtts = []
-for _ in range(7):
-    t = time.monotonic(); c.sendall(b"x")
-    if c.recv(1) != b"x": sys.exit("echo failed")
-    rtts.append(time.monotonic() - t)
-c.close()
-d = socket.create_connection((addr, port), timeout=10); d.sendall(b"d"); d.setblocking(False)
-chunk = b"\0" * (1 << 16); deadline = time.monotonic() + window + 15; reply = b""
-while not reply.endswith(b"\n"):
-    if time.monotonic() > deadline: sys.exit("bulk transfer timed out")
-    r, w, _ = select.select([d], [d], [], 1.0)
-    if r:
-        got = d.recv(4096)
-        if not got: break
-        reply += got
-    elif w:
-        try: d.send(chunk)
-        except BlockingIOError: pass
-# drop what is still queued instead of trickling it out at a slow rate
-d.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)); d.close()
-res = json.loads(reply)
-res.update(rtt_s=statistics.median(rtts[1:]), rtt_min_s=min(rtts[1:]), connect_s=connect)
-print(json.dumps(res))
-"""
 
 
 @contextlib.contextmanager
@@ -811,27 +935,47 @@ def _descendants(roots: Sequence[int]) -> set[int]:
     return out
 
 
+def _agent_route(cluster: Cluster, overlay: bool | None) -> tuple[Node, dict[int, tuple[str, str]], bool]:
+    """(rendezvous host, {node: (address, interface)}, over the overlay) for a launch."""
+    use = bool(cluster.spec.overlay) if overlay is None else overlay
+    if use and not cluster.spec.overlay:
+        raise ConfigError("overlay", True, "this cluster has no overlay (bring it up with overlay=wireguard)")
+    if use:
+        return cluster.overlay_hub, {n.index: (n.overlay_address, n.overlay_ifname) for n in cluster.nodes}, True
+    return cluster.nodes[0], {n.index: (n.address, n.ifname) for n in cluster.nodes}, False
+
+
 def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int = 1,
                       timeout: float | None = None, *, module: str | None = "lorasync",
                       port: int = 29400, env: dict | None = None, log_dir: str | Path | None = None,
-                      fail_grace: float = 10.0) -> int:
+                      fail_grace: float = 10.0, overlay: bool | None = None,
+                      reach_timeout: float = 5.0) -> int:
     """Run one torchrun agent per node, each in its namespace; return an exit code.
 
-    Each node runs torchrun (``torch.distributed.run``) ``--nnodes N --node-rank I
-    --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint NODE0:PORT
-    -m MODULE ARGV``; with ``module=None`` ``argv`` is what follows the
-    torchrun options as is (a script path and its arguments).  The workers
-    get ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the node's interface
-    (gloo would otherwise bind to what the hostname resolves to, 127.0.0.1),
+    Each node runs torchrun (``torch.distributed.run``, through
+    :mod:`lorasync.net.agent`) ``--nnodes N --node-rank I --nproc-per-node P
+    --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m MODULE ARGV``; with
+    ``module=None`` ``argv`` is what follows the torchrun options as is (a
+    script path and its arguments).  The workers get
+    ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the node's interface (gloo
+    would otherwise bind to what the hostname resolves to, 127.0.0.1),
     ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1``.  Output goes to our
     stdout/stderr, or to ``log_dir/nodeI.log``.
+
+    HOST is node0, or with the cluster's overlay (``overlay=None``: whenever it
+    has one) the overlay's hub: then addresses and interfaces are the overlay's
+    and the c10d stores listen on the overlay address only.  After the
+    rendezvous the agents check that every node can connect to every other
+    (``reach_timeout`` s per connection, 0 = no check) and stop with a message
+    naming the unreachable node instead of letting gloo retry until its timeout.
 
     Returns 0 if all succeed, else 2 if any agent returned 2, else the first
     non-zero code.  After a failure the others get ``fail_grace`` seconds,
     then everything is killed; also on ``timeout`` (returns 124) and Ctrl-C.
     """
     nn = len(cluster.nodes)
-    endpoint = f"{cluster.nodes[0].address}:{port}"
+    host, route, over = _agent_route(cluster, overlay)
+    endpoint = f"{route[host.index][0]}:{port}"
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"
     base_env = dict(os.environ if env is None else env)
     base_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -841,15 +985,19 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     try:
         for n in cluster.nodes:
-            cmd = [sys.executable, "-c", _AGENT, "--nnodes", str(nn),
-                   "--node-rank", str(n.index), "--nproc-per-node", str(nproc_per_node),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-                   # node0 hosts the rendezvous store; torch's own guess compares
-                   # hostnames, which are the same in every namespace
-                   "--rdzv-conf", f"is_host={1 if n.index == 0 else 0}",
-                   "--local-addr", n.address, "--max-restarts", "0"]
+            addr, ifname = route[n.index]
+            cmd = agent_argv(sys.executable, label=n.name, store_addr=addr if over else None,
+                             reach_timeout=reach_timeout, rdzv_wait=20.0)
+            cmd += ["--nnodes", str(nn),
+                    "--node-rank", str(n.index), "--nproc-per-node", str(nproc_per_node),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+                    # HOST hosts the rendezvous store; torch's own guess compares
+                    # hostnames, which are the same in every namespace
+                    "--rdzv-conf", f"is_host={1 if n.index == host.index else 0}",
+                    "--local-addr", addr, "--max-restarts", "0"]
             cmd += ["-m", module, *argv] if module else list(argv)
-            e = dict(base_env, GLOO_SOCKET_IFNAME=n.ifname, NCCL_SOCKET_IFNAME=n.ifname)
+            e = dict(base_env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname,
+                     LORASYNC_RDZV_ENDPOINT=endpoint)
             out = None
             if log_dir is not None:
                 out = open(Path(log_dir) / f"{n.name}.log", "wb")
@@ -884,23 +1032,6 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     finally:
         for f in logs:
             f.close()
-
-
-# torchrun itself exits 1 whatever its workers returned; this keeps the worker's code
-# (2 = a user error) the way lorasync.launch.run_torchrun does in-process
-_AGENT = """
-import sys
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
-try:
-    run(get_args_parser().parse_args(sys.argv[1:]))
-except ChildFailedError as exc:
-    codes = [f.exitcode for f in exc.failures.values()]
-    sys.exit(2 if 2 in codes else next((c for c in codes if c and c > 0), 1))
-except SignalException as exc:  # stopped by launch_on_cluster; the agent has stopped its workers
-    sys.exit(128 + int(exc.sigval))
-"""
 
 
 def _stop_agents(procs: Sequence[subprocess.Popen]) -> None:

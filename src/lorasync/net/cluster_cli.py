@@ -3,13 +3,16 @@ node, joined through a hub namespace, links shaped with htb; delay and loss
 through a userspace TUN forwarder (this kernel has no netem).
 
     lorasync cluster up --nodes 2 --rate 100mbit [--delay 20ms] [--loss 0.1%] \\
-        [--pair-rate 0-1=10mbit ...] [--name default]
+        [--pair-rate 0-1=10mbit ...] [--nat node1 ...] [--overlay wireguard] [--name default]
     lorasync cluster status [--json] [--no-measure]
     lorasync cluster exec node1 -- python -c 'print("hello")'
     lorasync cluster set-rate 10mbit [--node 1]
     lorasync cluster down [--all]
 
 --delay is one-way, added to every packet between two nodes (RTT = 2 x delay).
+--nat puts a node behind its own NAT router (it connects out, nothing connects
+in); --overlay wireguard runs a WireGuard tunnel on every node over the
+emulated links, and training launched on the cluster then runs over it.
 Nothing changes in the host's own namespace; `down` also cleans up after a
 crashed run.
 """
@@ -43,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--subnet", default="10.213.0.0/24", help="private subnet inside the cluster")
     up.add_argument("--mtu", type=int, default=None,
                     help="link MTU (default 1500; 65000 with delay/loss, for the forwarder's speed)")
+    up.add_argument("--nat", action="append", default=[], metavar="NODE",
+                    help="put NODE behind NAT, e.g. node2 (repeatable, or node1,node2)")
+    up.add_argument("--overlay", default=None, choices=["wireguard", "none"],
+                    help="run a WireGuard overlay on every node (needs wireguard-go and wg)")
     up.add_argument("--measure", action="store_true", help="measure node0 -> node1 after bringing it up")
 
     down = sub.add_parser("down", help="remove the cluster (and leftovers of a crashed run)")
@@ -73,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.cluster_cmd
     if cmd == "up":
         pairs = dict(cl._parse_pair(p) for p in args.pair_rate)
+        nat = [x.strip() for item in args.nat for x in item.replace("+", ",").split(",") if x.strip()]
         spec = cl.ClusterSpec(nodes=args.nodes, rate_bps=args.rate and cl.parse_rate(args.rate),
                               delay_s=cl.parse_delay(args.delay), loss=cl.parse_loss(args.loss),
-                              pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu)
+                              pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu,
+                              nat=nat, overlay=args.overlay)
         c = cl.Cluster.up(spec)
         print(f"cluster {spec.name} up: {spec.describe()}")
         _print_status(c.status(measure=args.measure))
@@ -117,7 +126,15 @@ def _print_status(st: dict) -> None:
         print(f"  forwarder: pid {st['forwarder_pid']} {'running' if st['forwarder_alive'] else 'NOT RUNNING'}")
     print(f"  {'node':6} {'netns':28} {'address':14} {'if':5} rate")
     for n in st["nodes"]:
-        print(f"  {n['name']:6} {n['netns']:28} {n['address']:14} {n['ifname']:5} {fmt_rate(n['rate_bps'], 'tc', unit='bit')}")
+        print(f"  {n['name']:6} {n['netns']:28} {n['address']:14} {n['ifname']:5} {fmt_rate(n['rate_bps'], 'tc', unit='bit')}"
+              + (f"  behind NAT ({n['nat_netns']}, leaves as {n['outside']})" if n.get("nat") else ""))
+    if st.get("overlay"):
+        ov = st["overlay"]
+        print(f"  overlay: {ov['kind']} {ov['subnet']}, hub {ov['hub']}: " + ", ".join(
+            f"{o['node']} {o['address']} ({o['ifname']})" for o in ov["nodes"]))
+        down = [t["node"] for t in ov["tunnels"] if not t["supervisor_alive"]]
+        if down:
+            print(f"  overlay: tunnel supervisor NOT RUNNING on {', '.join(down)}")
     for pair, rate in st["spec"]["pair_rates"].items():
         print(f"  pair {pair}: {fmt_rate(rate, 'tc', unit='bit')}")
     conf = st["configured"]
@@ -129,4 +146,6 @@ def _print_status(st: dict) -> None:
         rtt = f"{m['rtt_s'] * 1e3:.2f} ms"
         if conf["rtt_s"]:
             rtt += f" (configured {conf['rtt_s'] * 1e3:g} ms)"
-        print(f"  measured node0 -> node1: {rate}, RTT {rtt}, TCP connect {m['connect_s'] * 1e3:.2f} ms")
+        via = " through the overlay" if m.get("overlay") else ""
+        print(f"  measured node{m['src']} -> node{m['dst']}{via}: {rate}, RTT {rtt}, "
+              f"TCP connect {m['connect_s'] * 1e3:.2f} ms")

@@ -15,6 +15,8 @@ short pair probe names the slowest link.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 
@@ -352,7 +354,8 @@ def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) 
     tunnel = (f"firewall the port from everything but the training subnet: iptables -I INPUT -p tcp "
               f"--dport {port} ! -s {subnet} -j DROP; across untrusted networks tunnel it instead: "
               f"ssh -N -L {port}:127.0.0.1:{port} USER@{name} on each other node and use "
-              f"--rdzv-endpoint 127.0.0.1:{port}")
+              f"--rdzv-endpoint 127.0.0.1:{port}; for training across networks, an overlay "
+              f"(lorasync tunnel) also carries gloo's connections and keeps the store on it")
     if not addrs:
         return [Finding("rendezvous", "error", f"rendezvous host {name!r} does not resolve",
                         "no rank can join", f"use an IP address: --rdzv-endpoint ADDR:{port}")]
@@ -384,6 +387,80 @@ def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) 
     return out
 
 
+# -- overlay ------------------------------------------------------------------------------
+_OVERLAY_FIX = ("put the nodes on an overlay: lorasync tunnel init / up on every node, then "
+                "lorasync tunnel launch -- train ... (see docs/overlay.md)")
+
+
+def overlay_interfaces(host: HostInfo) -> list:
+    """WireGuard interfaces here: kernel ``wireguard`` links, or wireguard-go's
+    TUN devices (their control socket is /var/run/wireguard/NAME.sock)."""
+    return [i for i in host.interfaces() if i.kind == "wireguard"
+            or os.path.exists(host.path("var/run/wireguard", f"{i.name}.sock"))
+            or os.path.exists(host.path("run/wireguard", f"{i.name}.sock"))]
+
+
+def _in_networks(addr: str, networks) -> bool:
+    try:
+        a = ipaddress.ip_address(addr)
+        return any(a in ipaddress.ip_network(n, strict=False) for n in networks)
+    except ValueError:
+        return False
+
+
+def _check_overlay(host: HostInfo, endpoint: str | None, nnodes: int | None) -> list[Finding]:
+    """Does the job cross networks, and if so, does it run over an overlay?"""
+    env = host.env
+    if endpoint is None and env.get("MASTER_ADDR"):
+        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    overlays = overlay_interfaces(host)
+    gloo = [n for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    out = []
+    names = {i.name for i in overlays}
+    if overlays and gloo and not set(gloo) <= names and nnodes != 1:
+        o = overlays[0]
+        out.append(Finding(
+            "overlay-unused", "warn", f"overlay {o.name} ({', '.join(o.addresses) or 'no address'}) is up "
+            f"but GLOO_SOCKET_IFNAME={','.join(gloo)}",
+            "training would bypass the overlay: nodes behind NAT stay unreachable and the traffic "
+            "crosses the networks outside the tunnel",
+            f"export GLOO_SOCKET_IFNAME={o.name} NCCL_SOCKET_IFNAME={o.name}   # or: lorasync tunnel launch"))
+    if not endpoint:
+        return out
+    name, port = _split_endpoint(endpoint)
+    port = port or "29400"
+    addrs = [a for a in host.resolve(name) if not is_loopback_address(a)]
+    if not addrs:
+        return out
+    overlay_nets = [n for i in overlays for n in i.networks]
+    local_nets = [n for i in host.candidate_interfaces() if i.name not in names for n in i.networks]
+    a = addrs[0]
+    if _in_networks(a, overlay_nets):
+        o = next(i for i in overlays if _in_networks(a, i.networks))
+        out.append(Finding("overlay", "ok", f"rendezvous {endpoint} is on overlay {o.name} ({', '.join(o.networks)})"))
+        return out
+    spans = not _in_networks(a, local_nets)  # reached through a router: another network
+    if overlays:
+        o = overlays[0]
+        out.append(Finding(
+            "store-exposed", "error" if spans or (nnodes or 0) > 1 else "warn",
+            f"overlay {o.name} is up but the rendezvous {endpoint} is outside it ({a})",
+            "the c10d store has no authentication and lorasync passes per-rank metrics through it: "
+            "outside the overlay anyone who reaches the port can read or overwrite its keys, or join "
+            "the job",
+            f"use the hub's overlay address: --rdzv-endpoint HUB_OVERLAY_ADDRESS:{port}, or "
+            "lorasync tunnel launch (which also binds the stores to the overlay address)"))
+    elif spans and nnodes != 1:
+        out.append(Finding(
+            "spans-networks", "warn",
+            f"the rendezvous {a} is not on a network of this host (it is routed): the job spans "
+            "networks and no overlay is in use",
+            "gloo and NCCL connect every rank to every other on ephemeral ports: a node behind NAT "
+            "or a firewall cannot be reached (start-up fails), and the unauthenticated store and "
+            "the gradients cross the networks in the clear", _OVERLAY_FIX))
+    return out
+
+
 def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | None = None,
                   rdzv_endpoint: str | None = None) -> list[Finding]:
     """Every check that needs only this host. ``nnodes``: how many nodes the
@@ -391,7 +468,7 @@ def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | Non
     link = link or default_link(host)
     return (_check_hostname(host, nnodes) + _check_ifname_env(host, nnodes) + _check_candidates(host, nnodes)
             + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host)
-            + _check_rendezvous(host, rdzv_endpoint, nnodes))
+            + _check_rendezvous(host, rdzv_endpoint, nnodes) + _check_overlay(host, rdzv_endpoint, nnodes))
 
 
 # -- live ------------------------------------------------------------------------------------
@@ -424,13 +501,59 @@ def rank_facts(host: HostInfo, config_path: str | None = None) -> dict:
     ifname, addr = host.endpoint()
     iface = host.interface(ifname) if ifname else None
     gloo = host.env.get("GLOO_SOCKET_IFNAME")
+    network = next((n for n in (iface.networks if iface else []) if addr and _in_networks(addr, [n])), None)
     return {
+        "network": network, "overlay": bool(iface and iface in overlay_interfaces(host)),
+        "store_listen": store_listeners(host),
         "hostname": host.hostname(), "node": _node_id(host), "lorasync": lorasync.__version__,
         "torch": torch_v, "python": platform.python_version(), "config_hash": cfg,
         "ifname": ifname, "addr": addr, "mtu": iface.mtu if iface else None,
         "gloo_ifnames": len([n for n in gloo.split(",") if n]) if gloo else 0,
         "nccl_ifname": host.env.get("NCCL_SOCKET_IFNAME"),
     }
+
+
+def _store_ports(env) -> set[int]:
+    ports = set()
+    for value in (env.get("MASTER_PORT"), env.get("LORASYNC_RDZV_ENDPOINT", "").rpartition(":")[2]):
+        if value and str(value).isdigit():
+            ports.add(int(value))
+    return ports
+
+
+def parse_proc_net_tcp(text: str, ipv6: bool = False) -> list[tuple[str, int]]:
+    """(address, port) of every listening socket in /proc/net/tcp or tcp6."""
+    out = []
+    for line in text.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 4 or f[3] != "0A":  # TCP_LISTEN
+            continue
+        hexaddr, _, hexport = f[1].partition(":")
+        try:
+            raw = bytes.fromhex(hexaddr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = str(ipaddress.IPv6Address(raw) if ipv6 else ipaddress.IPv4Address(raw))
+            out.append((addr, int(hexport, 16)))
+        except ValueError:
+            continue
+    return out
+
+
+def store_listeners(host: HostInfo) -> list[str]:
+    """Where this host's c10d stores listen (MASTER_PORT, the rendezvous port): "ADDR:PORT"."""
+    ports = _store_ports(host.env)
+    if not ports:
+        return []
+    out = []
+    for name, v6 in (("tcp", False), ("tcp6", True)):
+        try:
+            with open(host.path("proc/net", name), encoding="ascii") as f:
+                text = f.read()
+        except OSError:
+            continue
+        out += [f"{a}:{p}" for a, p in parse_proc_net_tcp(text, v6) if p in ports]
+    return sorted(set(out))
 
 
 def _same(facts: list[dict], key: str) -> dict:
@@ -480,6 +603,7 @@ def live_checks(facts: list[dict], probe: dict | None = None) -> list[Finding]:
             f"sysctl -w net.ipv4.tcp_mtu_probing=1"))
     elif n > 1:
         out.append(Finding("mtu", "ok", f"same MTU on all ranks: {next(iter(g))}"))
+    out += _overlay_live(facts)
     if probe and probe.get("pairs"):
         pairs = probe["pairs"]
         # against the fastest pair, not the median: one slow node out of three
@@ -510,6 +634,41 @@ def live_checks(facts: list[dict], probe: dict | None = None) -> list[Finding]:
                 "that node; lorasync plan can pick a strategy sending fewer bytes"))
         else:
             out.append(Finding("slow-link", "ok", text))
+    return out
+
+
+def _overlay_live(facts: list[dict]) -> list[Finding]:
+    """Across ranks: networks spanned, overlay in use, where the stores listen."""
+    out = []
+    by_node = {f.get("node"): f for f in facts}
+    nets = {f.get("network") for f in by_node.values() if f.get("network")}
+    overlay = bool(facts) and all(f.get("overlay") for f in facts)
+    spans = len(nets) > 1
+    if overlay:
+        out.append(Finding("overlay", "ok", f"every rank runs over the overlay ({', '.join(sorted(nets))})"))
+    elif spans:
+        out.append(Finding(
+            "spans-networks", "warn", f"the ranks' addresses are in {len(nets)} networks "
+            f"({', '.join(sorted(nets))}) and no overlay is in use",
+            "traffic between the networks is routed: a node behind NAT or a firewall cannot be "
+            "reached by the others, and the unauthenticated store and the gradients cross the "
+            "networks in the clear", _OVERLAY_FIX))
+    wild = sorted({(r, a) for r, f in enumerate(facts) for a in f.get("store_listen") or []
+                   if a.rsplit(":", 1)[0] in ("0.0.0.0", "::")})
+    if wild and (spans or overlay):
+        r, a = wild[0]
+        out.append(Finding(
+            "store-exposed", "error",
+            f"the c10d store on rank {r}'s node listens on every address ({a})"
+            + (" although the job runs over the overlay" if overlay else " and the job spans networks"),
+            "the store has no authentication and lorasync passes per-rank metrics through it: anyone "
+            "who reaches that port on any of the node's addresses can read or overwrite its keys, or "
+            "join the job",
+            "launch with lorasync tunnel launch (its agent binds the stores to the overlay address), "
+            "or firewall the port to the training network"))
+    elif any(f.get("store_listen") for f in facts) and (spans or overlay):
+        where = sorted({a for f in facts for a in f.get("store_listen") or []})
+        out.append(Finding("store-exposed", "ok", f"the c10d stores listen on {', '.join(where)} only"))
     return out
 
 

@@ -27,6 +27,7 @@ from lorasync.errors import ConfigError
 from lorasync.catalog import NONE, STRATEGIES
 from lorasync.plan.costmodel import (
     ALLREDUCE_ALGOS, MODELS, MiB, ModelShape, Workload, head_share, lora_matrices,
+    ring_link_load,
 )
 from lorasync.plan.planner import (
     DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, options_text, plan,
@@ -47,6 +48,18 @@ __all__ = ["add_arguments", "run", "build_plan", "format_plan"]
 #: CPU thread took 1.25 s (6.4 samples/s on 2 ranks without sync)
 _DEFAULT_S_PER_SAMPLE = {"smollm2-135m": 1.25 / 4}
 _DEFAULT_RTT = "0.2ms"
+
+
+def _nat_link_load(nodes: int, behind_nat: int) -> int:
+    """Ring legs on the busiest link when the last ``behind_nat`` of ``nodes``
+    are behind NAT: two of them cannot connect, so their leg goes through
+    node 0 (the overlay's hub)."""
+    if not 0 <= behind_nat < nodes:
+        raise ConfigError("--behind-nat", behind_nat, f"use 0 .. {nodes - 1} (node 0 is the hub)")
+    nat = set(range(nodes - behind_nat, nodes))
+    relayed = {(a, (a + 1) % nodes): 0 for a in range(nodes)
+               if a in nat and (a + 1) % nodes in nat and nodes > 1}
+    return ring_link_load(list(range(nodes)), relayed)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all-reduce algorithm of the backend (default %(default)s)")
     g.add_argument("--alltoall-fallback", action="store_true",
                    help="the backend has no all-to-all: int8/onebit use an all-gather")
+    g.add_argument("--behind-nat", type=int, default=0, metavar="K",
+                   help="what-if: the last K nodes sit behind NAT and reach each other through "
+                        "the overlay's hub (node 0), which carries their ring legs too")
 
     g = p.add_argument_group("model and adapter")
     g.add_argument("--model", default="smollm2-135m", metavar="NAME|DIR",
@@ -209,9 +225,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
             rtt = parse_duration(_DEFAULT_RTT)
             notes.append(f"RTT not given: assumed {_DEFAULT_RTT} (give --rtt)")
         nodes = args.nodes if args.nodes is not None else 2
+        load = _nat_link_load(nodes, args.behind_nat)
+        if load > 1:
+            notes.append(f"{args.behind_nat} node(s) behind NAT relay through node 0: its link "
+                         f"carries {load} ring legs, so the ring runs at 1/{load} of the rate")
         net = what_if_net(nodes, rate, rtt, efficiency=args.link_efficiency,
                           tcp_window_bytes=window, allreduce_algo=args.allreduce_algo,
-                          alltoall=not args.alltoall_fallback)
+                          alltoall=not args.alltoall_fallback, link_load=load)
         link = Link(rtt_s=rtt, rate_Bps=rate, efficiency=args.link_efficiency,
                     tcp_window_bytes=window, rdma=args.rdma)
     else:

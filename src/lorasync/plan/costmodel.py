@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from lorasync import catalog
 from lorasync.catalog import NONE, STRATEGIES, Collective
@@ -66,7 +66,7 @@ from lorasync.errors import ConfigError
 __all__ = [
     "MiB", "ALLREDUCE_ALGOS", "Net", "Workload", "Prediction", "ModelShape", "MODELS",
     "lora_matrices", "head_share", "encode_ns", "collective_time", "bucket_layout",
-    "adapter_shapes", "predict",
+    "adapter_shapes", "ring_link_load", "predict",
 ]
 
 MiB = 1 << 20
@@ -285,6 +285,31 @@ def _terms(c: Collective, net: Net) -> tuple[float, float]:
 def collective_time(c: Collective, net: Net) -> float:
     msgs, nbytes = _terms(c, net)
     return msgs * net.alpha_s + nbytes * net.beta_s_per_byte
+
+
+def ring_link_load(ring: Sequence[int], relayed: Mapping[tuple[int, int], int]) -> int:
+    """How many ring legs the busiest node link carries, in one direction.
+
+    ``ring`` lists the nodes in ring order (rank order); ``relayed`` maps a
+    directed pair (a, b) that cannot connect to the node relaying it (an
+    overlay's hub for two nodes behind NAT).  A direct leg a -> b loads a's
+    uplink and b's downlink once; a relayed one also loads the relay's downlink
+    and uplink.  A ring all-reduce runs at the pace of the busiest link, so on
+    links of rate R a what-if ``Net`` takes ``bandwidth_Bps = R / load``.  A
+    probe run over the overlay measures this already; only nominal rates need it.
+    """
+    n = len(ring)
+    up: dict[int, int] = {}
+    down: dict[int, int] = {}
+    for k in range(n if n > 1 else 0):
+        a, b = ring[k], ring[(k + 1) % n]
+        up[a] = up.get(a, 0) + 1
+        down[b] = down.get(b, 0) + 1
+        hub = relayed.get((a, b))
+        if hub is not None:
+            up[hub] = up.get(hub, 0) + 1
+            down[hub] = down.get(hub, 0) + 1
+    return max([*up.values(), *down.values()], default=1)
 
 
 # --------------------------------------------------------------------------- bytes

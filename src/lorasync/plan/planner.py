@@ -152,11 +152,18 @@ class Plan:
 def what_if_net(world_size: int, rate_Bps: float, rtt_s: float, *,
                 efficiency: float = LINK_EFFICIENCY,
                 tcp_window_bytes: float | None = DEFAULT_TCP_WINDOW,
-                allreduce_algo: str = "ring", alltoall: bool = True) -> Net:
-    """A ``Net`` for a described link: goodput capped by the TCP window per RTT."""
+                allreduce_algo: str = "ring", alltoall: bool = True, link_load: int = 1) -> Net:
+    """A ``Net`` for a described link: goodput capped by the TCP window per RTT.
+
+    ``link_load``: ring legs the busiest node link carries (2 and more when
+    pairs behind NAT relay through an overlay's hub:
+    :func:`lorasync.plan.costmodel.ring_link_load`); the ring runs at that
+    link's share."""
     if not 0 < efficiency <= 1:
         raise ConfigError("link efficiency", efficiency, "use a fraction in (0, 1], e.g. 0.93")
-    bw = rate_Bps * efficiency
+    if not isinstance(link_load, int) or link_load < 1:
+        raise ConfigError("link load", link_load, "use an integer >= 1")
+    bw = rate_Bps * efficiency / link_load
     if tcp_window_bytes and rtt_s > 0:
         bw = min(bw, tcp_window_bytes / rtt_s)
     return Net(alpha_s=rtt_s * ALPHA_PER_RTT + ALPHA_OVERHEAD_S, bandwidth_Bps=bw,

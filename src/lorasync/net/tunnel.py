@@ -1,0 +1,1005 @@
+"""The overlay network: nodes in different networks (behind NAT, other sites)
+get addresses every node can reach, so gloo/NCCL's full mesh works across them.
+
+This module owns the overlay's plan, its per-node configuration, the
+supervisor that keeps one node's tunnel up, and the ``up`` / ``status`` /
+``down`` operations (:mod:`lorasync.net.wireguard` owns the calls to the
+WireGuard tools; ``lorasync tunnel`` is the command line).
+
+Plan (:func:`plan_overlay`, used by ``tunnel init`` and the emulated cluster):
+
+- every node gets an address in the overlay subnet (the hub first) and a key;
+- a node given an *endpoint* (``HOST:PORT``) is reachable from every node; a
+  node without one is behind NAT and only connects out;
+- two nodes are peers (a *direct* pair) when at least one of them has an
+  endpoint: the other one connects to it and keeps its NAT mapping open with
+  a persistent keepalive.  Two nodes both behind NAT cannot reach each other:
+  their traffic goes through the *hub* (a node with an endpoint), which
+  relays it.  A relayed pair loads the hub's link twice (in and out).
+
+A node's directory from ``init`` holds ``tunnel.json`` (its address, port,
+peers with their public keys, endpoints and allowed IPs; the whole overlay's
+layout for ``status``) and ``private.key`` (0600; never printed or logged).
+
+Supervision (:class:`Supervisor`, run in the background by ``up``): starts
+``wireguard-go``, configures it, serves the link test on the overlay address
+(for ``status``'s RTT and rate), restarts the daemon when it dies and, for a
+peer with an endpoint whose handshake goes stale, re-resolves the endpoint and
+forces a new handshake, with exponential backoff; every event goes to the log
+``/run/lorasync/tunnels/IFNAME.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
+from lorasync.net import linktest
+from lorasync.net import wireguard as wg
+
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_SUBNET",
+    "NodeSpec",
+    "Supervisor",
+    "TunnelConfig",
+    "down",
+    "init_overlay",
+    "load_config",
+    "parse_node_spec",
+    "plan_overlay",
+    "status",
+    "supervise_step",
+    "up",
+]
+
+DEFAULT_SUBNET = "10.77.0.0/24"
+DEFAULT_PORT = 51820
+DEFAULT_IFNAME = "lsync0"
+DEFAULT_KEEPALIVE = 25
+#: WireGuard's REJECT_AFTER_TIME: a session older than this carries no data,
+#: so a peer without a newer handshake is stale
+DEFAULT_STALE_S = 180
+#: seconds before restarting a dead wireguard-go, doubled after each failed try
+RESTART_BACKOFF = (0.5, 30.0)
+STATE_DIR = Path(os.environ.get("LORASYNC_TUNNEL_DIR", "/run/lorasync/tunnels"))
+_IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,14}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    """One node as ``init`` is told about it."""
+
+    name: str
+    endpoint: str | None = None
+    """HOST:PORT every node can reach it on; None: behind NAT (connects out only)."""
+    listen_port: int = DEFAULT_PORT
+
+    def __post_init__(self):
+        if not _NAME_RE.match(self.name):
+            raise ConfigError("node", self.name, "use 1-32 letters, digits, '.', '_' or '-', "
+                              "starting with a letter or digit")
+
+
+def split_endpoint(text: str, field: str = "endpoint", default_port: int = DEFAULT_PORT
+                   ) -> tuple[str, int]:
+    """``"host:51820"``, ``"[2001:db8::1]:51820"``, ``"host"`` -> (host, port)."""
+    s = str(text).strip()
+    if s.startswith("["):
+        host, _, rest = s[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif s.count(":") == 1:
+        host, port = s.split(":")
+    else:
+        host, port = s, ""
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(field, text, "write HOST[:PORT], e.g. 203.0.113.5:51820")
+    if port:
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(field, text, "the port must be a number between 1 and 65535")
+        return host, int(port)
+    return host, default_port
+
+
+def join_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_node_spec(text: str, default_port: int = DEFAULT_PORT) -> NodeSpec:
+    """``"node1"`` (behind NAT) or ``"node0=203.0.113.5[:51820]"`` -> :class:`NodeSpec`."""
+    name, sep, ep = str(text).partition("=")
+    name = name.strip()
+    if not sep:
+        return NodeSpec(name, None, default_port)
+    host, port = split_endpoint(ep, f"node {name}", default_port)
+    return NodeSpec(name, join_endpoint(host, port), port)
+
+
+def direct(a: NodeSpec, b: NodeSpec) -> bool:
+    """A pair is direct when one of the two can be reached by the other."""
+    return bool(a.endpoint or b.endpoint)
+
+
+def plan_overlay(nodes: Sequence[NodeSpec], hub: str, *, subnet: str = DEFAULT_SUBNET,
+                 ifname: str | Callable[[int], str] = DEFAULT_IFNAME,
+                 keepalive_s: int = DEFAULT_KEEPALIVE, mtu: int | None = None,
+                 stale_s: int = DEFAULT_STALE_S,
+                 keygen: Callable[[], tuple[str, str]] = wg.generate_keypair,
+                 ) -> tuple[list[dict], list[str]]:
+    """Every node's configuration (without the key file path) and the private
+    keys, in ``nodes`` order: ([config, ...], [private key, ...]).
+
+    Validates the whole overlay: unique names, a hub with an endpoint, a
+    subnet with room for every node and containing no endpoint.
+    """
+    nodes = list(nodes)
+    if not nodes:
+        raise ConfigError("node", "", "give at least two nodes, e.g. --hub node0=HOST --node node1")
+    names = [n.name for n in nodes]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ConfigError("node", dup, "every node needs a name of its own")
+    if hub not in names:
+        raise ConfigError("hub", hub, f"name one of the nodes: {', '.join(names)}")
+    h = names.index(hub)
+    if not nodes[h].endpoint:
+        raise ConfigError("hub", hub, "the hub relays for nodes behind NAT, so every node must "
+                          "reach it: give its endpoint, e.g. --hub node0=203.0.113.5:51820")
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError:
+        raise ConfigError("subnet", subnet, "give an IPv4 network such as 10.77.0.0/24") from None
+    if not net.is_private:
+        raise ConfigError("subnet", subnet, "use a private range such as 10.77.0.0/24")
+    hosts = list(net.hosts())
+    if len(nodes) > len(hosts):
+        raise ConfigError("subnet", subnet, f"has room for {len(hosts)} nodes, not {len(nodes)}: "
+                          "use a bigger one, e.g. /24")
+    for n in nodes:
+        if n.endpoint:
+            host, _ = split_endpoint(n.endpoint)
+            try:
+                ip = ipaddress.ip_address(host)
+            except ValueError:  # a name: resolved at `up`
+                ip = None
+            if ip is not None and ip in net:
+                raise ConfigError("subnet", subnet, f"contains {n.name}'s endpoint {host}: "
+                                  "the tunnel would route its own packets into itself; "
+                                  "choose a subnet no node's real address is in")
+    if mtu is not None and not wg.MIN_MTU <= int(mtu) <= wg.MAX_MTU:
+        raise ConfigError("mtu", mtu, f"must be between {wg.MIN_MTU} and {wg.MAX_MTU} (or auto)")
+    if not 1 <= int(keepalive_s) <= 3600:
+        raise ConfigError("keepalive", keepalive_s, "give seconds between 1 and 3600 (25 is usual)")
+    order = [h] + [i for i in range(len(nodes)) if i != h]  # the hub gets the first address
+    addr = {nodes[i].name: str(hosts[k]) for k, i in enumerate(order)}
+    keys = [keygen() for _ in nodes]
+    pub = {n.name: keys[i][1] for i, n in enumerate(nodes)}
+    hubn = nodes[h]
+    layout = [{"name": n.name, "address": addr[n.name], "endpoint": n.endpoint,
+               "public_key": pub[n.name]} for n in nodes]
+    configs = []
+    for i, a in enumerate(nodes):
+        peers = []
+        relayed = [c.name for c in nodes if c is not a and not direct(a, c)]
+        for b in nodes:
+            if b is a or not direct(a, b):
+                continue
+            ips = [f"{addr[b.name]}/32"]
+            via = []
+            if b is hubn:  # the hub also carries a's traffic to the nodes a cannot reach
+                via = relayed
+                ips += [f"{addr[c]}/32" for c in relayed]
+            peers.append({"name": b.name, "address": addr[b.name], "public_key": pub[b.name],
+                          "endpoint": b.endpoint, "allowed_ips": ips, "relays": via,
+                          "keepalive_s": int(keepalive_s) if b.endpoint else None})
+        routes = {c.name: ("direct" if direct(a, c) else f"via {hub}") for c in nodes if c is not a}
+        configs.append({
+            "version": 1, "node": a.name, "hub": hub, "is_hub": a is hubn,
+            "ifname": ifname(i) if callable(ifname) else ifname,
+            "address": addr[a.name], "subnet": str(net), "listen_port": a.listen_port,
+            "endpoint": a.endpoint, "mtu": mtu, "keepalive_s": int(keepalive_s),
+            "stale_s": int(stale_s), "public_key": pub[a.name], "private_key_file": "private.key",
+            # the hub relays when two of its peers cannot reach each other
+            "relay": a is hubn and any(not direct(x, y) for x in nodes for y in nodes if x is not y),
+            "peers": peers, "routes": routes, "nodes": layout,
+        })
+    return configs, [k[0] for k in keys]
+
+
+def init_overlay(out_dir: str | Path, nodes: Sequence[NodeSpec], hub: str, *,
+                 force: bool = False, **kw) -> list[Path]:
+    """Write ``OUT/NODE/tunnel.json`` and ``OUT/NODE/private.key`` (0600, in 0700
+    directories) for every node; return the config paths.  Nothing is written
+    when validation fails; an existing overlay is kept unless ``force``."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConfigError("--out", str(out), "already holds files (an earlier overlay?): choose "
+                          "another directory, or pass --force to replace its nodes' configs")
+    configs, privates = plan_overlay(nodes, hub, **kw)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(out, 0o700)
+    paths = []
+    for cfg, key in zip(configs, privates):
+        d = out / cfg["node"]
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+        keyfile = d / "private.key"
+        if keyfile.exists():
+            keyfile.unlink()
+        wg.write_private_key(keyfile, key)
+        tmp = d / ".tunnel.json.tmp"
+        tmp.write_text(json.dumps(cfg, indent=1) + "\n")
+        tmp.replace(d / "tunnel.json")
+        paths.append(d / "tunnel.json")
+    return paths
+
+
+# ---------------------------------------------------------------- one node's config
+
+@dataclasses.dataclass
+class TunnelConfig:
+    """One node's ``tunnel.json``, validated; ``path`` is where it was read."""
+
+    path: Path
+    node: str
+    hub: str
+    is_hub: bool
+    ifname: str
+    address: str
+    subnet: str
+    listen_port: int
+    private_key_file: Path
+    peers: list[dict]
+    nodes: list[dict]
+    routes: dict
+    endpoint: str | None = None
+    mtu: int | None = None
+    keepalive_s: int = DEFAULT_KEEPALIVE
+    stale_s: int = DEFAULT_STALE_S
+    relay: bool = False
+    public_key: str = ""
+
+    def __post_init__(self):
+        if not _IFNAME_RE.match(self.ifname):
+            raise ConfigError("ifname", self.ifname, "an interface name of 1-15 letters, digits, "
+                              "'_', '.', '-' (e.g. lsync0)")
+        try:
+            self.network = ipaddress.IPv4Network(self.subnet)
+            if ipaddress.IPv4Address(self.address) not in self.network:
+                raise ConfigError("address", self.address, f"not inside subnet {self.subnet}: "
+                                  "re-run `lorasync tunnel init`")
+        except ValueError as exc:
+            raise ConfigError("address", f"{self.address} in {self.subnet}", str(exc)) from None
+        if not 1 <= int(self.listen_port) <= 65535:
+            raise ConfigError("listen_port", self.listen_port, "must be between 1 and 65535")
+        if self.mtu is not None and not wg.MIN_MTU <= int(self.mtu) <= wg.MAX_MTU:
+            raise ConfigError("mtu", self.mtu, f"must be between {wg.MIN_MTU} and {wg.MAX_MTU}")
+        for p in self.peers:
+            for key in ("name", "address", "public_key", "allowed_ips"):
+                if key not in p:
+                    raise ConfigError(f"peers.{key}", p.get("name", "?"),
+                                      "this tunnel.json is incomplete: re-run `lorasync tunnel init`")
+
+    @property
+    def prefixlen(self) -> int:
+        return self.network.prefixlen
+
+    @property
+    def hub_peer(self) -> dict | None:
+        return next((p for p in self.peers if p["name"] == self.hub), None)
+
+    def hub_address(self) -> str:
+        return next(n["address"] for n in self.nodes if n["name"] == self.hub)
+
+    def peer_configs(self, resolve: bool = True) -> list[wg.PeerConfig]:
+        out = []
+        for p in self.peers:
+            ep = p.get("endpoint")
+            if ep and resolve:
+                ep = resolve_endpoint(ep, p["name"])
+            out.append(wg.PeerConfig(p["public_key"], list(p["allowed_ips"]), ep,
+                                     p.get("keepalive_s")))
+        return out
+
+
+def load_config(path: str | Path) -> TunnelConfig:
+    """Read and validate a node's ``tunnel.json`` (ConfigError naming the field)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tunnel.json"
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError("--config", str(path), "no such file: give the tunnel.json that "
+                          "`lorasync tunnel init` wrote for this node") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--config", str(path), f"not a readable tunnel.json ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("version") != 1:
+        raise ConfigError("--config", str(path), "not a tunnel.json of this lorasync version: "
+                          "re-run `lorasync tunnel init`")
+    try:
+        key = Path(raw["private_key_file"])
+        if not key.is_absolute():
+            key = p.parent / key
+        return TunnelConfig(
+            path=p.resolve(), node=raw["node"], hub=raw["hub"], is_hub=bool(raw["is_hub"]),
+            ifname=raw["ifname"], address=raw["address"], subnet=raw["subnet"],
+            listen_port=int(raw["listen_port"]), private_key_file=key, peers=list(raw["peers"]),
+            nodes=list(raw["nodes"]), routes=dict(raw.get("routes") or {}),
+            endpoint=raw.get("endpoint"), mtu=raw.get("mtu"),
+            keepalive_s=int(raw.get("keepalive_s") or DEFAULT_KEEPALIVE),
+            stale_s=int(raw.get("stale_s") or DEFAULT_STALE_S), relay=bool(raw.get("relay")),
+            public_key=raw.get("public_key", ""))
+    except KeyError as exc:
+        raise ConfigError(f"tunnel.json {exc.args[0]}", str(path), "missing: re-run "
+                          "`lorasync tunnel init`") from None
+
+
+def resolve_endpoint(endpoint: str, who: str = "peer") -> str:
+    """HOST:PORT -> IP:PORT now (DNS may have moved the host since the last time)."""
+    host, port = split_endpoint(endpoint)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise EnvironmentProblem(f"{who}'s endpoint {host} does not resolve ({exc.strerror}): "
+                                 f"check the name, or give its IP address at `tunnel init`") from None
+    ip = infos[0][4][0]
+    return join_endpoint(ip, port)
+
+
+# ---------------------------------------------------------------- checks before up
+
+def _local_addresses() -> list[tuple[str, str]]:
+    """(ifname, address/prefix) of every IPv4 address here."""
+    proc = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True)
+    out = []
+    with contextlib.suppress(ValueError):
+        for link in json.loads(proc.stdout or "[]"):
+            for a in link.get("addr_info", []):
+                out.append((link.get("ifname", "?"), f"{a['local']}/{a.get('prefixlen', 32)}"))
+    return out
+
+
+def check_address_clash(cfg: TunnelConfig, addresses: Iterable[tuple[str, str]] | None = None) -> None:
+    """ConfigError when this host already has an address in the overlay subnet
+    (or one whose network contains the overlay address)."""
+    me = ipaddress.IPv4Interface(cfg.address).ip
+    for ifname, cidr in (_local_addresses() if addresses is None else addresses):
+        if ifname == cfg.ifname:
+            continue
+        iface = ipaddress.IPv4Interface(cidr)
+        if iface.network.overlaps(cfg.network) or iface.ip == me:
+            raise ConfigError("address", f"{cfg.address}/{cfg.prefixlen}",
+                              f"clashes with {ifname} ({cidr}) on this host: the overlay needs a "
+                              f"subnet of its own; re-run `lorasync tunnel init --subnet "
+                              f"10.NN.0.0/24` with one this host does not use")
+
+
+def check_port_free(port: int) -> None:
+    """ConfigError when the UDP listen port is taken."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        s = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno == 98:  # EADDRINUSE
+                raise ConfigError("listen_port", port,
+                                  f"UDP port {port} is already in use on this host "
+                                  f"(`ss -ulpn 'sport = :{port}'` shows by what): stop it, or "
+                                  f"give this node another port at `tunnel init` "
+                                  f"(--node NAME=HOST:PORT)") from None
+            if family == socket.AF_INET:
+                raise
+        finally:
+            s.close()
+
+
+def choose_mtu(cfg: TunnelConfig) -> int:
+    """The configured MTU, else the smallest path MTU to any peer's endpoint
+    (the interface MTU where no peer has one) less WireGuard's overhead."""
+    if cfg.mtu:
+        return int(cfg.mtu)
+    seen = []
+    for p in cfg.peers:
+        if not p.get("endpoint"):
+            continue
+        host, port = split_endpoint(p["endpoint"])
+        m = wg.path_mtu(host, port)
+        if m:
+            seen.append((m, wg.is_ipv6(host)))
+    if not seen:  # the hub, when no peer has an endpoint: what carries its own endpoint
+        mtus = []
+        for ifname, cidr in _local_addresses():
+            if ifname in ("lo", cfg.ifname):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                mtus.append(int(Path(f"/sys/class/net/{ifname}/mtu").read_text()))
+        seen = [(min(mtus), False)] if mtus else []
+    return wg.overlay_mtu(seen)
+
+
+# ---------------------------------------------------------------- supervision
+
+@dataclasses.dataclass
+class PeerTrack:
+    """Supervision state of one peer."""
+
+    name: str
+    attempts: int = 0
+    next_try: float = 0.0
+    stale_logged: bool = False
+
+
+@dataclasses.dataclass
+class Action:
+    kind: str  # "rehandshake" | "recovered" | "silent" | "back"
+    peer: str
+    message: str
+    next_in: float | None = None
+
+
+def supervise_step(peers: Sequence[dict], state: wg.DeviceState, now: float, since: float,
+                   tracks: dict[str, PeerTrack], *, stale_s: float, grace_s: float = 10.0,
+                   backoff: tuple[float, float] = (1.0, 60.0)) -> list[Action]:
+    """What to do about each peer (pure; the supervisor acts on the result).
+
+    A peer is stale when its last handshake is older than ``stale_s``, or it
+    never had one ``grace_s`` after the device (re)started at ``since``.  A
+    stale peer with an endpoint is re-resolved and re-handshaken, then again
+    after 1, 2, 4 ... s (at most ``backoff[1]``) while it stays stale; one
+    without an endpoint (behind NAT) can only be waited for, which is logged once.
+    """
+    out = []
+    for p in peers:
+        t = tracks.setdefault(p["name"], PeerTrack(p["name"]))
+        ps = state.peer(p["public_key"])
+        age = ps.handshake_age(now) if ps else None
+        stale = (age is None and now - since > grace_s) or (age is not None and age > stale_s)
+        what = "never completed" if age is None else f"{age:.0f} s old"
+        if not stale:
+            if t.attempts:
+                out.append(Action("recovered", p["name"], f"peer {p['name']}: handshake {age:.0f} s "
+                                  f"ago, up again after {t.attempts} attempt(s)"))
+            elif t.stale_logged:
+                out.append(Action("back", p["name"], f"peer {p['name']}: handshake again "
+                                  f"({age:.0f} s ago)"))
+            t.attempts, t.next_try, t.stale_logged = 0, 0.0, False
+            continue
+        if not p.get("endpoint"):
+            if not t.stale_logged:
+                t.stale_logged = True
+                out.append(Action("silent", p["name"], f"peer {p['name']} (behind NAT, no endpoint): "
+                                  f"handshake {what}; waiting for it to connect"))
+            continue
+        if now < t.next_try:
+            continue
+        t.attempts += 1
+        delay = min(backoff[1], backoff[0] * 2 ** (t.attempts - 1))
+        t.next_try = now + delay
+        out.append(Action("rehandshake", p["name"], f"peer {p['name']}: handshake {what}; "
+                          f"re-resolving {p['endpoint']} and re-handshaking (attempt {t.attempts}, "
+                          f"next in {delay:g} s)", delay))
+    return out
+
+
+class Supervisor:
+    """Keeps one node's tunnel up (run by ``up`` in the background, or in the
+    foreground with ``--foreground``).  See the module docstring."""
+
+    def __init__(self, cfg: TunnelConfig, log=None, interval: float = 1.0,
+                 cluster: str | None = None):
+        self.cfg = cfg
+        self.interval = interval
+        self.cluster = cluster
+        self.log_path = STATE_DIR / f"{cfg.ifname}.log"
+        self.daemon_log_path = STATE_DIR / f"{cfg.ifname}.wireguard-go.log"
+        self._log = log
+        self.proc: subprocess.Popen | None = None
+        self.mtu: int | None = None
+        self.since = 0.0
+        self.restarts = 0
+        self.tracks: dict[str, PeerTrack] = {}
+        self._stop = threading.Event()
+        self._server: socket.socket | None = None
+        self._last_error: str | None = None
+
+    # -- events
+
+    def event(self, msg: str) -> None:
+        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {self.cfg.ifname} {msg}"
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+        if self._log is not None:
+            print(line, file=self._log, flush=True)
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Start and configure the device, serve the link test; raises on failure
+        after cleaning up what it made."""
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        self.mtu = choose_mtu(self.cfg)
+        try:
+            self._start_device()
+            self._serve_linktest()
+        except BaseException:
+            self.stop()
+            raise
+        self._save_state()
+        peers = ", ".join(f"{p['name']} ({p.get('endpoint') or 'behind NAT'})" for p in self.cfg.peers)
+        self.event(f"up: {self.cfg.node} {self.cfg.address}/{self.cfg.prefixlen}, mtu {self.mtu}, "
+                   f"UDP {self.cfg.listen_port}; peers {peers or 'none'}"
+                   + (" ; relaying between peers" if self.cfg.relay else ""))
+
+    def _start_device(self) -> None:
+        cfg = self.cfg
+        log = open(self.daemon_log_path, "ab")
+        try:
+            self.proc = wg.start_daemon(cfg.ifname, log)
+        finally:
+            log.close()
+        routes = [ip for p in cfg.peers for ip in p["allowed_ips"]
+                  if not ipaddress.IPv4Network(ip, strict=False).subnet_of(cfg.network)]
+        wg.configure(cfg.ifname, key_file=cfg.private_key_file, listen_port=cfg.listen_port,
+                     peers=cfg.peer_configs(), address=cfg.address, prefixlen=cfg.prefixlen,
+                     mtu=self.mtu, routes=routes, relay=cfg.relay)
+        self.since = time.time()
+
+    def _serve_linktest(self) -> None:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # the address goes away while wireguard-go restarts; the socket must outlive that
+        srv.setsockopt(socket.SOL_IP, getattr(socket, "IP_FREEBIND", 15), 1)
+        srv.bind((self.cfg.address, self.cfg.listen_port))
+        srv.listen(16)
+        self._server = srv
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except OSError:
+                    return
+                threading.Thread(target=_handle_quietly, args=(c,), daemon=True).start()
+        threading.Thread(target=loop, daemon=True, name="linktest").start()
+
+    def _save_state(self) -> None:
+        netns = _my_netns()
+        state = {"ifname": self.cfg.ifname, "node": self.cfg.node, "config": str(self.cfg.path),
+                 "pid": os.getpid(), "wg_pid": self.proc.pid if self.proc else None,
+                 "netns": netns, "cluster": self.cluster, "started": self.since,
+                 "address": self.cfg.address, "prefixlen": self.cfg.prefixlen, "mtu": self.mtu,
+                 "listen_port": self.cfg.listen_port, "hub": self.cfg.hub, "is_hub": self.cfg.is_hub,
+                 "restarts": self.restarts, "log": str(self.log_path)}
+        tmp = STATE_DIR / f".{self.cfg.ifname}.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(STATE_DIR / f"{self.cfg.ifname}.json")
+
+    def run(self) -> None:
+        """Supervise until :meth:`request_stop` (SIGTERM, in ``supervise_main``)."""
+        backoff, restart_at = RESTART_BACKOFF[0], None
+        while not self._stop.wait(self.interval):
+            if self.proc is None or self.proc.poll() is not None:
+                now = time.monotonic()
+                if restart_at is None:
+                    code = self.proc.returncode if self.proc is not None else None
+                    self.event(f"wireguard-go exited (code {code}); restarting in {backoff:g} s")
+                    restart_at = now + backoff
+                if now >= restart_at:
+                    restart_at, backoff = self._restart(now, backoff)
+                continue
+            try:
+                state = wg.show(self.cfg.ifname)
+            except (LorasyncError, ValueError) as exc:
+                if str(exc) != self._last_error:  # once, not every second
+                    self.event(f"wg show failed: {exc}")
+                self._last_error = str(exc)
+                continue
+            self._last_error = None
+            for a in supervise_step(self.cfg.peers, state, time.time(), self.since, self.tracks,
+                                    stale_s=self.cfg.stale_s):
+                self.event(a.message)
+                if a.kind == "rehandshake":
+                    self._rehandshake(a.peer)
+
+    def _restart(self, now: float, backoff: float) -> tuple[float | None, float]:
+        """Start the daemon again; (next restart time or None, next backoff)."""
+        try:
+            wg.stop_daemon(None, self.cfg.ifname)  # what the dead one left
+            self._start_device()
+        except LorasyncError as exc:
+            self.proc = None
+            backoff = min(RESTART_BACKOFF[1], backoff * 2)
+            self.event(f"restart failed: {exc}; next try in {backoff:g} s")
+            return now + backoff, backoff
+        self.restarts += 1
+        self.tracks.clear()
+        self._save_state()
+        self.event(f"wireguard-go restarted (pid {self.proc.pid}, restart {self.restarts}); "
+                   f"interface configured again")
+        return None, RESTART_BACKOFF[0]
+
+    def _rehandshake(self, name: str) -> None:
+        p = next(p for p in self.cfg.peers if p["name"] == name)
+        try:
+            ep = resolve_endpoint(p["endpoint"], name)
+            wg.set_peer(self.cfg.ifname, wg.PeerConfig(p["public_key"], list(p["allowed_ips"]), ep,
+                                                       p.get("keepalive_s")))
+        except LorasyncError as exc:
+            self.event(f"peer {name}: {exc}")
+            return
+        # a packet for the peer makes WireGuard start a handshake when it has no session
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", (p["address"], 9))
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Take everything down: device, daemon, relay table, server, state file."""
+        self._stop.set()
+        if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.close()
+            self._server = None
+        wg.stop_daemon(self.proc, self.cfg.ifname)
+        if self.cfg.relay:
+            wg.remove_relay(self.cfg.ifname)
+        with contextlib.suppress(FileNotFoundError):
+            (STATE_DIR / f"{self.cfg.ifname}.json").unlink()
+
+
+def _handle_quietly(c: socket.socket) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        linktest.handle(c, 1.0, 1 << 30)
+
+
+def _my_netns() -> str | None:
+    """Name of the network namespace this process is in (``ip netns identify``)."""
+    proc = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+def supervise_main(argv: list[str] | None = None) -> int:
+    """``python -m lorasync.net.tunnel supervise CONFIG``: the background half of ``up``.
+
+    Prints ``ready`` once the tunnel is configured (or ``error: MESSAGE``) and
+    keeps it up until SIGTERM, then removes everything it made.
+    """
+    p = argparse.ArgumentParser(prog="python -m lorasync.net.tunnel")
+    p.add_argument("command", choices=["supervise"])
+    p.add_argument("config")
+    p.add_argument("--cluster", default=None, help="emulated cluster this tunnel belongs to")
+    p.add_argument("--foreground", action="store_true", help="events to stderr too")
+    args = p.parse_args(argv)
+    stop = {"sig": None}
+    sup: list[Supervisor] = []
+
+    def _term(signum, frame):
+        stop["sig"] = signum
+        for s in sup:
+            s.request_stop()
+
+    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
+    try:
+        cfg = load_config(args.config)
+        s = Supervisor(cfg, log=sys.stderr if args.foreground else None, cluster=args.cluster)
+        sup.append(s)
+        s.start()
+    except LorasyncError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    except Exception as exc:  # a bug: say so on the pipe, keep the traceback in the log
+        print(f"error: {type(exc).__name__}: {exc} (a bug; traceback in the tunnel's log)", flush=True)
+        raise
+    print("ready", flush=True)
+    if not args.foreground:  # the parent stops reading after "ready"
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    try:
+        if stop["sig"] is None:
+            s.run()
+    finally:
+        s.event(f"down (signal {stop['sig']})" if stop["sig"] else "down")
+        s.stop()
+    return 0
+
+
+# ---------------------------------------------------------------- up / down / status
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise EnvironmentProblem("a tunnel needs root (TUN device, addresses, routes): "
+                                 "run as root, e.g. sudo lorasync tunnel up ...")
+
+
+def _states() -> list[dict]:
+    out = []
+    for f in sorted(STATE_DIR.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def preflight(config: str | Path) -> TunnelConfig:
+    """Everything ``up`` checks before it starts anything: root, the tools, the
+    key file, the interface name, the overlay address, the UDP port, the
+    endpoints (each failure names the fix)."""
+    _require_root()
+    cfg = load_config(config)
+    wg.require_tools(need_nft=cfg.relay)
+    wg.check_key_file(cfg.private_key_file)
+    for st in _states():
+        if st.get("ifname") == cfg.ifname and _alive(st.get("pid")):
+            raise ConfigError("ifname", cfg.ifname, f"this tunnel is already up (supervisor pid "
+                              f"{st['pid']}): `lorasync tunnel down --ifname {cfg.ifname}` first")
+    if Path(f"/sys/class/net/{cfg.ifname}").exists():
+        raise ConfigError("ifname", cfg.ifname, "an interface of this name exists already (not a "
+                          "running lorasync tunnel): remove it (ip link del "
+                          f"{cfg.ifname}) or give another --ifname at `tunnel init`")
+    check_address_clash(cfg)
+    check_port_free(cfg.listen_port)
+    for p in cfg.peers:
+        if p.get("endpoint"):
+            resolve_endpoint(p["endpoint"], "the hub" if p["name"] == cfg.hub else p["name"])
+    return cfg
+
+
+def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = None,
+       python: str = sys.executable) -> dict:
+    """Bring this node's tunnel up in the background; return its state.
+
+    Checks first (:func:`preflight`), then starts the supervisor and, on a
+    node other than the hub, waits up to ``hub_timeout`` s for the hub's
+    handshake; on any failure nothing is left behind.
+    """
+    cfg = preflight(config)
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    argv = [python, "-m", "lorasync.net.tunnel", "supervise", str(cfg.path)]
+    if cluster:
+        argv += ["--cluster", cluster]
+    err = open(STATE_DIR / f"{cfg.ifname}.log", "ab")
+    # its own session: once up, a Ctrl-C in the shell that ran `up` must not take it down
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                            start_new_session=True, close_fds=True)
+    err.close()
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        proc.stdout.close()
+        if line != "ready":
+            if line.startswith("error: "):
+                raise EnvironmentProblem(f"tunnel {cfg.ifname}: {line[7:]}")
+            raise EnvironmentProblem(f"tunnel {cfg.ifname}: the supervisor did not start (see "
+                                     f"{STATE_DIR / (cfg.ifname + '.log')})")
+        if not cfg.is_hub and cfg.hub_peer is not None:
+            wait_handshake(cfg, cfg.hub_peer, hub_timeout)
+    except BaseException:  # a failure or Ctrl-C before the tunnel is up: nothing stays
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        down(cfg.ifname)
+        raise
+    return next(s for s in _states() if s.get("ifname") == cfg.ifname)
+
+
+def wait_handshake(cfg: TunnelConfig, peer: dict, timeout: float, netns: str | None = None) -> float:
+    """Seconds until ``peer``'s first handshake; EnvironmentProblem after ``timeout``."""
+    t0 = time.monotonic()
+    while True:
+        st = wg.show(cfg.ifname, netns=netns)
+        ps = st.peer(peer["public_key"])
+        if ps and ps.latest_handshake:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            host, port = split_endpoint(peer["endpoint"]) if peer.get("endpoint") else ("?", 0)
+            raise EnvironmentProblem(
+                f"the hub {peer['name']} ({peer['endpoint']}) did not answer a WireGuard handshake "
+                f"within {timeout:g} s: check that `lorasync tunnel up` runs there, that UDP port "
+                f"{port} on {host} is open to this node (firewall, security group), and that both "
+                f"configs come from the same `lorasync tunnel init`")
+        time.sleep(0.1)
+
+
+def down(ifname: str | None = None, *, cluster: str | None = None) -> list[str]:
+    """Stop tunnels and remove everything they made; idempotent.
+
+    ``ifname`` names one tunnel; ``cluster`` every tunnel of an emulated
+    cluster; neither: every lorasync tunnel on this host.  Removes the
+    supervisor and wireguard-go processes, the interface, the control socket,
+    the relay's nft table and the state file.  Returns what was removed.
+    """
+    removed = []
+    for st in _states():
+        if ifname is not None and st.get("ifname") != ifname:
+            continue
+        if cluster is not None and st.get("cluster") != cluster:
+            continue
+        removed += _down_one(st)
+    if ifname is not None and not any(r.startswith("state") for r in removed):
+        removed += _leftovers(ifname, None)
+    return removed
+
+
+def _down_one(st: dict) -> list[str]:
+    ifname, netns = st["ifname"], st.get("netns")
+    removed = []
+    pid = st.get("pid")
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 8
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        removed.append(f"supervisor {pid}")
+    wpid = st.get("wg_pid")
+    if _alive(wpid) and b"wireguard-go" in _cmdline(wpid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(wpid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while _alive(wpid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _alive(wpid):
+            os.kill(wpid, signal.SIGKILL)
+        removed.append(f"wireguard-go {wpid}")
+    removed += _leftovers(ifname, netns)
+    path = STATE_DIR / f"{ifname}.json"
+    if path.exists():
+        path.unlink()
+        removed.append(f"state {path}")
+    return removed
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ns(netns: str | None, argv: list[str]) -> list[str]:
+    return (["ip", "netns", "exec", netns] if netns else []) + argv
+
+
+def _leftovers(ifname: str, netns: str | None) -> list[str]:
+    """What a killed supervisor may have left: interface, socket, nft table."""
+    removed = []
+    if netns and not Path(f"/run/netns/{netns}").exists():
+        netns_gone = True
+    else:
+        netns_gone = False
+    if not netns_gone:
+        link = subprocess.run(_ns(netns, ["ip", "link", "show", ifname]), capture_output=True)
+        if link.returncode == 0:
+            subprocess.run(_ns(netns, ["ip", "link", "del", ifname]), capture_output=True)
+            removed.append(f"interface {ifname}")
+        if subprocess.run(["sh", "-c", "command -v nft"], capture_output=True).returncode == 0:
+            t = wg.nft_table_name(ifname)
+            if subprocess.run(_ns(netns, ["nft", "delete", "table", "inet", t]),
+                              capture_output=True).returncode == 0:
+                removed.append(f"nft table inet {t}")
+    sock = wg.socket_path(ifname)
+    if sock.exists() and not wg._socket_alive(sock):
+        sock.unlink()
+        removed.append(f"socket {sock}")
+    return removed
+
+
+def status(ifname: str | None = None, *, measure: bool = True, seconds: float = 1.0,
+           cluster: str | None = None) -> list[dict]:
+    """Every tunnel here (or ``ifname``): per peer the handshake age, bytes in
+    and out, RTT and rate measured through the overlay, direct or relayed."""
+    out = []
+    for st in _states():
+        if ifname is not None and st.get("ifname") != ifname:
+            continue
+        if cluster is not None and st.get("cluster") != cluster:
+            continue
+        out.append(_status_one(st, measure, seconds))
+    if ifname is not None and not out:
+        raise ConfigError("--ifname", ifname, "no lorasync tunnel of this name is up here "
+                          "(`lorasync tunnel status` lists them)")
+    return out
+
+
+def _status_one(st: dict, measure: bool, seconds: float) -> dict:
+    cfg = load_config(st["config"])
+    netns = st.get("netns")
+    alive = _alive(st.get("pid"))
+    dev = None
+    error = None
+    try:
+        dev = wg.show(cfg.ifname, netns=netns)
+    except (LorasyncError, ValueError) as exc:
+        error = str(exc)
+    now = time.time()
+    by_key = {p.public_key: p for p in dev.peers} if dev else {}
+    peers = []
+    for n in cfg.nodes:
+        if n["name"] == cfg.node:
+            continue
+        route = cfg.routes.get(n["name"], "direct")
+        via = cfg.hub_peer if route != "direct" else next(
+            (p for p in cfg.peers if p["name"] == n["name"]), None)
+        ps = by_key.get(via["public_key"]) if via else None
+        row = {"name": n["name"], "address": n["address"], "route": route,
+               "relayed": route != "direct", "endpoint": ps.endpoint if ps else None,
+               "handshake_age_s": ps.handshake_age(now) if ps else None,
+               "rx_bytes": ps.rx_bytes if ps else None, "tx_bytes": ps.tx_bytes if ps else None,
+               "is_hub": n["name"] == cfg.hub}
+        if measure and dev is not None:
+            row.update(_measure_peer(n["address"], cfg.listen_port, seconds, netns))
+        peers.append(row)
+    return {"ifname": cfg.ifname, "node": cfg.node, "address": cfg.address, "prefixlen": cfg.prefixlen,
+            "mtu": st.get("mtu"), "listen_port": cfg.listen_port, "hub": cfg.hub, "is_hub": cfg.is_hub,
+            "netns": netns, "cluster": st.get("cluster"), "supervisor_pid": st.get("pid"),
+            "supervisor_alive": alive, "wg_pid": st.get("wg_pid"), "restarts": st.get("restarts", 0),
+            "started": st.get("started"), "log": st.get("log"), "error": error, "peers": peers}
+
+
+def _measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
+    """RTT and rate to a peer's link-test server through the overlay."""
+    if netns:
+        proc = subprocess.run(_ns(netns, [sys.executable, "-m", "lorasync.net.linktest", "measure",
+                                          address, str(port), str(seconds), "--send-window"]),
+                              capture_output=True, text=True, timeout=seconds + 40)
+        if proc.returncode != 0:
+            return {"measure_error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        r = json.loads(proc.stdout)
+    else:
+        try:
+            r = linktest.measure(address, port, seconds, send_window=True, connect_timeout=5)
+        except (OSError, ValueError) as exc:
+            return {"measure_error": f"{type(exc).__name__}: {exc}"}
+    return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
+
+
+# ---------------------------------------------------------------- training over it
+
+def worker_env(cfg_or_state: TunnelConfig) -> dict[str, str]:
+    """What gloo/NCCL need to run over the overlay."""
+    name = cfg_or_state.ifname
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+
+
+if __name__ == "__main__":
+    sys.exit(supervise_main())

@@ -1,0 +1,240 @@
+"""Train across networks that cannot reach each other: a supervised WireGuard
+overlay (wireguard-go in userspace, configured with wg; root on every node).
+
+On one machine, plan the overlay: the hub is a node every node can reach
+(its HOST:PORT), a node given no endpoint is behind NAT and connects out:
+
+    lorasync tunnel init --out overlay --hub node0=203.0.113.5 \\
+        --node node1 --node node2=198.51.100.7:51820
+
+then copy overlay/NODE/ to each node (it holds that node's private key,
+0600; scp -rp) and on each node, the hub first:
+
+    lorasync tunnel up --config overlay/node1/tunnel.json
+    lorasync tunnel status                       # per peer: handshake, bytes, RTT, rate
+    lorasync tunnel launch -- train --output-dir runs/x      # on every node
+    lorasync tunnel down
+
+``launch`` runs torchrun over the overlay: GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME
+= the tunnel, the rendezvous on the hub's overlay address, the c10d stores
+listening on the overlay address only.  See docs/overlay.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lorasync.net.tunnel import DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_SUBNET
+
+    sub = parser.add_subparsers(dest="tunnel_cmd", metavar="ACTION", required=True)
+
+    init = sub.add_parser("init", help="keys and a config for every node of the overlay")
+    init.add_argument("--out", required=True, metavar="DIR",
+                      help="directory for the nodes' configs (DIR/NODE/tunnel.json, private.key)")
+    init.add_argument("--hub", required=True, metavar="NAME=HOST[:PORT]",
+                      help="the hub/relay: a node every node can reach, and its endpoint")
+    init.add_argument("--node", action="append", default=[], metavar="NAME[=HOST[:PORT]]",
+                      help="another node (repeatable); without =HOST it is behind NAT")
+    init.add_argument("--subnet", default=DEFAULT_SUBNET,
+                      help="the overlay's private subnet (default: %(default)s)")
+    init.add_argument("--port", type=int, default=DEFAULT_PORT,
+                      help="UDP port where a node gives none (default: %(default)s)")
+    init.add_argument("--ifname", default=DEFAULT_IFNAME, help="interface name (default: %(default)s)")
+    init.add_argument("--keepalive", type=int, default=DEFAULT_KEEPALIVE,
+                      help="persistent keepalive towards nodes with an endpoint, s (default: %(default)s)")
+    init.add_argument("--mtu", default="auto",
+                      help="overlay MTU (default auto: path MTU to the peers less WireGuard's 60/80 bytes)")
+    init.add_argument("--force", action="store_true", help="overwrite configs already in --out")
+
+    up = sub.add_parser("up", help="start this node's tunnel (supervised, in the background)")
+    up.add_argument("--config", required=True, metavar="FILE", help="this node's tunnel.json")
+    up.add_argument("--hub-timeout", type=float, default=20.0, metavar="S",
+                    help="seconds to wait for the hub's handshake (default: %(default)s)")
+    up.add_argument("--foreground", action="store_true",
+                    help="supervise in this process, events on stderr (for systemd and the like)")
+    up.add_argument("--quiet", action="store_true", help="print nothing on success")
+    up.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # emulated cluster's tunnels
+
+    st = sub.add_parser("status", help="tunnels and peers: handshake age, bytes, RTT, rate, route")
+    st.add_argument("--ifname", default=None, help="only this tunnel (default: every one here)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.add_argument("--no-measure", action="store_true", help="no RTT/rate measurement")
+    st.add_argument("--seconds", type=float, default=1.0, help="rate measurement per peer, s "
+                    "(default: %(default)s)")
+
+    dn = sub.add_parser("down", help="stop tunnels; leaves no interface, process, socket or nft table")
+    dn.add_argument("--ifname", default=None, help="only this tunnel (default: every one here)")
+
+    la = sub.add_parser("launch", help="run torchrun over the overlay (on every node)")
+    la.add_argument("--ifname", default=None, help="the tunnel to use (default: the only one up)")
+    la.add_argument("--nproc-per-node", type=int, default=1, help="workers on this node (default 1)")
+    la.add_argument("--nnodes", type=int, default=None,
+                    help="nodes in the job (default: every node of the overlay)")
+    la.add_argument("--port", type=int, default=29400, help="rendezvous port on the hub (default 29400)")
+    la.add_argument("--run-id", default="lorasync-overlay", help="rendezvous id, the same on every node")
+    la.add_argument("--rdzv-wait", type=float, default=300.0, metavar="S",
+                    help="how long a node waits for the hub's rendezvous to open (default: %(default)s)")
+    la.add_argument("args", nargs=argparse.REMAINDER, help="-- lorasync ARGS (e.g. -- train --output-dir runs/x)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"init": _init, "up": _up, "status": _status, "down": _down,
+            "launch": _launch}[args.tunnel_cmd](args)
+
+
+def _init(args) -> int:
+    from lorasync.errors import ConfigError
+    from lorasync.net import tunnel
+
+    mtu = None if str(args.mtu).lower() == "auto" else args.mtu
+    if mtu is not None:
+        if not str(mtu).isdigit():
+            raise ConfigError("--mtu", args.mtu, "give a number of bytes (e.g. 1420) or auto")
+        mtu = int(mtu)
+    if not 1 <= args.port <= 65535:
+        raise ConfigError("--port", args.port, "must be between 1 and 65535")
+    if "=" not in args.hub:
+        raise ConfigError("--hub", args.hub, "give the hub's endpoint too: NAME=HOST[:PORT], "
+                          "e.g. node0=203.0.113.5 (every node must reach it)")
+    nodes = [tunnel.parse_node_spec(args.hub, args.port)]
+    nodes += [tunnel.parse_node_spec(n, args.port) for n in args.node]
+    if len(nodes) < 2:
+        raise ConfigError("--node", "", "an overlay needs at least one node besides the hub")
+    paths = tunnel.init_overlay(args.out, nodes, nodes[0].name, force=args.force, subnet=args.subnet,
+                                ifname=args.ifname, keepalive_s=args.keepalive, mtu=mtu)
+    cfgs = [tunnel.load_config(p) for p in paths]
+    print(f"overlay {cfgs[0].subnet}, hub {nodes[0].name}, interface {args.ifname}: "
+          f"{len(cfgs)} nodes in {args.out}/")
+    print(f"  {'node':16} {'overlay address':16} {'endpoint':28} route to the others")
+    for c in cfgs:
+        routes = ", ".join(f"{k} {v}" for k, v in c.routes.items())
+        print(f"  {c.node:16} {c.address:16} {c.endpoint or '(behind NAT)':28} {routes}")
+    print(f"each node's directory holds its private key (0600): copy it to that node only "
+          f"(scp -rp {args.out}/NODE NODE:), then run there, hub first:\n"
+          f"  lorasync tunnel up --config {args.out}/NODE/tunnel.json")
+    return 0
+
+
+def _up(args) -> int:
+    from lorasync.net import tunnel
+
+    if args.foreground:
+        tunnel.preflight(args.config)
+        argv = ["supervise", args.config, "--foreground"] + (["--cluster", args.cluster] if args.cluster else [])
+        return tunnel.supervise_main(argv)
+    st = tunnel.up(args.config, hub_timeout=args.hub_timeout, cluster=args.cluster)
+    if not args.quiet:
+        print(f"tunnel {st['ifname']} up: {st['node']} {st['address']}/{st['prefixlen']}, mtu "
+              f"{st['mtu']}, UDP {st['listen_port']}, supervisor pid {st['pid']} (log {st['log']})")
+        print(f"  train over it: lorasync tunnel launch -- train --output-dir runs/NAME   "
+              f"(or torchrun with GLOO_SOCKET_IFNAME={st['ifname']} NCCL_SOCKET_IFNAME={st['ifname']} "
+              f"and --rdzv-endpoint HUB_OVERLAY_ADDRESS:29400)")
+    return 0
+
+
+def _ago(s):
+    if s is None:
+        return "never"
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago"
+
+
+def _bytes(b):
+    if b is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b} B"
+
+
+def _status(args) -> int:
+    from lorasync.net import tunnel
+
+    sts = tunnel.status(args.ifname, measure=not args.no_measure, seconds=args.seconds)
+    if args.json:
+        print(json.dumps(sts, indent=1))
+        return 0
+    if not sts:
+        print("no lorasync tunnel is up here")
+        return 0
+    print(format_status(sts))
+    return 0 if all(t["supervisor_alive"] and not t["error"] for t in sts) else 1
+
+
+def format_status(sts: list[dict]) -> str:
+    lines = []
+    for t in sts:
+        where = f" in netns {t['netns']}" if t.get("netns") else ""
+        health = "supervised" if t["supervisor_alive"] else "SUPERVISOR NOT RUNNING"
+        lines.append(f"tunnel {t['ifname']}{where}: {t['node']} {t['address']}/{t['prefixlen']}, mtu "
+                     f"{t['mtu']}, UDP {t['listen_port']}, {'hub' if t['is_hub'] else 'hub ' + t['hub']}; "
+                     f"{health} (pid {t['supervisor_pid']}, wireguard-go restarts {t['restarts']})")
+        if t.get("error"):
+            lines.append(f"  error: {t['error']}")
+        lines.append(f"  {'peer':12} {'address':12} {'route':14} {'endpoint':22} {'handshake':11} "
+                     f"{'rx':>9} {'tx':>9} {'RTT':>9} {'rate':>13}")
+        for p in t["peers"]:
+            hs = "(hub's)" if p["relayed"] else _ago(p["handshake_age_s"])
+            rtt = f"{p['rtt_s'] * 1e3:.2f} ms" if p.get("rtt_s") is not None else "-"
+            rate = f"{p['rate_bps'] / 1e6:.1f} Mbit/s" if p.get("rate_bps") is not None else \
+                ("unreachable" if p.get("measure_error") else "-")
+            lines.append(f"  {p['name']:12} {p['address']:12} {p['route']:14} "
+                         f"{(p['endpoint'] or '-'):22} {hs:11} {_bytes(p['rx_bytes']):>9} "
+                         f"{_bytes(p['tx_bytes']):>9} {rtt:>9} {rate:>13}")
+    return "\n".join(lines)
+
+
+def _down(args) -> int:
+    from lorasync.net import tunnel
+
+    tunnel._require_root()
+    removed = tunnel.down(args.ifname)
+    print(f"removed {len(removed)} item(s)" + "".join(f"\n  {r}" for r in removed)
+          if removed else "nothing to remove")
+    return 0
+
+
+def _launch(args) -> int:
+    from lorasync.errors import ConfigError
+    from lorasync.net import tunnel
+    from lorasync.net.agent import agent_argv
+
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if not rest:
+        raise ConfigError("args", "", "give the lorasync command after --, e.g. "
+                          "lorasync tunnel launch -- train --output-dir runs/x")
+    # by default the host's own tunnels (an emulated cluster's live in its namespaces)
+    ups = [s for s in tunnel._states() if tunnel._alive(s.get("pid"))
+           and (s["ifname"] == args.ifname if args.ifname else not s.get("cluster"))]
+    if not ups:
+        raise ConfigError("--ifname", args.ifname or "", "no tunnel is up here: "
+                          "`lorasync tunnel up --config FILE` first")
+    if len(ups) > 1:
+        raise ConfigError("--ifname", "", f"several tunnels are up ({', '.join(s['ifname'] for s in ups)}): "
+                          "name one")
+    cfg = tunnel.load_config(ups[0]["config"])
+    nnodes = args.nnodes or len(cfg.nodes)
+    endpoint = f"{cfg.hub_address()}:{args.port}"
+    cmd = agent_argv(sys.executable, label=cfg.node, store_addr=cfg.address, rdzv_wait=args.rdzv_wait)
+    cmd += ["--nnodes", str(nnodes), "--nproc-per-node", str(args.nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.run_id,
+            "--rdzv-conf", f"is_host={1 if cfg.is_hub else 0}", "--local-addr", cfg.address,
+            "--max-restarts", "0", "-m", "lorasync", *rest]
+    env = dict(os.environ, **tunnel.worker_env(cfg), LORASYNC_RDZV_ENDPOINT=endpoint)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    print(f"lorasync tunnel launch: {cfg.node} on {cfg.ifname} ({cfg.address}), rendezvous "
+          f"{endpoint}{' (here)' if cfg.is_hub else ''}, {nnodes} nodes", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        print(f"lorasync tunnel launch: exit {rc} after {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return rc if rc >= 0 else 128 - rc
