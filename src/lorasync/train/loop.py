@@ -44,9 +44,9 @@ import datetime as _dt
 import json
 import math
 import os
-import random
 import sys
 import time
+import uuid
 import warnings
 
 from lorasync.config import Config, config_to_dict
@@ -124,9 +124,14 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
+    from lorasync.train.recovery import next_action
+    from lorasync.train.watchdog import Watchdog, describe_self
+
+    spawned = time.time()
     env = worker_env()
     rank, local_rank = env["rank"], env["local_rank"]
     log = _Log(rank)
+    _stop_if_fatal_before(rank)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -141,25 +146,85 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10),
                             device_id=device if backend == "nccl" else None)
+    watchdog = trainer = None
     try:
-        trainer = Trainer(cfg, resume, env, device, backend, log)
+        # who is who (to name a peer that fails), and a key prefix of this attempt
+        members: list = [None] * env["world_size"]
+        me = describe_self(rank)
+        me["token"] = uuid.uuid4().hex if rank == 0 else None
+        dist.all_gather_object(members, me)
+        watchdog = Watchdog(rank=rank, members=members, store_addr=os.environ["MASTER_ADDR"],
+                            store_port=int(os.environ["MASTER_PORT"]),
+                            prefix=f"lorasync/watchdog/{members[0]['token']}/",
+                            min_timeout_s=cfg.run.fault_timeout, steps=cfg.run.fault_steps,
+                            on_fault=lambda e: trainer.record_event(e) if trainer else None,
+                            next_action=lambda: next_action(cfg.run.output_dir))
+        watchdog.start()
+        dist.barrier()  # every rank's first beat is in the store
+        trainer = Trainer(cfg, resume, env, device, backend, log, watchdog=watchdog,
+                          spawned=spawned)
         trainer.setup()
         return trainer.run()
+    except LorasyncError as exc:
+        _mark_fatal(rank, str(exc))
+        raise
+    except Exception as exc:
+        if watchdog is not None and _is_comm_failure(exc):
+            watchdog.connection_lost(exc)  # names the peer, records it, exits
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         dist.destroy_process_group()
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    """A collective failed because a peer went away (not a bug of ours)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(k in text for k in (
+        "Connection reset", "Connection closed", "Broken pipe", "Connection refused",
+        "gloo/transport", "pair.cc", "Socket Timeout", "NCCL communicator was aborted"))
+
+
+def _fatal_dir() -> str | None:
+    return os.environ.get("LORASYNC_FATAL_DIR") or None
+
+
+def _mark_fatal(rank: int, msg: str) -> None:
+    """A user error is the same on every try: tell restarted workers to stop at once."""
+    folder = _fatal_dir()
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{rank}"), "w") as fh:
+            fh.write(msg)
+
+
+def _stop_if_fatal_before(rank: int) -> None:
+    folder = _fatal_dir()
+    if not folder or not os.path.isdir(folder) or not os.listdir(folder):
+        return
+    with open(os.path.join(folder, sorted(os.listdir(folder))[0])) as fh:
+        msg = fh.read()
+    raise LorasyncError(msg or "an earlier try of this run failed with a user error")
 
 
 class Trainer:
     """One rank's training run.
 
-    ``setup()`` loads the model and data, finds the checkpoint to resume
-    from, builds DDP, the sync strategy, optimizer and schedule, and restores
-    or seeds their state; ``run()`` trains to the end (or ``--stop-after``),
-    then writes the adapter, metrics.jsonl and summary.json.  Collectives
-    run in the same order on every rank.
+    ``setup()`` loads the model and data, agrees with the other ranks on the
+    checkpoint to resume from (when resuming or restarted), builds DDP, the
+    sync strategy, optimizer and schedule, and restores or seeds their
+    state; ``run()`` trains to the end (or ``--stop-after``), then writes the
+    adapter, metrics.jsonl and summary.json.  Collectives run in the same
+    order on every rank.  ``watchdog`` (train/watchdog.py) is told what the
+    rank does, so that a failing peer is named within its bound.
     """
 
-    def __init__(self, cfg: Config, resume: bool, env: dict, device, backend: str, log):
+    def __init__(self, cfg: Config, resume: bool, env: dict, device, backend: str, log, *,
+                 watchdog=None, spawned: float | None = None):
         import torch.distributed as dist
 
         self.cfg, self.tc, self.resume, self.device, self.backend = \
@@ -169,6 +234,20 @@ class Trainer:
         self.run_dir = cfg.run.output_dir
         self.barrier = (lambda: dist.barrier(device_ids=[device.index])) if backend == "nccl" \
             else dist.barrier
+        self.watchdog = watchdog
+        self.spawned = spawned if spawned is not None else time.time()
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.steplog = None
+        self._restart_field: dict | None = None
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.mark(phase, self.progress.step if step is None else step)
+
+    def record_event(self, event: dict) -> None:
+        """An event of this rank (a fault verdict) into its stream, once it is open."""
+        if self.steplog is not None:
+            self.steplog.stream.write({**event, "attempt": self.attempt})
 
     # -- setup ----------------------------------------------------------------
 
@@ -181,8 +260,12 @@ class Trainer:
         from lorasync.train.checkpoint import Checkpointer, Progress
         from lorasync.train.data import load_datasets, steps_per_epoch
         from lorasync.train.model import adapter_param_count, add_lora, load_base
+        from lorasync.train.recovery import history
 
         cfg, tc, rank, world, device = self.cfg, self.tc, self.rank, self.world, self.device
+        self.progress = Progress(grad_accum=tc.grad_accum)
+        self.attempt = 0
+        self._mark("setup")
         t_load = time.time()
         base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
         self.train_set, self.eval_set = load_datasets(cfg.data, self.tok)
@@ -200,8 +283,11 @@ class Trainer:
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
                                  interval=tc.ckpt_interval, keep=tc.keep_ckpts)
-        self.resume_from, meta = self.ckpt.find(self.resume)
-        self.progress = Progress(step=meta.get("step", 0), grad_accum=tc.grad_accum)
+        # A restarted group resumes by itself; the ranks agree on the checkpoint.
+        self.history = history(self.run_dir, rank)
+        self.plan, meta, self.histories = self.ckpt.agree(
+            resume=self.resume or self.restart_count > 0, history=self.history)
+        self._classify_attempt()
         self.eval_before = meta.get("eval_before")
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
@@ -233,6 +319,9 @@ class Trainer:
         if rank == 0:
             prepare_run_dir(cfg, self.resume)
         self.barrier()
+        if self.local_rank == 0 and not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
+            # node-local disks: every node gets the config, so `--resume` works on each
+            prepare_run_dir(cfg, self.resume)
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -246,16 +335,54 @@ class Trainer:
             self.log(f"note: --max-grad-accum needs --comm auto; keeping grad_accum "
                      f"{tc.grad_accum}")
 
-        if self.resume_from:
-            self.ckpt.restore(self.resume_from, self.progress, self.global_batch,
-                              model=model, opt=self.opt, sched=self.sched, sync=self.sync)
-            self.log(f"resumed from {self.resume_from} at step {self.progress.step}")
+        self.reset: list[str] = []
+        if self.plan.step:
+            self.reset = self.ckpt.restore(self.plan, self.progress, self.global_batch,
+                                           model=model, opt=self.opt, sched=self.sched,
+                                           sync=self.sync, seed=tc.seed)
+            folder = os.path.join(self.run_dir, "checkpoints", f"step-{self.plan.step:06d}")
+            self.log(f"resumed from {folder} at step {self.progress.step}"
+                     + (f" ({self.plan.note})" if self.plan.peer else ""))
         else:
-            # dropout masks differ per rank (like independent data) but repeat per seed
-            torch.manual_seed(tc.seed * 1000 + rank)
-            random.seed(tc.seed * 1000 + rank)
-            import numpy as np
-            np.random.seed(tc.seed * 1000 + rank)
+            from lorasync.train.checkpoint import seed_rngs
+            seed_rngs(tc.seed, rank)
+
+    def _classify_attempt(self) -> None:
+        """Number this attempt and say why it runs: new, resume (the last one
+        ended cleanly) or recover (it failed); log a recovery in words."""
+        from lorasync.errors import CheckpointError
+        from lorasync.train.recovery import describe_faults, resume_point_time
+
+        hs = [h for h in self.histories if h.get("records")]
+        self.attempt = 1 + max((h["attempt"] for h in self.histories), default=0)
+        failed = [h for h in hs if not h.get("clean")]
+        if not hs:
+            self.cause = "new"
+        elif failed or self.restart_count > 0:
+            self.cause = "recover"
+        else:
+            self.cause = "resume"
+        if self.resume and not self.plan.step and self.restart_count == 0 and \
+                self.cause != "recover":
+            raise CheckpointError(f"--resume: {self.run_dir} has no complete checkpoint; start "
+                                  "a new run without --resume")
+        faults = [f for h in hs for f in h.get("faults", [])]
+        self.reason = describe_faults(faults) if self.cause == "recover" else ""
+        mine = self.history if self.history.get("records") else None
+        self.steps_redone = max(0, mine["last_step"] - self.plan.step) if mine else 0
+        self.resume_point = (resume_point_time(self.run_dir, self.rank, self.plan.step)
+                             if mine and self.cause == "recover" else None)
+        if self.cause == "recover":
+            reached = max((h["last_step"] for h in hs), default=0)
+            how = (f"restart {self.restart_count} of "
+                   f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
+                   if self.restart_count else "resumed by hand")
+            self.log(f"lorasync: recovering ({how}) after a failure at step {reached}: "
+                     f"{self.reason}; resuming from "
+                     + (f"checkpoint step {self.plan.step}" if self.plan.step else
+                        "the start (no checkpoint every rank holds)")
+                     + f", {max(0, reached - self.plan.step)} step(s) to redo, "
+                     f"{self.world} rank(s)")
 
     # -- the loop ---------------------------------------------------------------
 
@@ -267,33 +394,43 @@ class Trainer:
 
         cfg, tc = self.cfg, self.tc
         self.steplog = StepLog(self.run_dir, rank=self.rank, world=self.world,
-                               strategy=cfg.comm.strategy, start_step=self.progress.step,
-                               run_cfg=cfg.run,
+                               strategy=cfg.comm.strategy, run_cfg=cfg.run,
                                store=dist.distributed_c10d._get_default_store())
+        self.steplog.stream.write(self._start_event())
+        if self.cause == "recover":
+            self._restart_field = {"attempt": self.attempt, "from_step": self.plan.step,
+                                   "steps_redone": self.steps_redone,
+                                   "restart_count": self.restart_count, "reason": self.reason}
         self.evaluate = Evaluator(self.model, self.eval_set, self.tok, self.device,
                                   rank=self.rank, world=self.world,
                                   max_new_tokens=tc.max_new_tokens, run_dir=self.run_dir,
                                   sinks=self.steplog.sinks)
         try:
-            if self.resume_from:  # evaluations after the checkpoint will run again
+            if self.plan.step:  # evaluations after the checkpoint will run again
                 self.evaluate.forget_after(self.progress.step)
             if self.eval_before is None and tc.eval_before and cfg.data.eval_size \
                     and self.eval_set:
                 self.log("evaluating the base adapter ...")
+                self._mark("eval")
                 self.eval_before = self.evaluate(0)
             self.steplog.start(self.sync, start_step=self.progress.step,
                                total_steps=self.total_steps, progress=cfg.run.progress)
             for step in range(self.progress.step + 1, self.end_step + 1):
+                self._mark("train", step)
                 self._step(step)
                 if tc.eval_interval and step % tc.eval_interval == 0 and step < self.total_steps:
+                    self._mark("eval")
                     r = self.evaluate(step)
                     self.log(f"step {step}: eval loss {r['eval_loss']:.4f}, exact-match "
                              f"{r['correct']}/{r['n']}")
                 if self.ckpt.due(step, self.end_step):
+                    self._mark("checkpoint")
                     self.ckpt.save(self.progress, model=self.model, opt=self.opt,
                                    sched=self.sched, sync=self.sync,
                                    meta={"eval_before": self.eval_before,
                                          "total_steps": self.total_steps})
+            if self.end_step < self.total_steps:
+                self._end_event("stopped")
         finally:
             self.steplog.close()
 
@@ -302,6 +439,23 @@ class Trainer:
                      f"continue with --resume --output-dir {self.run_dir}")
             return 0
         return self._finish()
+
+    def _start_event(self) -> dict:
+        from lorasync.train.watchdog import describe_self
+
+        me = describe_self(self.rank)
+        return {"event": "start", "attempt": self.attempt, "rank": self.rank,
+                "world_size": self.world, "cause": self.cause, "resumed_from": self.plan.step,
+                "restart_count": self.restart_count,
+                "state": ("own" if self.rank in self.plan.own else "peer") if self.plan.step
+                else "new", "reset": self.reset, "plan": self.plan.note, "reason": self.reason,
+                "steps_redone": self.steps_redone, "resume_point_time": self.resume_point,
+                "spawn": self.spawned, "time": time.time(), "node": me["node"],
+                "host": me["host"], "addr": me["addr"], "pid": me["pid"]}
+
+    def _end_event(self, how: str) -> None:
+        self.steplog.stream.write({"event": "end", "attempt": self.attempt, "rank": self.rank,
+                                   "step": self.progress.step, "how": how, "time": time.time()})
 
     def _step(self, step: int) -> None:
         """One optimizer step: micro-batches, optimizer, strategy, record."""
@@ -352,8 +506,14 @@ class Trainer:
                 self.log(f"step {step}: {nxt} micro-batches per sync from now on (was "
                          f"{pg.grad_accum}): sync share {100 * rec['comm_s'] / step_s:.0f}%")
                 pg.grad_accum = nxt
+        if self._restart_field is not None:  # the first step after a recovery
+            lost = (rec["time"] - step_s - self.resume_point) if self.resume_point else None
+            rec["restart"] = {**self._restart_field, "lost_s": lost}
+            self._restart_field = None
         pg.step = step
         self.steplog.write(rec)
+        if self.watchdog is not None:
+            self.watchdog.step_done(step_s)
 
     # -- the end ------------------------------------------------------------------
 
@@ -361,20 +521,25 @@ class Trainer:
         """All steps done: final average, last evaluation, adapter, metrics, summary."""
         import torch.distributed as dist
 
-        from lorasync.monitor.metrics import write_merged
+        from lorasync.monitor.metrics import effective_records, write_merged
+        from lorasync.train.recovery import fault_summary
 
         cfg, rank, world, run_dir = self.cfg, self.rank, self.world, self.run_dir
+        self._mark("finish")
         self.sync.finish()
         eval_after = self.evaluate(self.total_steps) if cfg.data.eval_size and self.eval_set \
             else None
         if rank == 0:
             self.model.save_pretrained(os.path.join(run_dir, "adapter"))
+        self._end_event("done")
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(self.steplog.records, gathered, dst=0)
         if rank == 0:
-            write_merged(os.path.join(run_dir, "metrics.jsonl"), gathered)
-            summary = _summarize(gathered, cfg, world, self.n_adapter, self.startup_bytes,
+            steps = effective_records(gathered)
+            write_merged(os.path.join(run_dir, "metrics.jsonl"), steps)
+            summary = _summarize(steps, cfg, world, self.n_adapter, self.startup_bytes,
                                  self.eval_before, eval_after)
+            summary["faults"] = fault_summary(gathered)
             with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=1)
             print(format_summary(summary, run_dir))

@@ -18,13 +18,12 @@ __all__ = ["StepLog"]
 class StepLog:
     """Records of one rank; ``close()`` in ``finally``."""
 
-    def __init__(self, run_dir: str, *, rank: int, world: int, strategy: str, start_step: int,
-                 run_cfg, store):
+    def __init__(self, run_dir: str, *, rank: int, world: int, strategy: str, run_cfg, store):
         from lorasync.monitor.metrics import RankStream
         from lorasync.monitor.sinks import open_sinks
 
         self.rank, self.world, self.strategy = rank, world, strategy
-        self.stream = RankStream(run_dir, rank, keep_until_step=start_step)
+        self.stream = RankStream(run_dir, rank)
         self.sinks = open_sinks(run_dir, rank=rank, world_size=world,
                                 tensorboard=run_cfg.tensorboard,
                                 metrics_port=run_cfg.metrics_port,
@@ -35,7 +34,7 @@ class StepLog:
 
     @property
     def records(self) -> list[dict]:
-        """Every step record of this rank so far (the resumed ones included)."""
+        """This rank's whole stream: every attempt's step and event records."""
         return self.stream.records
 
     def start(self, sync, *, start_step: int, total_steps: int, progress: bool) -> None:
