@@ -56,6 +56,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
+# the workers (started by torchrun in the namespaces) run this checkout's lorasync too
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [os.path.join(ROOT, "src")] + [x for x in [os.environ.get("PYTHONPATH", "")] if x])
 
 KINDS = ("kill", "stop", "link", "node", "rate")
 

@@ -147,10 +147,11 @@ def _read(path):
 
 
 def _wait_step(path, step, timeout):
+    """The worker's pid once it has trained ``step`` steps together with its peer."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         recs = [r for r in _read(path) if "step" in r and "event" not in r]
-        if recs and recs[-1]["step"] >= step:
+        if recs and recs[-1]["step"] >= step and recs[-1].get("n", 2) == 2:
             return [r for r in _read(path) if r.get("event") == "start"][-1]["pid"]
         time.sleep(0.05)
     raise RuntimeError(f"{path}: step {step} not reached in {timeout:.0f} s")

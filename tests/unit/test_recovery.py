@@ -230,3 +230,24 @@ def test_peer_named_from_a_gloo_error():
            "Connection reset by peer. This is typically caused by ...")
     assert peer_in_error(err, members, 0)["rank"] == 2
     assert peer_in_error("Connection reset by peer", members[:2], 0)["rank"] == 1
+
+
+def test_classify_attempts(tmp_path):
+    from lorasync.train.recovery import classify
+
+    kw = dict(resumed_from=10, world=2, restart_count=0, run_dir=str(tmp_path), rank=0)
+    assert classify([{"attempt": 0, "records": False}] * 2, {}, **kw).cause == "new"
+    clean = {"attempt": 1, "records": True, "clean": True, "last_step": 10, "world_size": 2}
+    assert classify([clean, clean], clean, **kw).cause == "resume"
+    failed = dict(clean, clean=False, last_step=13, faults=[
+        {"time": 1.0, "rank": 0, "step": 13, "what": "rank 1 stopped answering",
+         "message": "lorasync: rank 0 (node 0): rank 1 stopped answering; restarting"}])
+    a = classify([failed, clean], failed, **dict(kw, restart_count=1))
+    assert (a.number, a.cause, a.steps_redone, a.reached) == (2, "recover", 3, 13)
+    assert a.reason == "rank 0 at step 13: rank 1 stopped answering"
+    assert "restart 1 of" in a.describe(10, 2)
+    grew = classify([failed, {"attempt": 0, "records": False}, failed], failed,
+                    **dict(kw, world=3, restart_count=1))
+    assert grew.membership == "grew" and grew.reason.startswith("a node joined: 2 -> 3")
+    shrank = classify([failed], failed, **dict(kw, world=1, restart_count=1))
+    assert shrank.membership == "shrank" and shrank.reason.endswith("going on with 1 of 2 ranks")

@@ -160,6 +160,13 @@ def load_run(path: str) -> Run:
         except (OSError, ValueError):
             summary = None
             notes.append("summary.json unreadable: run numbers computed from metrics.jsonl")
+    faults = (summary or {}).get("faults") or {}
+    if faults.get("faults") or faults.get("joins"):
+        notes.append(f"the run recovered from {faults.get('faults', 0)} fault(s)"
+                     + (f" and took in {faults['joins']} joining node(s)" if faults.get("joins")
+                        else "")
+                     + f": {faults.get('steps_redone', 0)} step(s) redone, "
+                     f"{faults.get('time_lost_s') or 0:.0f} s lost (docs/faults.md)")
     name = os.path.basename(os.path.normpath(os.path.abspath(path))) or path
     return Run(path=path, name=name, records=records, evals=evals, summary=summary, notes=notes)
 

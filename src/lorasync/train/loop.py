@@ -146,6 +146,11 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10),
                             device_id=device if backend == "nccl" else None)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        log("note: torchrun shares one c10d store between restarts here; set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (lorasync's launchers do): a "
+            "restarted group can otherwise read the previous one's keys and fail to connect")
     watchdog = trainer = None
     try:
         # who is who (to name a peer that fails), and a key prefix of this attempt
@@ -160,7 +165,8 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
                             on_fault=lambda e: trainer.record_event(e) if trainer else None,
                             next_action=lambda: next_action(cfg.run.output_dir))
         watchdog.start()
-        dist.barrier()  # every rank's first beat is in the store
+        # every rank's first beat is in the store before anyone watches
+        dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
         trainer = Trainer(cfg, resume, env, device, backend, log, watchdog=watchdog,
                           spawned=spawned)
         trainer.setup()
@@ -247,7 +253,7 @@ class Trainer:
     def record_event(self, event: dict) -> None:
         """An event of this rank (a fault verdict) into its stream, once it is open."""
         if self.steplog is not None:
-            self.steplog.stream.write({**event, "attempt": self.attempt})
+            self.steplog.stream.write({**event, "attempt": self.attempt.number})
 
     # -- setup ----------------------------------------------------------------
 
@@ -260,11 +266,12 @@ class Trainer:
         from lorasync.train.checkpoint import Checkpointer, Progress
         from lorasync.train.data import load_datasets, steps_per_epoch
         from lorasync.train.model import adapter_param_count, add_lora, load_base
-        from lorasync.train.recovery import history
+        from lorasync.errors import CheckpointError
+        from lorasync.train.recovery import Attempt, classify, history
 
         cfg, tc, rank, world, device = self.cfg, self.tc, self.rank, self.world, self.device
         self.progress = Progress(grad_accum=tc.grad_accum)
-        self.attempt = 0
+        self.attempt = Attempt()
         self._mark("setup")
         t_load = time.time()
         base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
@@ -285,9 +292,16 @@ class Trainer:
                                  interval=tc.ckpt_interval, keep=tc.keep_ckpts)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
-        self.plan, meta, self.histories = self.ckpt.agree(
+        self.plan, meta, histories = self.ckpt.agree(
             resume=self.resume or self.restart_count > 0, history=self.history)
-        self._classify_attempt()
+        self.attempt = classify(histories, self.history, resumed_from=self.plan.step,
+                                world=world, restart_count=self.restart_count,
+                                run_dir=self.run_dir, rank=rank)
+        if self.resume and not self.plan.step and self.attempt.cause != "recover":
+            raise CheckpointError(f"--resume: {self.run_dir} has no complete checkpoint; start "
+                                  "a new run without --resume")
+        if self.attempt.cause == "recover":
+            self.log(self.attempt.describe(self.plan.step, world))
         self.eval_before = meta.get("eval_before")
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
@@ -347,43 +361,6 @@ class Trainer:
             from lorasync.train.checkpoint import seed_rngs
             seed_rngs(tc.seed, rank)
 
-    def _classify_attempt(self) -> None:
-        """Number this attempt and say why it runs: new, resume (the last one
-        ended cleanly) or recover (it failed); log a recovery in words."""
-        from lorasync.errors import CheckpointError
-        from lorasync.train.recovery import describe_faults, resume_point_time
-
-        hs = [h for h in self.histories if h.get("records")]
-        self.attempt = 1 + max((h["attempt"] for h in self.histories), default=0)
-        failed = [h for h in hs if not h.get("clean")]
-        if not hs:
-            self.cause = "new"
-        elif failed or self.restart_count > 0:
-            self.cause = "recover"
-        else:
-            self.cause = "resume"
-        if self.resume and not self.plan.step and self.restart_count == 0 and \
-                self.cause != "recover":
-            raise CheckpointError(f"--resume: {self.run_dir} has no complete checkpoint; start "
-                                  "a new run without --resume")
-        faults = [f for h in hs for f in h.get("faults", [])]
-        self.reason = describe_faults(faults) if self.cause == "recover" else ""
-        mine = self.history if self.history.get("records") else None
-        self.steps_redone = max(0, mine["last_step"] - self.plan.step) if mine else 0
-        self.resume_point = (resume_point_time(self.run_dir, self.rank, self.plan.step)
-                             if mine and self.cause == "recover" else None)
-        if self.cause == "recover":
-            reached = max((h["last_step"] for h in hs), default=0)
-            how = (f"restart {self.restart_count} of "
-                   f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
-                   if self.restart_count else "resumed by hand")
-            self.log(f"lorasync: recovering ({how}) after a failure at step {reached}: "
-                     f"{self.reason}; resuming from "
-                     + (f"checkpoint step {self.plan.step}" if self.plan.step else
-                        "the start (no checkpoint every rank holds)")
-                     + f", {max(0, reached - self.plan.step)} step(s) to redo, "
-                     f"{self.world} rank(s)")
-
     # -- the loop ---------------------------------------------------------------
 
     def run(self) -> int:
@@ -397,10 +374,11 @@ class Trainer:
                                strategy=cfg.comm.strategy, run_cfg=cfg.run,
                                store=dist.distributed_c10d._get_default_store())
         self.steplog.stream.write(self._start_event())
-        if self.cause == "recover":
-            self._restart_field = {"attempt": self.attempt, "from_step": self.plan.step,
-                                   "steps_redone": self.steps_redone,
-                                   "restart_count": self.restart_count, "reason": self.reason}
+        at = self.attempt
+        if at.cause == "recover":
+            self._restart_field = {"attempt": at.number, "from_step": self.plan.step,
+                                   "steps_redone": at.steps_redone,
+                                   "restart_count": at.restart_count, "reason": at.reason}
         self.evaluate = Evaluator(self.model, self.eval_set, self.tok, self.device,
                                   rank=self.rank, world=self.world,
                                   max_new_tokens=tc.max_new_tokens, run_dir=self.run_dir,
@@ -443,19 +421,20 @@ class Trainer:
     def _start_event(self) -> dict:
         from lorasync.train.watchdog import describe_self
 
-        me = describe_self(self.rank)
-        return {"event": "start", "attempt": self.attempt, "rank": self.rank,
-                "world_size": self.world, "cause": self.cause, "resumed_from": self.plan.step,
-                "restart_count": self.restart_count,
+        me, at = describe_self(self.rank), self.attempt
+        return {"event": "start", "attempt": at.number, "rank": self.rank,
+                "world_size": self.world, "cause": at.cause, "resumed_from": self.plan.step,
+                "restart_count": at.restart_count,
                 "state": ("own" if self.rank in self.plan.own else "peer") if self.plan.step
-                else "new", "reset": self.reset, "plan": self.plan.note, "reason": self.reason,
-                "steps_redone": self.steps_redone, "resume_point_time": self.resume_point,
-                "spawn": self.spawned, "time": time.time(), "node": me["node"],
-                "host": me["host"], "addr": me["addr"], "pid": me["pid"]}
+                else "new", "reset": self.reset, "plan": self.plan.note, "reason": at.reason,
+                "steps_redone": at.steps_redone, "resume_point_time": at.resume_point_time,
+                "membership": at.membership, "spawn": self.spawned, "time": time.time(),
+                "node": me["node"], "host": me["host"], "addr": me["addr"], "pid": me["pid"]}
 
     def _end_event(self, how: str) -> None:
-        self.steplog.stream.write({"event": "end", "attempt": self.attempt, "rank": self.rank,
-                                   "step": self.progress.step, "how": how, "time": time.time()})
+        self.steplog.stream.write({"event": "end", "attempt": self.attempt.number,
+                                   "rank": self.rank, "step": self.progress.step, "how": how,
+                                   "time": time.time()})
 
     def _step(self, step: int) -> None:
         """One optimizer step: micro-batches, optimizer, strategy, record."""
@@ -507,7 +486,8 @@ class Trainer:
                          f"{pg.grad_accum}): sync share {100 * rec['comm_s'] / step_s:.0f}%")
                 pg.grad_accum = nxt
         if self._restart_field is not None:  # the first step after a recovery
-            lost = (rec["time"] - step_s - self.resume_point) if self.resume_point else None
+            t0 = self.attempt.resume_point_time
+            lost = (rec["time"] - step_s - t0) if t0 else None
             rec["restart"] = {**self._restart_field, "lost_s": lost}
             self._restart_field = None
         pg.step = step

@@ -22,8 +22,73 @@ the work thrown away, the detection, the restart and the reload).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-__all__ = ["history", "resume_point_time", "next_action", "fault_summary", "describe_faults"]
+__all__ = ["Attempt", "classify", "history", "resume_point_time", "next_action",
+           "fault_summary", "describe_faults"]
+
+
+@dataclass
+class Attempt:
+    """This start of the run, as the group sees it (the same on every rank but
+    ``steps_redone`` and ``resume_point_time``, which are this rank's)."""
+
+    number: int = 1
+    """1 + the highest attempt any rank's stream holds."""
+    cause: str = "new"
+    """new, resume (the attempt before ended cleanly) or recover (it failed)."""
+    reason: str = ""
+    """The failure in words (a recovery), from the fault events recorded."""
+    membership: str | None = None
+    """grew / shrank when the world size differs from the attempt before."""
+    reached: int = 0
+    """The last step any rank reached before."""
+    steps_redone: int = 0
+    """This rank's steps after the checkpoint resumed from that ran before."""
+    resume_point_time: float | None = None
+    """When this rank's failed history reached the checkpoint resumed from."""
+    restart_count: int = 0
+    """torchrun's restarts of this group so far."""
+
+    def describe(self, resumed_from: int, world: int) -> str:
+        """One line for the log, for a recovery."""
+        how = (f"restart {self.restart_count} of "
+               f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}" if self.restart_count
+               else "resumed by hand")
+        what = "after a failure" if self.membership != "grew" else "for a new node"
+        return (f"lorasync: recovering ({how}) {what} at step {self.reached}: {self.reason}; "
+                "resuming from " + (f"checkpoint step {resumed_from}" if resumed_from else
+                                    "the start (no checkpoint every rank holds)")
+                + f", {max(0, self.reached - resumed_from)} step(s) to redo, {world} rank(s)")
+
+
+def classify(histories: list[dict], mine: dict, *, resumed_from: int, world: int,
+             restart_count: int, run_dir: str, rank: int) -> Attempt:
+    """Number this attempt and say why it runs, from every rank's ``history``."""
+    hs = [h for h in histories if h.get("records")]
+    a = Attempt(number=1 + max((h["attempt"] for h in histories), default=0),
+                restart_count=restart_count)
+    if not hs:
+        return a
+    a.cause = "recover" if restart_count > 0 or any(not h.get("clean") for h in hs) \
+        else "resume"
+    before = max((h.get("world_size") or 0 for h in hs), default=0)
+    if before and before != world:
+        a.membership = "grew" if world > before else "shrank"
+    a.reached = max((h["last_step"] for h in hs), default=0)
+    if a.cause != "recover":
+        return a
+    a.reason = describe_faults([f for h in hs for f in h.get("faults", [])])
+    if a.membership == "grew":
+        # torchrun restarts a running group when a node joins: not a failure
+        a.reason = (f"a node joined: {before} -> {world} ranks (torchrun restarts the group "
+                    "to take it in)")
+    elif a.membership == "shrank":
+        a.reason += f"; going on with {world} of {before} ranks"
+    if mine.get("records"):
+        a.steps_redone = max(0, mine["last_step"] - resumed_from)
+        a.resume_point_time = resume_point_time(run_dir, rank, resumed_from)
+    return a
 
 
 def _stream(run_dir: str, rank: int) -> list[dict]:
@@ -48,7 +113,8 @@ def history(run_dir: str, rank: int) -> dict:
             "last_step": max((r["step"] for r in steps), default=start.get("resumed_from", 0)
                              if start else 0),
             "faults": [r for r in body if r.get("event") == "fault"],
-            "spawn": start.get("spawn") if start else None}
+            "spawn": start.get("spawn") if start else None,
+            "world_size": start.get("world_size") if start else None}
 
 
 def resume_point_time(run_dir: str, rank: int, step: int) -> float | None:
@@ -87,13 +153,15 @@ def describe_faults(faults: list[dict]) -> str:
     if not faults:
         return "a worker exited or was killed without a verdict"
     first = min(faults, key=lambda f: f.get("time") or 0)
-    msg = first.get("message", "")
-    return msg.split(": ", 1)[1] if msg.startswith("lorasync: ") and ": " in msg else msg
+    if first.get("what"):
+        return f"rank {first.get('rank')} at step {first.get('step')}: {first['what']}"
+    return first.get("message", "").removeprefix("lorasync: ")
 
 
 def fault_summary(per_rank: list[list[dict]]) -> dict:
     """Faults, restarts, steps redone and time lost over a run's whole history
-    (every rank's full stream); per attempt the worst rank counts."""
+    (every rank's full stream); per attempt the worst rank counts.  Steps redone
+    and time lost include the restarts that took in a joining node."""
     from lorasync.monitor.metrics import attempts
 
     by_attempt: dict[int, dict] = {}
@@ -107,8 +175,9 @@ def fault_summary(per_rank: list[list[dict]]) -> dict:
                 continue
             a = by_attempt.setdefault(int(start.get("attempt", 0)), {
                 "attempt": int(start.get("attempt", 0)), "from_step": start.get("resumed_from"),
-                "world_size": start.get("world_size"), "restarted": False, "steps_redone": 0,
-                "lost_s": None, "reason": start.get("reason", "")})
+                "world_size": start.get("world_size"), "joined": start.get("membership") == "grew",
+                "restarted": False, "steps_redone": 0, "lost_s": None,
+                "reason": start.get("reason", "")})
             a["restarted"] |= int(start.get("restart_count", 0)) > 0
             a["steps_redone"] = max(a["steps_redone"], int(start.get("steps_redone") or 0))
             first = next((r for r in body if "event" not in r), None)
@@ -118,7 +187,9 @@ def fault_summary(per_rank: list[list[dict]]) -> dict:
                 a["lost_s"] = lost if a["lost_s"] is None else max(a["lost_s"], lost)
     recov = [by_attempt[k] for k in sorted(by_attempt)]
     return {
-        "faults": len(recov),
+        # a node joining restarts the group too (torchrun), but it is no failure
+        "faults": sum(1 for a in recov if not a["joined"]),
+        "joins": sum(1 for a in recov if a["joined"]),
         "restarts": sum(1 for a in recov if a["restarted"]),
         "steps_redone": sum(a["steps_redone"] for a in recov),
         "time_lost_s": sum(a["lost_s"] or 0.0 for a in recov),

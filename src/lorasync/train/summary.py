@@ -74,10 +74,11 @@ def format_summary(s: dict, run_dir: str) -> str:
             " (adapters identical on every rank: hash checked, nothing broadcast)")),
     ]
     f = s.get("faults") or {}
-    if f.get("faults"):
+    if f.get("faults") or f.get("joins"):
         lost = f.get("time_lost_s") or 0.0
-        rows.append(("faults survived", f"{f['faults']} ({f['restarts']} automatic restart(s)), "
-                     f"{f['steps_redone']} step(s) redone, {lost:.1f} s lost"))
+        joins = f", {f['joins']} node join(s)" if f.get("joins") else ""
+        rows.append(("faults survived", f"{f['faults']} ({f['restarts']} automatic restart(s)"
+                     f"{joins}), {f['steps_redone']} step(s) redone, {lost:.1f} s lost"))
     w = max(len(k) for k, _ in rows)
     lines = [f"\nlorasync run summary ({run_dir})", "-" * (w + 40)]
     lines += [f"{k.ljust(w)}  {v}" for k, v in rows]

@@ -288,7 +288,7 @@ class Watchdog:
                  "phase": self.phase, "where": where, "kind": kind,
                  "peer": peer["rank"] if peer else None,
                  "peer_node": peer["node"] if peer else None, "silent_s": silent_s,
-                 "bound_s": self.bound(), "next": word, "message": msg}
+                 "bound_s": self.bound(), "next": word, "what": what, "message": msg}
         try:
             self.on_fault(event)
         finally:
