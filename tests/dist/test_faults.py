@@ -105,7 +105,7 @@ def test_frozen_worker_is_named_by_the_survivor(tmp_path, strategy, opts, site):
     run = str(tmp_path / "r")
     # no restart: the verdict and "giving up" are what this test is about
     p = _start(*TINY, "--nproc", "2", "--max-steps", "400", "--ckpt-interval", "0",
-               "--comm", strategy, *opts, "--fault-timeout", "3", "--max-restarts", "0",
+               "--comm", strategy, *opts, "--fault-timeout", "8", "--max-restarts", "0",
                "--output-dir", run)
     pid = None
     try:

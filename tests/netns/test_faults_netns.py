@@ -90,7 +90,7 @@ def test_link_down_and_back_the_run_recovers(tmp_path):
     c = Cluster.up(ClusterSpec(nodes=2, rate_bps="100mbit", name=f"{TAG}link"))
     try:
         t, box = _launch(c, [*TINY, "--max-steps", "160", "--ckpt-interval", "5",
-                             "--fault-timeout", "3", "--max-restarts", "2",
+                             "--fault-timeout", "8", "--max-restarts", "2",
                              "--output-dir", run], tmp_path, max_restarts=2)
         rank, _ = _wait(lambda: _rank_on(run, 1, 2), 200, "node 1's first step")
         _wait(lambda: sum("event" not in x for x in _records(run, rank)) >= 8, 200, "step 8")
@@ -125,7 +125,7 @@ def test_node_lost_for_good_the_others_continue(tmp_path):
     c = Cluster.up(ClusterSpec(nodes=3, rate_bps="100mbit", name=f"{TAG}lost"))
     try:
         t, box = _launch(c, [*TINY, "--max-steps", "120", "--ckpt-interval", "5",
-                             "--fault-timeout", "3", "--max-restarts", "2", "--nnodes", "2:3",
+                             "--fault-timeout", "8", "--max-restarts", "2", "--nnodes", "2:3",
                              "--output-dir", run], tmp_path, max_restarts=2, min_nodes=2)
         rank, _ = _wait(lambda: _rank_on(run, 2, 3), 240, "node 2's first step")
         _wait(lambda: sum("event" not in x for x in _records(run, rank)) >= 8, 200, "step 8")

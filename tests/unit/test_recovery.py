@@ -176,7 +176,7 @@ def _members(n):
             for r in range(n)]
 
 
-def _dog(store_port, rank, members, fired, bound=1.5):
+def _dog(store_port, rank, members, fired, bound=3.0):
     from lorasync.train.watchdog import Watchdog
 
     def on_exit(code):

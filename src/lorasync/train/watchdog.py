@@ -208,11 +208,12 @@ class Watchdog:
             now = time.monotonic()
             gap, prev = now - prev, now
             if gap > max(10 * self.interval, 2.0):
-                # this process itself got no CPU (SIGSTOP, a paused VM): that gap is
-                # no peer's fault; past the bound the others have given up on it
-                if gap > self.bound():
+                # this process itself got no CPU (SIGSTOP, a paused VM, an overloaded
+                # host): that gap is no peer's fault; it only ends this rank when
+                # another one has already given up on it
+                if gap > self.bound() and self._given_up_on_me():
                     self._fail(self._me(), "self", f"this rank was stopped for {gap:.0f} s, "
-                               "longer than the bound: the other ranks have given up on it",
+                               "longer than the bound, and the others have given up on it",
                                silent_s=gap)
                 last_ok = now
                 seen = {r: (b, now) for r, (b, _) in seen.items()}
@@ -295,6 +296,18 @@ class Watchdog:
             print(msg, file=sys.stderr, flush=True)
             sys.stdout.flush()
             self._exit(EXIT_FAULT)
+
+    def _given_up_on_me(self) -> bool:
+        import json
+
+        try:
+            if not self._store.check(["verdict"]):
+                return False
+            got = self._store.get("verdict")
+            return json.loads(got.decode() if isinstance(got, bytes) else got).get("peer") \
+                == self.rank
+        except Exception:  # noqa: BLE001 - no store: the group's store host is gone too
+            return True
 
     def _me(self) -> dict:
         return next(m for m in self.members if m["rank"] == self.rank)
