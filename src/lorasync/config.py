@@ -27,7 +27,7 @@ from lorasync.errors import ConfigError, LorasyncError, UnknownKey
 
 __all__ = [
     "ModelConfig", "LoraSettings", "DataConfig", "TrainConfig", "CommConfig", "RunConfig",
-    "Config", "load_config", "config_to_dict", "iter_fields",
+    "Config", "load_config", "config_to_dict", "iter_fields", "parse_nnodes",
 ]
 
 
@@ -199,6 +199,20 @@ class RunConfig:
                            "of rank 0 (0: off)", flag="--metrics-port")
     metrics_host: str = _f("127.0.0.1", "address the Prometheus endpoint binds to (0.0.0.0 "
                            "to let a remote Prometheus scrape it)", flag="--metrics-host")
+    max_restarts: int = _f(3, "restarts of the worker group after a failure (torchrun "
+                           "--max-restarts); each resumes from the newest checkpoint every rank "
+                           "holds", flag="--max-restarts")
+    nnodes: str = _f("", "nodes, N or MIN:MAX (torchrun's c10d rendezvous): with MIN below MAX "
+                     "the run goes on when a node does not come back after a failure and takes "
+                     "in a node that joins later; with --emulate or --rdzv-endpoint",
+                     flag="--nnodes")
+    rdzv_endpoint: str = _f("", "HOST:PORT of the c10d rendezvous (node 0's address) to run "
+                            "the same command on several machines", flag="--rdzv-endpoint")
+    fault_timeout: float = _f(30.0, "seconds a peer may stay silent before it counts as "
+                              "failed, at least: the bound is max(this, --fault-steps x the "
+                              "median step time)", flag="--fault-timeout")
+    fault_steps: float = _f(10.0, "steps of silence that count as a failure when steps are "
+                            "slower than --fault-timeout / this", flag="--fault-steps")
 
     def __post_init__(self):
         _check(isinstance(self.nproc, int) and 1 <= self.nproc <= 256, "run.nproc", self.nproc,
@@ -209,6 +223,29 @@ class RunConfig:
                self.threads, "use an integer >= 0")
         _check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
                "run.metrics_port", self.metrics_port, "use a port 1-65535, or 0 for none")
+        _check(isinstance(self.max_restarts, int) and not isinstance(self.max_restarts, bool)
+               and 0 <= self.max_restarts <= 1000, "run.max_restarts", self.max_restarts,
+               "use an integer between 0 (fail on the first fault) and 1000")
+        self.nnodes = str(self.nnodes).strip()
+        _check(self.nnodes == "" or parse_nnodes(self.nnodes) is not None, "run.nnodes",
+               self.nnodes, "give N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 or 1:3")
+        _check(self.rdzv_endpoint == "" or (":" in self.rdzv_endpoint
+                                            and self.rdzv_endpoint.rsplit(":", 1)[1].isdigit()),
+               "run.rdzv_endpoint", self.rdzv_endpoint, "give HOST:PORT, e.g. 10.0.0.1:29400")
+        _check(_num(self.fault_timeout) and 1 <= self.fault_timeout <= 3600,
+               "run.fault_timeout", self.fault_timeout, "use a number of seconds in [1, 3600]")
+        _check(_num(self.fault_steps) and 2 <= self.fault_steps <= 1000, "run.fault_steps",
+               self.fault_steps, "use a number of steps in [2, 1000]")
+
+
+def parse_nnodes(text: str) -> tuple[int, int] | None:
+    """``"2"`` -> (2, 2), ``"1:3"`` -> (1, 3); None when malformed."""
+    lo, _, hi = str(text).partition(":")
+    hi = hi or lo
+    if not (lo.strip().isdigit() and hi.strip().isdigit()):
+        return None
+    lo_n, hi_n = int(lo), int(hi)
+    return (lo_n, hi_n) if 1 <= lo_n <= hi_n else None
 
 
 SECTIONS = {"model": ModelConfig, "lora": LoraSettings, "data": DataConfig,

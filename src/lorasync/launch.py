@@ -6,8 +6,16 @@ the same way: when the process is not yet a torchrun worker, it re-runs
 worker (``LOCAL_RANK``/``WORLD_SIZE`` set by torchrun), it does the work.  A
 user on several machines skips the first half and calls torchrun directly::
 
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
-        --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m lorasync train ...
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --max-restarts 3 \\
+        --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m lorasync train ...
+
+Restarts (``max_restarts``): torchrun restarts the whole worker group after
+a worker fails; the trainer resumes it from the agreed checkpoint.  With
+restarts the workers get a fresh c10d store every round
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with torch's default, one store
+shared by every round, a restarted group can read the previous round's
+keys and fail to connect (measured here: the first restart after a
+``kill -9`` failed that way, the second worked).
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-__all__ = ["in_worker", "run_torchrun", "worker_env"]
+__all__ = ["in_worker", "run_torchrun", "worker_env", "restart_env", "EXIT_FAULT"]
+
+#: exit code of a worker that stopped because a peer failed (train/watchdog.py; EX_TEMPFAIL)
+EXIT_FAULT = 75
 
 
 def in_worker() -> bool:
@@ -34,20 +45,32 @@ def worker_env() -> dict[str, int]:
     }
 
 
-def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 0,
+def restart_env(max_restarts: int, nnodes: str | int = 1) -> dict[str, str]:
+    """Environment for torchrun agents and their workers when groups restart."""
+    env = {"LORASYNC_NNODES": str(nnodes)}
+    if max_restarts > 0 or ":" in str(nnodes):
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node_rank: int = 0,
                  rdzv_endpoint: str | None = None, rdzv_id: str = "lorasync",
                  max_restarts: int = 0) -> int:
     """Run ``python -m lorasync ARGV`` in ``nproc`` local workers via torchrun.
 
     Single node: ``--standalone`` (a free local port, rendezvous on loopback).
-    Several nodes: c10d rendezvous at ``rdzv_endpoint``.  Returns the exit
-    code of the first failed worker (2 for a user error), 0 on success.
+    Several nodes: c10d rendezvous at ``rdzv_endpoint``; ``nnodes`` is N or
+    ``"MIN:MAX"`` (elastic).  ``max_restarts``: worker-group restarts after a
+    failure.  Returns the exit code of the first failed worker (2 for a user
+    error), 0 on success.
     """
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
-    if nnodes == 1 and rdzv_endpoint is None:
+    if str(nnodes) == "1" and rdzv_endpoint is None:
         args.append("--standalone")
     else:
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
@@ -60,9 +83,15 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank:
     parsed.training_script_args = list(argv)
     # one thread per worker unless the user said otherwise: ranks share cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    try:
-        run(parsed)
-    except ChildFailedError as exc:
-        codes = [f.exitcode for f in exc.failures.values()]
-        return next((c for c in codes if c == 2), codes[0] if codes else 1) or 1
+    os.environ.update(restart_env(max_restarts, nnodes))
+    # a worker's user error is the same on every try: restarted workers stop at once
+    with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal:
+        os.environ["LORASYNC_FATAL_DIR"] = fatal
+        try:
+            run(parsed)
+        except ChildFailedError as exc:
+            codes = [f.exitcode for f in exc.failures.values()]
+            return next((c for c in codes if c == 2), codes[0] if codes else 1) or 1
+        finally:
+            os.environ.pop("LORASYNC_FATAL_DIR", None)
     return 0

@@ -33,6 +33,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from lorasync.errors import LorasyncError
+from lorasync.monitor.metrics import effective_records
 
 __all__ = ["Run", "load_run", "step_series", "find_switches", "summarize_run", "build_report",
            "write_report", "default_output"]
@@ -121,11 +122,18 @@ def load_run(path: str) -> Run:
             raise LorasyncError(f"{metrics}: not found (nor per-rank streams in {folder}); "
                                 f"{path} is not a lorasync run directory: pass the "
                                 "--output-dir of `lorasync train`")
-        records = []
+        per_rank = []
         for f in streams:
-            recs, n = _read_jsonl(os.path.join(folder, f), REQUIRED_FIELDS)
-            records += recs
+            recs, n = _read_jsonl(os.path.join(folder, f), ())
+            per_rank.append(recs)
             notes += [f"ranks/{s}" for s in n]
+        # the streams also hold start/fault events and steps run again after a restart
+        records = [r for recs in effective_records(per_rank) for r in recs]
+        for r in records:
+            missing = [k for k in REQUIRED_FIELDS if k not in r]
+            if missing:
+                raise LorasyncError(f"{folder}: a record lacks {', '.join(missing)}; this is "
+                                    "not a lorasync metrics stream (see docs/contracts.md)")
         notes.insert(0, "run not finished (no metrics.jsonl): built from the per-rank "
                         "streams in ranks/, no summary.json")
         empty_fix = (f"{folder}: no step records yet; the run has not finished a step: wait, "
@@ -152,6 +160,13 @@ def load_run(path: str) -> Run:
         except (OSError, ValueError):
             summary = None
             notes.append("summary.json unreadable: run numbers computed from metrics.jsonl")
+    faults = (summary or {}).get("faults") or {}
+    if faults.get("faults") or faults.get("joins"):
+        notes.append(f"the run recovered from {faults.get('faults', 0)} fault(s)"
+                     + (f" and took in {faults['joins']} joining node(s)" if faults.get("joins")
+                        else "")
+                     + f": {faults.get('steps_redone', 0)} step(s) redone, "
+                     f"{faults.get('time_lost_s') or 0:.0f} s lost (docs/faults.md)")
     name = os.path.basename(os.path.normpath(os.path.abspath(path))) or path
     return Run(path=path, name=name, records=records, evals=evals, summary=summary, notes=notes)
 

@@ -949,7 +949,8 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
                       timeout: float | None = None, *, module: str | None = "lorasync",
                       port: int = 29400, env: dict | None = None, log_dir: str | Path | None = None,
                       fail_grace: float = 10.0, overlay: bool | None = None,
-                      reach_timeout: float = 5.0) -> int:
+                      reach_timeout: float = 5.0, max_restarts: int = 0,
+                      min_nodes: int | None = None) -> int:
     """Run one torchrun agent per node, each in its namespace; return an exit code.
 
     Each node runs torchrun (``torch.distributed.run``, through
@@ -972,6 +973,12 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     Returns 0 if all succeed, else 2 if any agent returned 2, else the first
     non-zero code.  After a failure the others get ``fail_grace`` seconds,
     then everything is killed; also on ``timeout`` (returns 124) and Ctrl-C.
+
+    ``max_restarts``: torchrun restarts the worker group that many times after
+    a failure (with a fresh c10d store per round, see lorasync.launch).
+    ``min_nodes`` (elastic, ``--nnodes MIN:N``): an agent that dies is not a
+    failure while at least ``min_nodes`` agents still run; the run succeeds
+    when those do.
     """
     nn = len(cluster.nodes)
     host, route, over = _agent_route(cluster, overlay)
@@ -979,6 +986,9 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"
     base_env = dict(os.environ if env is None else env)
     base_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    from lorasync.launch import restart_env
+    nnodes = f"{min_nodes}:{nn}" if min_nodes else str(nn)
+    base_env.update(restart_env(max_restarts, nnodes))
     procs: list[subprocess.Popen] = []
     logs = []
     if log_dir is not None:
@@ -988,13 +998,13 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
             addr, ifname = route[n.index]
             cmd = agent_argv(sys.executable, label=n.name, store_addr=addr if over else None,
                              reach_timeout=reach_timeout, rdzv_wait=20.0)
-            cmd += ["--nnodes", str(nn),
+            cmd += ["--nnodes", nnodes,
                     "--node-rank", str(n.index), "--nproc-per-node", str(nproc_per_node),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
                     # HOST hosts the rendezvous store; torch's own guess compares
                     # hostnames, which are the same in every namespace
                     "--rdzv-conf", f"is_host={1 if n.index == host.index else 0}",
-                    "--local-addr", addr, "--max-restarts", "0"]
+                    "--local-addr", addr, "--max-restarts", str(max_restarts)]
             cmd += ["-m", module, *argv] if module else list(argv)
             e = dict(base_env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname,
                      LORASYNC_RDZV_ENDPOINT=endpoint)
@@ -1008,8 +1018,13 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
         deadline = None if timeout is None else time.monotonic() + timeout
         first_bad: int | None = None
         bad_since = None
+        lost: set[int] = set()
         while [p.poll() for p in procs].count(None):  # poll every agent, no short-circuit
-            codes = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if min_nodes and [p.returncode for p in procs].count(None) >= min_nodes:
+                # a node lost while enough others run is survivable (elastic)
+                lost |= {i for i, p in enumerate(procs) if p.returncode not in (None, 0, 2)}
+            codes = [p.returncode for i, p in enumerate(procs)
+                     if p.returncode not in (None, 0) and i not in lost]
             if codes and first_bad is None:
                 first_bad, bad_since = codes[0], time.monotonic()
             now = time.monotonic()
@@ -1025,6 +1040,9 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
             return 2
         if first_bad is not None:
             return first_bad
+        if min_nodes and codes.count(0) >= min_nodes and all(
+                c == 0 for i, c in enumerate(codes) if i not in lost):
+            return 0
         return next((c if c > 0 else 128 - c for c in codes if c != 0), 0)
     except BaseException:
         _stop_agents(procs)

@@ -1,24 +1,46 @@
-"""Atomic checkpoints of a run.
+"""Atomic, verified checkpoints of a run, and which one a restarted group resumes from.
 
-Layout: ``RUN/checkpoints/step-000040/{meta.json, rank0.pt, rank1.pt, ...}``.
+Layout: ``RUN/checkpoints/step-000040/{meta.json, rank0.pt, rank0.json, rank1.pt, ...}``.
 Each rank saves its own state (adapter, optimizer, scheduler, RNG, sync
 state): under local SGD or DiLoCo replicas differ between syncs, and error
-feedback buffers are always per rank.  Everything is written into a hidden
+feedback buffers are always per rank.  Next to each ``rankR.pt`` a
+``rankR.json`` holds its size and SHA-256, so a file cut short or damaged on
+one node is recognised and never loaded.  Everything is written into a hidden
 ``.tmp-step-N`` folder first and renamed only once every rank has finished,
-so a process dying mid-write leaves no torn checkpoint: ``latest()`` only
-sees complete folders.
+so a process dying mid-write leaves no torn checkpoint: only complete folders
+count.  Older checkpoints are pruned only after every rank has finalized the
+new one, so the ranks always share at least one.
+
+Files hold tensors and plain Python values only and load with
+``torch.load(weights_only=True)`` (a checkpoint can run no code).
+
+Which checkpoint to resume from is agreed (``choose``): every rank lists
+what its own disk holds (``inventory``), the lists are gathered, and the
+group takes the newest step that every rank with any checkpoint holds.  A
+rank whose disk has none (a node that joins later, a node-local disk that
+was lost) and, after a change of world size, every rank, takes the
+replicated state (adapter, optimizer, schedule, data position) from the
+lowest rank that holds it.
+
+``Checkpointer`` is the trainer's component on top of these files: it agrees
+on the checkpoint to resume from, knows what one holds and when one is due.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import random
 import re
 import shutil
+from dataclasses import dataclass, field
 
 from lorasync.errors import CheckpointError
 
-__all__ = ["save", "latest", "load_rank", "read_meta"]
+__all__ = ["save", "latest", "load_rank", "read_meta", "inventory", "choose", "ResumePlan",
+           "Checkpointer", "Progress", "rng_state", "set_rng_state"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -31,10 +53,10 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str, write) -> None:
+def _write_atomic(path: str, data: bytes) -> None:
     tmp = path + ".part"
     with open(tmp, "wb") as fh:
-        write(fh)
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -52,22 +74,30 @@ def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, lo
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
     barrier()
-    _write_atomic(os.path.join(tmp, f"rank{rank}.pt"), lambda fh: torch.save(rank_state, fh))
+    buf = io.BytesIO()
+    torch.save(rank_state, buf)
+    data = buf.getvalue()
+    _write_atomic(os.path.join(tmp, f"rank{rank}.pt"), data)
+    _write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(
+        {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}).encode())
     barrier()
     # Who finalizes: with a file system shared by all ranks (one node, or NFS)
     # global rank 0 alone; with node-local disks each node's local rank 0
     # renames the folder holding its own ranks' files.
     shared = all(os.path.exists(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size))
     barrier()  # everyone has looked before anyone renames
-    if (rank == 0) if shared else (local_rank == 0):
+    finalizer = (rank == 0) if shared else (local_rank == 0)
+    if finalizer:
         meta = {**meta, "step": step, "world_size": world_size}
-        _write_atomic(os.path.join(tmp, "meta.json"),
-                      lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _prune(root, keep)
+    # Prune only once every node has its copy of this checkpoint: a node that
+    # dies while finalizing must still share an older one with the others.
     barrier()
+    if finalizer:
+        _prune(root, keep)
     return final
 
 
@@ -110,11 +140,328 @@ def read_meta(ckpt: str) -> dict:
         return json.load(fh)
 
 
-def load_rank(ckpt: str, rank: int) -> dict:
+def verified(ckpt: str, rank: int) -> bool:
+    """Whether ``ckpt`` holds an intact state file of ``rank``: its size and
+    SHA-256 match the record written beside it (files of older versions,
+    which have no record, only need to exist and be non-empty)."""
+    path = os.path.join(ckpt, f"rank{rank}.pt")
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return False
+    try:
+        with open(os.path.join(ckpt, f"rank{rank}.json")) as fh:
+            rec = json.load(fh)
+    except FileNotFoundError:
+        return size > 0
+    except (OSError, ValueError):
+        return False
+    if not isinstance(rec, dict) or rec.get("bytes") != size:
+        return False
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest() == rec.get("sha256")
+
+
+def inventory(run_dir: str) -> dict[int, dict]:
+    """What this disk holds: ``{step: {"world_size": n, "ranks": [intact rank files],
+    "damaged": [rank files that exist but fail verification]}}`` for every complete
+    checkpoint folder with at least one intact state file."""
+    out = {}
+    for step, path in _steps(os.path.join(run_dir, "checkpoints")):
+        try:
+            world = int(read_meta(path)["world_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        ranks, damaged = [], []
+        for name in os.listdir(path):
+            m = re.fullmatch(r"rank(\d+)\.pt", name)
+            if m:
+                (ranks if verified(path, int(m.group(1))) else damaged).append(int(m.group(1)))
+        if ranks:
+            out[step] = {"world_size": world, "ranks": sorted(ranks), "damaged": sorted(damaged)}
+    return out
+
+
+@dataclass
+class ResumePlan:
+    """The agreed way a (re)started group continues; the same on every rank."""
+
+    step: int = 0
+    """Checkpoint step to resume from (0: start from the beginning)."""
+    own: list = field(default_factory=list)
+    """Ranks that load their own state file of that checkpoint."""
+    peer: list = field(default_factory=list)
+    """Ranks that take the replicated state from ``source`` (and start their
+    rank-local state afresh)."""
+    source: int | None = None
+    """The lowest rank holding the checkpoint; it sends the replicated state."""
+    note: str = ""
+    """Why, in words (shown on restart)."""
+
+
+def choose(held: list[dict[int, dict]], world: int) -> ResumePlan:
+    """The checkpoint a group of ``world`` ranks resumes from, given each rank's
+    ``inventory`` (``held[r]``, with string or int step keys).  Pure.
+
+    The newest step that every rank with any checkpoint holds completely;
+    a checkpoint only some of them finalized (a crash while saving, on
+    node-local disks) or whose file for some rank is damaged is never
+    chosen.  A rank holds a step completely when its own file there is
+    intact, or, when its own file is not on its disk at all (a rank that
+    ran on another node before) or the group's size changed, when the
+    folder has any intact file.  A rank loads its own file when the
+    checkpoint has one for it and was written by a group of the same size;
+    the others get the replicated state from the lowest holder.
+    """
+    held = [{int(k): v for k, v in h.items()} for h in held]
+    with_history = [r for r, h in enumerate(held) if h]
+    if not with_history:
+        return ResumePlan(note="no checkpoint on any rank")
+
+    def complete(r: int) -> set[int]:
+        # every listed folder has an intact file; a damaged own file rules the step out
+        return {s for s, e in held[r].items() if r not in e.get("damaged", ())}
+
+    common = set.intersection(*(complete(r) for r in with_history))
+    if not common:
+        newest = {r: max(held[r]) for r in with_history}
+        return ResumePlan(note=f"no checkpoint held by every rank (newest per rank: "
+                               f"{', '.join(f'rank {r}: step {s}' for r, s in newest.items())})")
+    step = max(common)
+    own, peer = [], []
+    for r in range(world):
+        entry = held[r].get(step)
+        if entry and entry["world_size"] == world and r in entry["ranks"]:
+            own.append(r)
+        else:
+            peer.append(r)
+    source = min(r for r in with_history if step in held[r])
+    joined = [r for r in range(world) if not held[r]]
+    why = f"step {step}, the newest checkpoint every rank with one holds"
+    if peer:
+        sizes = {held[r][step]["world_size"] for r in with_history if step in held[r]}
+        if sizes != {world}:
+            why += (f"; written by {'/'.join(map(str, sorted(sizes)))} ranks, now {world}: "
+                    f"every rank takes rank {source}'s replicated state")
+        elif joined:
+            why += (f"; rank(s) {', '.join(map(str, joined))} hold none and take rank "
+                    f"{source}'s")
+        else:
+            why += f"; rank(s) {', '.join(map(str, peer))} take rank {source}'s state"
+    return ResumePlan(step=step, own=own, peer=peer if peer else [],
+                      source=source if peer else None, note=why)
+
+
+def _np_globals():
+    """numpy types that checkpoints of earlier versions hold (the RNG state),
+    allowed for those files only."""
+    import numpy as np
+
+    out = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            out.append(__import__(mod, fromlist=["_reconstruct"])._reconstruct)
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def load_file(path: str) -> dict:
+    """One state file, loaded with ``weights_only=True``."""
+    import pickle
+
     import torch
 
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "numpy" not in str(exc):
+            raise CheckpointError(f"{path}: not a lorasync checkpoint that loads safely "
+                                  f"({str(exc).splitlines()[0][:160]}); resume from another "
+                                  "checkpoint or start a new run") from None
+    with torch.serialization.safe_globals(_np_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_rank(ckpt: str, rank: int) -> dict:
     path = os.path.join(ckpt, f"rank{rank}.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{ckpt}: no state for rank {rank}; resume with the same number "
                               "of ranks the run was started with")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_file(path)
+
+
+# ---------------------------------------------------------------- the trainer's component
+
+
+def rng_state() -> dict:
+    """Every random generator training draws from (dropout, data shuffles in user
+    code), as tensors and plain values (numpy's state as a tensor of its keys)."""
+    import numpy as np
+    import torch
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    st = {"torch": torch.random.get_rng_state(), "python": random.getstate(),
+          "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                    "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st) -> None:
+    import numpy as np
+    import torch
+
+    torch.random.set_rng_state(st["torch"])
+    random.setstate(_tuples(st["python"]))
+    n = st["numpy"]
+    if isinstance(n, dict):
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached"]))
+    else:  # written by an earlier version: numpy's own tuple
+        np.random.set_state(n)
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _tuples(v):
+    """random.setstate wants the nested tuples getstate gave (a list after some loaders)."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def seed_rngs(seed: int, rank: int, step: int = 0) -> None:
+    """Dropout masks differ per rank (like independent data) but repeat per seed;
+    ``step`` > 0 for a rank that resumes without its own RNG state."""
+    import numpy as np
+    import torch
+
+    s = seed * 1000 + rank + 7919 * step
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s)
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    sample_offset: int = 0
+    """Global samples consumed: the data position."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step from now on (adaptive accumulation changes it)."""
+
+
+#: strategies whose state is the same on every rank (so a rank may take a peer's);
+#: the others keep per-rank error-feedback residuals or per-rank decisions, which a
+#: rank without its own state starts afresh
+REPLICATED_SYNC_STATE = frozenset({"allreduce", "fp16", "bf16", "none", "local", "diloco",
+                                   "torch_fp16"})
+
+
+class Checkpointer:
+    """Agrees on, restores and writes the checkpoints of one rank of a run.
+
+    ``interval`` 0 writes only at the end; ``keep`` is how many stay on disk.
+    """
+
+    def __init__(self, run_dir: str, *, rank: int, local_rank: int, world_size: int, barrier,
+                 interval: int, keep: int):
+        self.run_dir, self.rank, self.local_rank = run_dir, rank, local_rank
+        self.world_size, self.barrier = world_size, barrier
+        self.interval, self.keep = interval, keep
+
+    def agree(self, *, resume: bool, history: dict) -> tuple[ResumePlan, dict, list[dict]]:
+        """Collective: (plan, meta of the checkpoint, every rank's ``history``).
+
+        The group resumes when any rank asks (``--resume``, or torchrun
+        restarted it); then every rank's inventory decides (``choose``)."""
+        import torch.distributed as dist
+
+        mine = {"resume": bool(resume), "history": history,
+                "held": {str(k): v for k, v in inventory(self.run_dir).items()}}
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        histories = [e["history"] for e in everyone]
+        if not any(e["resume"] for e in everyone):
+            return ResumePlan(note="new run"), {}, histories
+        plan = choose([e["held"] for e in everyone], self.world_size)
+        if not plan.step:
+            return plan, {}, histories
+        # the checkpoint's meta (eval_before, total_steps), from a rank that has the folder
+        src = plan.source if plan.source is not None else plan.own[0]
+        box = [read_meta(self._folder(plan.step)) if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return plan, box[0], histories
+
+    def _folder(self, step: int) -> str:
+        return os.path.join(self.run_dir, "checkpoints", f"step-{step:06d}")
+
+    def due(self, step: int, end_step: int) -> bool:
+        """Whether a checkpoint is written after ``step``."""
+        return step == end_step or bool(self.interval and step % self.interval == 0)
+
+    def save(self, progress: Progress, *, model, opt, sched, sync, meta: dict) -> str:
+        """Collective: every rank writes its state at ``progress.step``."""
+        state = {"adapter": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                             if "lora_" in n},
+                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "sync": sync.state_dict(), "rng": rng_state(), "step": progress.step,
+                 "sample_offset": progress.sample_offset, "grad_accum": progress.grad_accum}
+        return save(self.run_dir, progress.step, state, meta, rank=self.rank,
+                    local_rank=self.local_rank, world_size=self.world_size,
+                    barrier=self.barrier, keep=self.keep)
+
+    def restore(self, plan: ResumePlan, progress: Progress, global_batch: int, *, model, opt,
+                sched, sync, seed: int) -> list[str]:
+        """Collective when ``plan.peer``: load the agreed state into the model,
+        optimizer, scheduler, strategy, RNGs and ``progress``.  Returns what a
+        rank without its own state started afresh (for the restart record)."""
+        import torch
+        import torch.distributed as dist
+
+        st = None
+        if self.rank in plan.own:
+            st = load_rank(self._folder(plan.step), self.rank)
+        if plan.peer:
+            box = [None]
+            if self.rank == plan.source:
+                src = st if st is not None else self._any_state(plan.step)
+                box = [{k: v for k, v in src.items() if k != "rng"}]
+            dist.broadcast_object_list(box, src=plan.source)
+            if self.rank in plan.peer:
+                st = box[0]
+        reset: list[str] = []
+        with torch.no_grad():
+            named = dict(model.named_parameters())
+            for n, v in st["adapter"].items():
+                named[n].copy_(v)
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        if self.rank in plan.own:
+            sync.load_state_dict(st["sync"])
+            set_rng_state(st["rng"])
+        else:
+            if sync.name in REPLICATED_SYNC_STATE:
+                # the same on every rank: only the group's shape differs
+                sync.load_state_dict({**st["sync"], "world_size": sync.world_size,
+                                      "rank": sync.rank})
+            else:
+                reset.append(f"{sync.name} sync state (per-rank residuals) started afresh")
+            seed_rngs(seed, self.rank, plan.step)
+            reset.append("RNG reseeded")
+        progress.step = plan.step
+        progress.sample_offset = st.get("sample_offset", plan.step * global_batch)
+        progress.grad_accum = st.get("grad_accum", progress.grad_accum)
+        return reset
+
+    def _any_state(self, step: int) -> dict:
+        folder = self._folder(step)
+        for r in inventory(self.run_dir).get(step, {}).get("ranks", []):
+            return load_rank(folder, r)
+        raise CheckpointError(f"{folder}: no intact state file left to resume from")

@@ -13,9 +13,18 @@ Several machines: run the same command as a torchrun worker on every node
     torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 \\
         --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m lorasync train --output-dir runs/x
 
+Or let lorasync start torchrun on each node, elastic between 1 and 3 nodes::
+
+    lorasync train --nnodes 1:3 --rdzv-endpoint HOST:29400 --output-dir runs/x
+
 Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches the
 other nodes (``lorasync doctor`` checks this).  Options come from the
 defaults, then ``--config FILE.yaml``, then the flags below.
+
+Failures: a worker that dies, freezes or loses its link is detected within
+max(--fault-timeout, --fault-steps x the step time) and the group restarts
+(up to --max-restarts times) from the newest checkpoint every rank holds;
+docs/faults.md has the details.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import os
 import sys
 import time
 
-from lorasync.config import iter_fields, load_config, parse_options
+from lorasync.config import iter_fields, load_config, parse_nnodes, parse_options
 from lorasync.errors import ConfigError, LorasyncError
 
 __all__ = ["add_arguments", "run", "strategies_text"]
@@ -219,14 +228,47 @@ def run(args) -> int:
     _preflight(cfg)
     raw = args._argv
     argv = _worker_argv(raw[raw.index("train") + 1:] if "train" in raw else [], out)
+    restarts = cfg.run.max_restarts
     if args.emulate:
         from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
 
         spec = parse_emulate(args.emulate)
-        print(f"lorasync train: emulated cluster {spec.describe()}, one worker per node, "
-              f"run directory {out}", file=sys.stderr)
+        lo, hi = parse_nnodes(cfg.run.nnodes) if cfg.run.nnodes else (spec.nodes, spec.nodes)
+        if hi != spec.nodes:
+            raise ConfigError("--nnodes", cfg.run.nnodes, f"with --emulate give MIN:{spec.nodes} "
+                              f"(the emulated cluster has {spec.nodes} nodes)")
+        print(f"lorasync train: emulated cluster {spec.describe()}, one worker per node"
+              + (f", elastic {lo}:{hi} nodes" if lo < hi else "")
+              + f", up to {restarts} restart(s), run directory {out}", file=sys.stderr)
         with emulated(spec) as cluster:
-            return launch_on_cluster(cluster, argv)
-    print(f"lorasync train: {cfg.run.nproc} worker(s) via torchrun, run directory {out}",
-          file=sys.stderr)
-    return run_torchrun(argv, cfg.run.nproc)
+            code = launch_on_cluster(cluster, argv, max_restarts=restarts,
+                                     min_nodes=lo if lo < hi else None)
+        return _after(code, out, restarts)
+    if cfg.run.nnodes and cfg.run.nnodes != "1" and not cfg.run.rdzv_endpoint:
+        raise ConfigError("--nnodes", cfg.run.nnodes, "several nodes need --rdzv-endpoint "
+                          "HOST:PORT (node 0's address), or --emulate for an emulated cluster")
+    nodes = cfg.run.nnodes or "1"
+    print(f"lorasync train: {cfg.run.nproc} worker(s)"
+          + (f" on this node of {nodes} via torchrun at {cfg.run.rdzv_endpoint}"
+             if cfg.run.rdzv_endpoint else " via torchrun")
+          + f", up to {restarts} restart(s), run directory {out}", file=sys.stderr)
+    code = run_torchrun(argv, cfg.run.nproc, nnodes=nodes,
+                        rdzv_endpoint=cfg.run.rdzv_endpoint or None, max_restarts=restarts)
+    return _after(code, out, restarts)
+
+
+def _after(code: int, out: str, restarts: int) -> int:
+    """The launcher's last word when the workers failed for good."""
+    from lorasync.launch import EXIT_FAULT
+    from lorasync.train.checkpoint import latest
+
+    if code in (0, 2):
+        return code
+    ckpt = latest(out)
+    where = (f"the newest checkpoint is {ckpt}" if ckpt else "no checkpoint was written yet")
+    why = ("a peer failed (see the lorasync lines above)" if code == EXIT_FAULT
+           else f"a worker exited with code {code}")
+    print(f"lorasync train: the run failed: {why}, and the {restarts} restart(s) allowed "
+          f"(--max-restarts) are used up; {where}; continue with `lorasync train --resume "
+          f"--output-dir {out}`", file=sys.stderr)
+    return code

@@ -1,5 +1,14 @@
 """The training worker: one process per rank, started by torchrun.
 
+``train_worker`` owns the process group (set up, and torn down in
+``finally``); ``Trainer`` is one rank's run: ``setup`` builds the model,
+strategy and optimizer, ``run`` is the train loop.  Its parts live in their
+own modules, each with its state: ``Checkpointer`` (train/checkpoint.py:
+what to resume from, when and what to save), ``Evaluator``
+(train/evaluate.py: eval loss, exact-match, evals.jsonl) and ``StepLog``
+(train/steplog.py: the step records, their streams, sinks and the progress
+bar); train/summary.py reduces the records to summary.json.
+
 DDP settings chosen for LoRA (and why):
 
 * ``init_sync=False``: by default DDP broadcasts the whole module state from
@@ -35,16 +44,18 @@ import datetime as _dt
 import json
 import math
 import os
-import random
 import sys
 import time
+import uuid
 import warnings
 
 from lorasync.config import Config, config_to_dict
 from lorasync.errors import DataError, LorasyncError
 from lorasync.launch import worker_env
+from lorasync.train.summary import format_summary
+from lorasync.train.summary import summarize as _summarize
 
-__all__ = ["train_worker", "resolve_backend"]
+__all__ = ["train_worker", "resolve_backend", "Trainer"]
 
 
 def resolve_backend(name: str) -> str:
@@ -86,28 +97,6 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-def _rng_state():
-    import numpy as np
-    import torch
-
-    st = {"torch": torch.random.get_rng_state(), "python": random.getstate(),
-          "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st) -> None:
-    import numpy as np
-    import torch
-
-    torch.random.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
 class _Log:
     def __init__(self, rank: int):
         self.rank = rank
@@ -115,51 +104,6 @@ class _Log:
     def __call__(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, file=sys.stderr, flush=True)
-
-
-def _evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batch=16):
-    """(eval loss per token, exact-match count, examples checked): sharded over ranks."""
-    import torch
-    import torch.distributed as dist
-
-    from lorasync.train.data import collate
-
-    mine = examples[rank::world]
-    was_training = model.training
-    model.eval()
-    loss_sum = tok_count = correct = checked = 0.0
-    with torch.no_grad():
-        for i in range(0, len(mine), batch):
-            chunk = mine[i:i + batch]
-            b = {k: v.to(device) for k, v in collate(chunk, tok.pad_token_id).items()}
-            out = model(**b)
-            # out.loss is a mean over the label tokens of the batch: weight it back
-            n = int((b["labels"][:, 1:] != -100).sum())
-            loss_sum += float(out.loss) * n
-            tok_count += n
-            gen = [e for e in chunk if e.gen_prompt_ids is not None]
-            if not gen:
-                continue
-            width = max(len(e.gen_prompt_ids) for e in gen)
-            ids = torch.full((len(gen), width), tok.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, e in enumerate(gen):  # left padding for generation
-                ids[j, width - len(e.gen_prompt_ids):] = torch.tensor(e.gen_prompt_ids)
-                mask[j, width - len(e.gen_prompt_ids):] = 1
-            outs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                  max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-            for j, e in enumerate(gen):
-                text = tok.decode(outs[j, width:], skip_special_tokens=True).strip()
-                correct += float(text == e.answer)
-                checked += 1
-    # on the model's device: NCCL reduces only GPU tensors (32 bytes, once per evaluation)
-    t = torch.tensor([loss_sum, tok_count, correct, checked], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    if was_training:
-        model.train()
-    loss_sum, tok_count, correct, checked = t.tolist()
-    return (loss_sum / tok_count if tok_count else float("nan")), int(correct), int(checked)
 
 
 def prepare_run_dir(cfg: Config, resume: bool) -> None:
@@ -180,9 +124,14 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
+    from lorasync.train.recovery import next_action
+    from lorasync.train.watchdog import Watchdog, describe_self
+
+    spawned = time.time()
     env = worker_env()
     rank, local_rank = env["rank"], env["local_rank"]
     log = _Log(rank)
+    _stop_if_fatal_before(rank)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -197,258 +146,385 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10),
                             device_id=device if backend == "nccl" else None)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        log("note: torchrun shares one c10d store between restarts here; set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (lorasync's launchers do): a "
+            "restarted group can otherwise read the previous one's keys and fail to connect")
+    watchdog = trainer = None
     try:
-        return _train(cfg, resume, env, device, backend, log)
+        # who is who (to name a peer that fails), and a key prefix of this attempt
+        members: list = [None] * env["world_size"]
+        me = describe_self(rank)
+        me["token"] = uuid.uuid4().hex if rank == 0 else None
+        dist.all_gather_object(members, me)
+        watchdog = Watchdog(rank=rank, members=members, store_addr=os.environ["MASTER_ADDR"],
+                            store_port=int(os.environ["MASTER_PORT"]),
+                            prefix=f"lorasync/watchdog/{members[0]['token']}/",
+                            min_timeout_s=cfg.run.fault_timeout, steps=cfg.run.fault_steps,
+                            on_fault=lambda e: trainer.record_event(e) if trainer else None,
+                            next_action=lambda: next_action(cfg.run.output_dir))
+        watchdog.start()
+        # every rank's first beat is in the store before anyone watches
+        dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
+        trainer = Trainer(cfg, resume, env, device, backend, log, watchdog=watchdog,
+                          spawned=spawned)
+        trainer.setup()
+        return trainer.run()
+    except LorasyncError as exc:
+        _mark_fatal(rank, str(exc))
+        raise
+    except Exception as exc:
+        if watchdog is not None and _is_comm_failure(exc):
+            watchdog.connection_lost(exc)  # names the peer, records it, exits
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         dist.destroy_process_group()
 
 
-def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
-    import torch
+def _is_comm_failure(exc: BaseException) -> bool:
+    """A collective failed because a peer went away (not a bug of ours)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lorasync.comm import attach
-    from lorasync.monitor.metrics import RankStream, write_merged
-    from lorasync.monitor.sinks import open_sinks
-    from lorasync.train import checkpoint as ckpt
-    from lorasync.train.data import batches_at, collate, load_datasets, steps_per_epoch
-    from lorasync.train.model import adapter_param_count, add_lora, load_base
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(k in text for k in (
+        "Connection reset", "Connection closed", "Broken pipe", "Connection refused",
+        "gloo/transport", "pair.cc", "Socket Timeout", "NCCL communicator was aborted"))
 
-    rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
-    tc = cfg.train
-    barrier = (lambda: dist.barrier(device_ids=[device.index])) if backend == "nccl" \
-        else dist.barrier
 
-    t_load = time.time()
-    base, tok = load_base(cfg.model.name, cfg.model.dtype, log=log)
-    train_set, eval_set = load_datasets(cfg.data, tok)
-    global_batch = world * tc.batch_size * tc.grad_accum
-    if len(train_set) < global_batch:
-        raise DataError(f"data.path: {len(train_set)} training examples is fewer than one global "
-                        f"batch ({world} ranks x batch_size {tc.batch_size} x grad_accum "
-                        f"{tc.grad_accum} = {global_batch}); add data or lower --batch-size")
-    spe = steps_per_epoch(len(train_set), global_batch)
-    total_steps = tc.max_steps or max(1, int(tc.epochs * spe))
-    run_dir = cfg.run.output_dir
+def _fatal_dir() -> str | None:
+    return os.environ.get("LORASYNC_FATAL_DIR") or None
 
-    resume_from = ckpt.latest(run_dir) if resume else None
-    if resume and resume_from is None:
-        raise LorasyncError(f"--resume: {run_dir} has no complete checkpoint; start a new run "
-                            "without --resume")
-    start_step = 0
-    sample_offset = 0  # global samples consumed: the data position
-    accum = tc.grad_accum
-    meta: dict = {}
-    if resume_from:
-        meta = ckpt.read_meta(resume_from)
-        if meta["world_size"] != world:
-            raise LorasyncError(f"--resume: {resume_from} was written by {meta['world_size']} "
-                                f"ranks, this job has {world}; resume with --nproc "
-                                f"{meta['world_size']} (nodes x workers)")
-        start_step = meta["step"]
-    model = add_lora(base, cfg.lora, tc.seed).to(device)
-    model.train()
-    # Make the adapter identical on every rank: rank 0's init is the truth.
-    # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
-    lora = [p for n, p in model.named_parameters() if "lora_" in n]
-    startup_bytes = 16
-    if not same_on_every_rank(lora, device):
-        with torch.no_grad():
-            for p in lora:
-                dist.broadcast(p.data, src=0)
-                startup_bytes += p.numel() * p.element_size()
-    n_adapter = adapter_param_count(model)
-    log(f"lorasync: {world} rank(s), backend {backend}, model {cfg.model.name}, "
-        f"{n_adapter:,} trainable adapter parameters, strategy {cfg.comm.strategy}, "
-        f"{len(train_set)} train / {len(eval_set)} eval examples, loaded in "
-        f"{time.time() - t_load:.1f} s")
 
-    ddp = DDP(model, device_ids=[device.index] if backend == "nccl" else None,
-              init_sync=False, bucket_cap_mb=cfg.comm.bucket_mb, find_unused_parameters=False,
-              **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
-    try:
-        sync = attach(ddp, cfg.comm.strategy, **cfg.comm.options)
-    except ValueError as exc:
-        raise LorasyncError(f"comm: {exc}") from None
-    # Everything the user could get wrong has been checked: only now write.
-    if rank == 0:
-        prepare_run_dir(cfg, resume)
-    barrier()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, _lr_lambda(tc.schedule, tc.warmup_steps, total_steps))
-    if hasattr(sync, "set_optimizer"):
-        # auto: lets it average rank-local optimizer moments when it leaves local/diloco
-        sync.set_optimizer(opt)
-    adaptive_accum = tc.max_grad_accum > tc.grad_accum and hasattr(sync, "suggested_accum")
-    if tc.max_grad_accum > tc.grad_accum and not adaptive_accum:
-        log(f"note: --max-grad-accum needs --comm auto; keeping grad_accum {tc.grad_accum}")
+def _mark_fatal(rank: int, msg: str) -> None:
+    """A user error is the same on every try: tell restarted workers to stop at once."""
+    folder = _fatal_dir()
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{rank}"), "w") as fh:
+            fh.write(msg)
 
-    eval_before = meta.get("eval_before")
-    if resume_from:
-        st = ckpt.load_rank(resume_from, rank)
-        with torch.no_grad():
-            named = dict(model.named_parameters())
-            for n, v in st["adapter"].items():
-                named[n].copy_(v)
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        sync.load_state_dict(st["sync"])
-        _set_rng_state(st["rng"])
-        sample_offset = st.get("sample_offset", start_step * global_batch)
-        accum = st.get("grad_accum", accum)
-        log(f"resumed from {resume_from} at step {start_step}")
 
-    if not resume_from:
-        # dropout masks differ per rank (like independent data) but repeat per seed
-        torch.manual_seed(tc.seed * 1000 + rank)
-        random.seed(tc.seed * 1000 + rank)
-        import numpy as np
-        np.random.seed(tc.seed * 1000 + rank)
-    stream = RankStream(run_dir, rank, keep_until_step=start_step)
-    sinks = open_sinks(run_dir, rank=rank, world_size=world, tensorboard=cfg.run.tensorboard,
-                       metrics_port=cfg.run.metrics_port, metrics_host=cfg.run.metrics_host,
-                       store=dist.distributed_c10d._get_default_store())
-    evals_path = os.path.join(run_dir, "evals.jsonl")
-    if rank == 0 and resume_from:  # evaluations after the checkpoint will run again
-        from lorasync.monitor.metrics import read_jsonl_records
-        kept = [r for r in read_jsonl_records(evals_path) if r["step"] <= start_step]
-        with open(evals_path, "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in kept)
+def _stop_if_fatal_before(rank: int) -> None:
+    folder = _fatal_dir()
+    if not folder or not os.path.isdir(folder) or not os.listdir(folder):
+        return
+    with open(os.path.join(folder, sorted(os.listdir(folder))[0])) as fh:
+        msg = fh.read()
+    raise LorasyncError(msg or "an earlier try of this run failed with a user error")
 
-    def run_eval(step: int):
-        loss, correct, n = _evaluate(model, eval_set, tok, device, rank=rank, world=world,
-                                     max_new_tokens=tc.max_new_tokens)
-        rec = {"step": step, "eval_loss": loss, "exact_match": correct / n if n else None,
-               "correct": correct, "n": n, "time": time.time()}
+
+class Trainer:
+    """One rank's training run.
+
+    ``setup()`` loads the model and data, agrees with the other ranks on the
+    checkpoint to resume from (when resuming or restarted), builds DDP, the
+    sync strategy, optimizer and schedule, and restores or seeds their
+    state; ``run()`` trains to the end (or ``--stop-after``), then writes the
+    adapter, metrics.jsonl and summary.json.  Collectives run in the same
+    order on every rank.  ``watchdog`` (train/watchdog.py) is told what the
+    rank does, so that a failing peer is named within its bound.
+    """
+
+    def __init__(self, cfg: Config, resume: bool, env: dict, device, backend: str, log, *,
+                 watchdog=None, spawned: float | None = None):
+        import torch.distributed as dist
+
+        self.cfg, self.tc, self.resume, self.device, self.backend = \
+            cfg, cfg.train, resume, device, backend
+        self.log = log
+        self.rank, self.world, self.local_rank = env["rank"], env["world_size"], env["local_rank"]
+        self.run_dir = cfg.run.output_dir
+        self.barrier = (lambda: dist.barrier(device_ids=[device.index])) if backend == "nccl" \
+            else dist.barrier
+        self.watchdog = watchdog
+        self.spawned = spawned if spawned is not None else time.time()
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.steplog = None
+        self._restart_field: dict | None = None
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.mark(phase, self.progress.step if step is None else step)
+
+    def record_event(self, event: dict) -> None:
+        """An event of this rank (a fault verdict) into its stream, once it is open."""
+        if self.steplog is not None:
+            self.steplog.stream.write({**event, "attempt": self.attempt.number})
+
+    # -- setup ----------------------------------------------------------------
+
+    def setup(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from lorasync.comm import attach
+        from lorasync.train.checkpoint import Checkpointer, Progress
+        from lorasync.train.data import load_datasets, steps_per_epoch
+        from lorasync.train.model import adapter_param_count, add_lora, load_base
+        from lorasync.errors import CheckpointError
+        from lorasync.train.recovery import Attempt, classify, history
+
+        cfg, tc, rank, world, device = self.cfg, self.tc, self.rank, self.world, self.device
+        self.progress = Progress(grad_accum=tc.grad_accum)
+        self.attempt = Attempt()
+        self._mark("setup")
+        t_load = time.time()
+        base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
+        self.train_set, self.eval_set = load_datasets(cfg.data, self.tok)
+        self.global_batch = world * tc.batch_size * tc.grad_accum
+        if len(self.train_set) < self.global_batch:
+            raise DataError(f"data.path: {len(self.train_set)} training examples is fewer than "
+                            f"one global batch ({world} ranks x batch_size {tc.batch_size} x "
+                            f"grad_accum {tc.grad_accum} = {self.global_batch}); add data or "
+                            "lower --batch-size")
+        spe = steps_per_epoch(len(self.train_set), self.global_batch)
+        self.total_steps = tc.max_steps or max(1, int(tc.epochs * spe))
+        self.end_step = min(self.total_steps, tc.stop_after) if tc.stop_after \
+            else self.total_steps
+
+        self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
+                                 world_size=world, barrier=self.barrier,
+                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts)
+        # A restarted group resumes by itself; the ranks agree on the checkpoint.
+        self.history = history(self.run_dir, rank)
+        self.plan, meta, histories = self.ckpt.agree(
+            resume=self.resume or self.restart_count > 0, history=self.history)
+        self.attempt = classify(histories, self.history, resumed_from=self.plan.step,
+                                world=world, restart_count=self.restart_count,
+                                run_dir=self.run_dir, rank=rank)
+        if self.resume and not self.plan.step and self.attempt.cause != "recover":
+            raise CheckpointError(f"--resume: {self.run_dir} has no complete checkpoint; start "
+                                  "a new run without --resume")
+        if self.attempt.cause == "recover":
+            self.log(self.attempt.describe(self.plan.step, world))
+        self.eval_before = meta.get("eval_before")
+
+        model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
+        model.train()
+        # Make the adapter identical on every rank: rank 0's init is the truth.
+        # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        self.startup_bytes = 16
+        if not same_on_every_rank(lora, device):
+            with torch.no_grad():
+                for p in lora:
+                    dist.broadcast(p.data, src=0)
+                    self.startup_bytes += p.numel() * p.element_size()
+        self.n_adapter = adapter_param_count(model)
+        self.log(f"lorasync: {world} rank(s), backend {self.backend}, model {cfg.model.name}, "
+                 f"{self.n_adapter:,} trainable adapter parameters, strategy "
+                 f"{cfg.comm.strategy}, {len(self.train_set)} train / {len(self.eval_set)} eval "
+                 f"examples, loaded in {time.time() - t_load:.1f} s")
+
+        self.ddp = DDP(model, device_ids=[device.index] if self.backend == "nccl" else None,
+                       init_sync=False, bucket_cap_mb=cfg.comm.bucket_mb,
+                       find_unused_parameters=False,
+                       **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
+        try:
+            self.sync = attach(self.ddp, cfg.comm.strategy, **cfg.comm.options)
+        except ValueError as exc:
+            raise LorasyncError(f"comm: {exc}") from None
+        # Everything the user could get wrong has been checked: only now write.
         if rank == 0:
-            with open(evals_path, "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
-            if sinks is not None:
-                sinks.write(rec)
-        return rec
+            prepare_run_dir(cfg, self.resume)
+        self.barrier()
+        if self.local_rank == 0 and not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
+            # node-local disks: every node gets the config, so `--resume` works on each
+            prepare_run_dir(cfg, self.resume)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, _lr_lambda(tc.schedule, tc.warmup_steps, self.total_steps))
+        if hasattr(self.sync, "set_optimizer"):
+            # auto: lets it average rank-local optimizer moments when it leaves local/diloco
+            self.sync.set_optimizer(self.opt)
+        self.adaptive_accum = (tc.max_grad_accum > tc.grad_accum
+                               and hasattr(self.sync, "suggested_accum"))
+        if tc.max_grad_accum > tc.grad_accum and not self.adaptive_accum:
+            self.log(f"note: --max-grad-accum needs --comm auto; keeping grad_accum "
+                     f"{tc.grad_accum}")
 
-    if eval_before is None and tc.eval_before and cfg.data.eval_size and eval_set:
-        log("evaluating the base adapter ...")
-        eval_before = run_eval(0)
+        self.reset: list[str] = []
+        if self.plan.step:
+            self.reset = self.ckpt.restore(self.plan, self.progress, self.global_batch,
+                                           model=model, opt=self.opt, sched=self.sched,
+                                           sync=self.sync, seed=tc.seed)
+            folder = os.path.join(self.run_dir, "checkpoints", f"step-{self.plan.step:06d}")
+            self.log(f"resumed from {folder} at step {self.progress.step}"
+                     + (f" ({self.plan.note})" if self.plan.peer else ""))
+        else:
+            from lorasync.train.checkpoint import seed_rngs
+            seed_rngs(tc.seed, rank)
 
-    def checkpoint(step: int):
-        state = {"adapter": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                             if "lora_" in n},
-                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "sync": sync.state_dict(), "rng": _rng_state(), "step": step,
-                 "sample_offset": sample_offset, "grad_accum": accum}
-        ckpt.save(run_dir, step, state, {"eval_before": eval_before, "total_steps": total_steps},
-                  rank=rank, local_rank=local_rank, world_size=world, barrier=barrier,
-                  keep=tc.keep_ckpts)
+    # -- the loop ---------------------------------------------------------------
 
-    bar = None
-    if rank == 0 and cfg.run.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
-    last_stats = sync.stats()
-    end_step = min(total_steps, tc.stop_after) if tc.stop_after else total_steps
-    ema_sps = None
-    try:
-        for step in range(start_step + 1, end_step + 1):
-            t0 = time.perf_counter()
-            micro = batches_at(sample_offset, n=len(train_set), seed=tc.seed, rank=rank,
-                               world=world, batch_size=tc.batch_size, grad_accum=accum)
-            sample_offset += world * tc.batch_size * accum
-            losses, samples, tokens, data_s, exposed = [], 0, 0, 0.0, 0.0
-            for i, idx in enumerate(micro):
-                td = time.perf_counter()
-                batch = collate([train_set[j] for j in idx], tok.pad_token_id)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                data_s += time.perf_counter() - td
-                last = i == len(micro) - 1
-                sync.last_ready_time = None
-                if last:
+    def run(self) -> int:
+        import torch.distributed as dist
+
+        from lorasync.train.evaluate import Evaluator
+        from lorasync.train.steplog import StepLog
+
+        cfg, tc = self.cfg, self.tc
+        self.steplog = StepLog(self.run_dir, rank=self.rank, world=self.world,
+                               strategy=cfg.comm.strategy, run_cfg=cfg.run,
+                               store=dist.distributed_c10d._get_default_store())
+        self.steplog.stream.write(self._start_event())
+        at = self.attempt
+        if at.cause == "recover":
+            self._restart_field = {"attempt": at.number, "from_step": self.plan.step,
+                                   "steps_redone": at.steps_redone,
+                                   "restart_count": at.restart_count, "reason": at.reason}
+        self.evaluate = Evaluator(self.model, self.eval_set, self.tok, self.device,
+                                  rank=self.rank, world=self.world,
+                                  max_new_tokens=tc.max_new_tokens, run_dir=self.run_dir,
+                                  sinks=self.steplog.sinks)
+        try:
+            if self.plan.step:  # evaluations after the checkpoint will run again
+                self.evaluate.forget_after(self.progress.step)
+            if self.eval_before is None and tc.eval_before and cfg.data.eval_size \
+                    and self.eval_set:
+                self.log("evaluating the base adapter ...")
+                self._mark("eval")
+                self.eval_before = self.evaluate(0)
+            self.steplog.start(self.sync, start_step=self.progress.step,
+                               total_steps=self.total_steps, progress=cfg.run.progress)
+            for step in range(self.progress.step + 1, self.end_step + 1):
+                self._mark("train", step)
+                self._step(step)
+                if tc.eval_interval and step % tc.eval_interval == 0 and step < self.total_steps:
+                    self._mark("eval")
+                    r = self.evaluate(step)
+                    self.log(f"step {step}: eval loss {r['eval_loss']:.4f}, exact-match "
+                             f"{r['correct']}/{r['n']}")
+                if self.ckpt.due(step, self.end_step):
+                    self._mark("checkpoint")
+                    self.ckpt.save(self.progress, model=self.model, opt=self.opt,
+                                   sched=self.sched, sync=self.sync,
+                                   meta={"eval_before": self.eval_before,
+                                         "total_steps": self.total_steps})
+            if self.end_step < self.total_steps:
+                self._end_event("stopped")
+        finally:
+            self.steplog.close()
+
+        if self.end_step < self.total_steps:
+            self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
+                     f"continue with --resume --output-dir {self.run_dir}")
+            return 0
+        return self._finish()
+
+    def _start_event(self) -> dict:
+        from lorasync.train.watchdog import describe_self
+
+        me, at = describe_self(self.rank), self.attempt
+        return {"event": "start", "attempt": at.number, "rank": self.rank,
+                "world_size": self.world, "cause": at.cause, "resumed_from": self.plan.step,
+                "restart_count": at.restart_count,
+                "state": ("own" if self.rank in self.plan.own else "peer") if self.plan.step
+                else "new", "reset": self.reset, "plan": self.plan.note, "reason": at.reason,
+                "steps_redone": at.steps_redone, "resume_point_time": at.resume_point_time,
+                "membership": at.membership, "spawn": self.spawned, "time": time.time(),
+                "node": me["node"], "host": me["host"], "addr": me["addr"], "pid": me["pid"]}
+
+    def _end_event(self, how: str) -> None:
+        self.steplog.stream.write({"event": "end", "attempt": self.attempt.number,
+                                   "rank": self.rank, "step": self.progress.step, "how": how,
+                                   "time": time.time()})
+
+    def _step(self, step: int) -> None:
+        """One optimizer step: micro-batches, optimizer, strategy, record."""
+        import torch
+
+        from lorasync.train.data import batches_at, collate
+
+        tc, sync, ddp, device, pg = self.tc, self.sync, self.ddp, self.device, self.progress
+        t0 = time.perf_counter()
+        micro = batches_at(pg.sample_offset, n=len(self.train_set), seed=tc.seed, rank=self.rank,
+                           world=self.world, batch_size=tc.batch_size, grad_accum=pg.grad_accum)
+        pg.sample_offset += self.world * tc.batch_size * pg.grad_accum
+        losses, samples, tokens, data_s, hook_wait = [], 0, 0, 0.0, 0.0
+        for i, idx in enumerate(micro):
+            td = time.perf_counter()
+            batch = collate([self.train_set[j] for j in idx], self.tok.pad_token_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            data_s += time.perf_counter() - td
+            last = i == len(micro) - 1
+            sync.last_ready_time = None
+            if last:
+                loss = ddp(**batch).loss
+                (loss / len(micro)).backward()
+            else:
+                with ddp.no_sync():  # accumulate locally; sync once per step
                     loss = ddp(**batch).loss
                     (loss / len(micro)).backward()
-                else:
-                    with ddp.no_sync():  # accumulate locally; sync once per step
-                        loss = ddp(**batch).loss
-                        (loss / len(micro)).backward()
-                if last and sync.last_ready_time is not None:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    exposed += max(0.0, time.perf_counter() - sync.last_ready_time)
-                losses.append(float(loss.detach()))
-                samples += len(idx)
-                tokens += int(batch["attention_mask"].sum())
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            sync.after_step()
-            step_s = time.perf_counter() - t0
-            stats = sync.stats()
-            # what the backward pass could not see: waits inside after_step (periodic
-            # sync) and inside hooks before the last bucket was ready (two-phase)
-            exposed += stats["comm_s"] - last_stats["comm_s"]
-            rec = {"step": step, "rank": rank, "world_size": world,
-                   "strategy": stats.get("strategy", cfg.comm.strategy),
-                   "loss": sum(losses) / len(losses), "lr": sched.get_last_lr()[0],
-                   "samples": samples, "tokens": tokens, "grad_accum": len(micro),
-                   "compute_s": max(0.0, step_s - exposed - data_s), "comm_s": exposed,
-                   "step_s": step_s,
-                   "wire_bytes": stats["wire_bytes"] - last_stats["wire_bytes"],
-                   "fp32_bytes": stats["fp32_bytes"] - last_stats["fp32_bytes"],
-                   "encode_s": stats["encode_s"] - last_stats["encode_s"],
-                   "time": time.time()}
-            if adaptive_accum:
-                nxt = sync.suggested_accum(accum, tc.max_grad_accum, tc.grad_accum)
-                if nxt != accum:
-                    log(f"step {step}: {nxt} micro-batches per sync from now on (was {accum}): "
-                        f"sync share {100 * exposed / step_s:.0f}%")
-                    accum = nxt
-            if stats.get("switches", 0) != last_stats.get("switches", 0):
-                rec["switch"] = stats.get("last_switch")  # {"from", "to", "reason"} (auto)
-            last_stats = stats
-            stream.write(rec)
-            sinks.write(rec)
-            if bar is not None:
-                sps = world * samples / step_s
-                ema_sps = sps if ema_sps is None else 0.8 * ema_sps + 0.2 * sps
-                bar.set_postfix_str(f"loss {rec['loss']:.3f} | {ema_sps:.2f} samples/s | "
-                                    f"sync {100 * exposed / step_s:.0f}% | {rec['strategy']}",
-                                    refresh=False)
-                bar.update(1)
-            if tc.eval_interval and step % tc.eval_interval == 0 and step < total_steps:
-                r = run_eval(step)
-                log(f"step {step}: eval loss {r['eval_loss']:.4f}, exact-match "
-                    f"{r['correct']}/{r['n']}")
-            if step == end_step or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
-                checkpoint(step)
-    finally:
-        if bar is not None:
-            bar.close()
-        stream.close()
-        sinks.close()
+            if last and sync.last_ready_time is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                hook_wait += max(0.0, time.perf_counter() - sync.last_ready_time)
+            losses.append(float(loss.detach()))
+            samples += len(idx)
+            tokens += int(batch["attention_mask"].sum())
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync.after_step()
+        step_s = time.perf_counter() - t0
+        rec = self.steplog.record(step=step, stats=sync.stats(),
+                                  loss=sum(losses) / len(losses),
+                                  lr=self.sched.get_last_lr()[0], samples=samples,
+                                  tokens=tokens, grad_accum=len(micro), step_s=step_s,
+                                  hook_wait_s=hook_wait, data_s=data_s)
+        if self.adaptive_accum:
+            nxt = sync.suggested_accum(pg.grad_accum, tc.max_grad_accum, tc.grad_accum)
+            if nxt != pg.grad_accum:
+                self.log(f"step {step}: {nxt} micro-batches per sync from now on (was "
+                         f"{pg.grad_accum}): sync share {100 * rec['comm_s'] / step_s:.0f}%")
+                pg.grad_accum = nxt
+        if self._restart_field is not None:  # the first step after a recovery
+            t0 = self.attempt.resume_point_time
+            lost = (rec["time"] - step_s - t0) if t0 else None
+            rec["restart"] = {**self._restart_field, "lost_s": lost}
+            self._restart_field = None
+        pg.step = step
+        self.steplog.write(rec)
+        if self.watchdog is not None:
+            self.watchdog.step_done(step_s)
 
-    if end_step < total_steps:
-        log(f"stopped after step {end_step} of {total_steps} (--stop-after); continue with "
-            f"--resume --output-dir {run_dir}")
+    # -- the end ------------------------------------------------------------------
+
+    def _finish(self) -> int:
+        """All steps done: final average, last evaluation, adapter, metrics, summary."""
+        import torch.distributed as dist
+
+        from lorasync.monitor.metrics import effective_records, write_merged
+        from lorasync.train.recovery import fault_summary
+
+        cfg, rank, world, run_dir = self.cfg, self.rank, self.world, self.run_dir
+        self._mark("finish")
+        self.sync.finish()
+        eval_after = self.evaluate(self.total_steps) if cfg.data.eval_size and self.eval_set \
+            else None
+        if rank == 0:
+            self.model.save_pretrained(os.path.join(run_dir, "adapter"))
+        self._end_event("done")
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(self.steplog.records, gathered, dst=0)
+        if rank == 0:
+            steps = effective_records(gathered)
+            write_merged(os.path.join(run_dir, "metrics.jsonl"), steps)
+            summary = _summarize(steps, cfg, world, self.n_adapter, self.startup_bytes,
+                                 self.eval_before, eval_after)
+            summary["faults"] = fault_summary(gathered)
+            with open(os.path.join(run_dir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=1)
+            print(format_summary(summary, run_dir))
+        self.barrier()
         return 0
-
-    sync.finish()
-    eval_after = run_eval(total_steps) if cfg.data.eval_size and eval_set else None
-    if rank == 0:
-        model.save_pretrained(os.path.join(run_dir, "adapter"))
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(stream.records, gathered, dst=0)
-    if rank == 0:
-        write_merged(os.path.join(run_dir, "metrics.jsonl"), gathered)
-        summary = _summarize(gathered, cfg, world, n_adapter, startup_bytes, eval_before,
-                             eval_after)
-        with open(os.path.join(run_dir, "summary.json"), "w") as fh:
-            json.dump(summary, fh, indent=1)
-        print(format_summary(summary, run_dir))
-    barrier()
-    return 0
 
 
 def same_on_every_rank(tensors, device) -> bool:
@@ -466,71 +542,3 @@ def same_on_every_rank(tensors, device) -> bool:
     both = torch.tensor([h, -h], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN)
     return int(both[0]) == h and -int(both[1]) == h
-
-
-def _summarize(per_rank, cfg, world, n_adapter, startup_bytes, eval_before, eval_after) -> dict:
-    import statistics
-
-    r0 = sorted(per_rank[0], key=lambda r: r["step"])
-    # the first step includes DDP's bucket rebuild and allocator warm-up
-    steady = r0[1:] if len(r0) > 1 else r0
-    by_step: dict[int, list[dict]] = {}
-    for recs in per_rank:
-        for r in recs:
-            by_step.setdefault(r["step"], []).append(r)
-    steady_steps = [s for s in sorted(by_step) if s != r0[0]["step"]] or sorted(by_step)
-    # a step is as slow as its slowest rank; samples are summed over ranks
-    wall = sum(max(r["step_s"] for r in by_step[s]) for s in steady_steps)
-    samples = sum(sum(r["samples"] for r in by_step[s]) for s in steady_steps)
-    return {
-        "world_size": world, "strategy": cfg.comm.strategy, "model": cfg.model.name,
-        "adapter_params": n_adapter, "steps": len(r0), "startup_broadcast_bytes": startup_bytes,
-        "samples_per_s": samples / wall if wall else None,
-        "step_s_median": statistics.median(r["step_s"] for r in steady),
-        "compute_s_mean": statistics.fmean(r["compute_s"] for r in steady),
-        "comm_s_mean": statistics.fmean(r["comm_s"] for r in steady),
-        "sync_share": (sum(r["comm_s"] for r in steady) / sum(r["step_s"] for r in steady)),
-        "wire_bytes_per_step": statistics.fmean(r["wire_bytes"] for r in steady),
-        "fp32_bytes_per_step": statistics.fmean(r["fp32_bytes"] for r in steady),
-        "final_loss": r0[-1]["loss"],
-        "eval_before": eval_before, "eval_after": eval_after,
-    }
-
-
-def _em(e) -> str:
-    if not e or not e.get("n"):
-        return "n/a"
-    p = e["correct"] / e["n"]
-    se = math.sqrt(p * (1 - p) / e["n"])
-    return f"{100 * p:.1f}% +- {100 * se:.1f} ({e['correct']}/{e['n']})"
-
-
-def format_summary(s: dict, run_dir: str) -> str:
-    eb, ea = s["eval_before"], s["eval_after"]
-    rows = [
-        ("ranks x strategy", f"{s['world_size']} x {s['strategy']}"),
-        ("adapter parameters", f"{s['adapter_params']:,}"),
-        ("eval exact-match before", _em(eb)),
-        ("eval exact-match after", _em(ea)),
-        ("eval loss before -> after",
-         f"{eb['eval_loss']:.4f} -> {ea['eval_loss']:.4f}" if eb and ea else "n/a"),
-        ("train loss (last step)", f"{s['final_loss']:.4f}"),
-        ("samples/s (all ranks)", f"{s['samples_per_s']:.2f}"),
-        ("step time median", f"{s['step_s_median']:.3f} s"),
-        ("compute vs sync per step",
-         f"{s['compute_s_mean']:.3f} s vs {s['comm_s_mean']:.3f} s "
-         f"({100 * s['sync_share']:.1f}% waiting on sync)"),
-        ("sent per step per rank",
-         f"{s['wire_bytes_per_step'] / 1e6:.3f} MB (fp32 all-reduce: "
-         f"{s['fp32_bytes_per_step'] / 1e6:.3f} MB)"),
-        ("start-up broadcast", f"{s['startup_broadcast_bytes'] / 1e6:.2f} MB" + (
-            " (adapter only)" if s["startup_broadcast_bytes"] > 16 else
-            " (adapters identical on every rank: hash checked, nothing broadcast)")),
-    ]
-    w = max(len(k) for k, _ in rows)
-    lines = [f"\nlorasync run summary ({run_dir})", "-" * (w + 40)]
-    lines += [f"{k.ljust(w)}  {v}" for k, v in rows]
-    lines += ["-" * (w + 40),
-              f"adapter: {os.path.join(run_dir, 'adapter')}   metrics: "
-              f"{os.path.join(run_dir, 'metrics.jsonl')}"]
-    return "\n".join(lines)
