@@ -43,6 +43,9 @@ import warnings
 from lorasync.config import Config, config_to_dict
 from lorasync.errors import DataError, LorasyncError
 from lorasync.launch import worker_env
+# moved to train/ddp.py (shared with lorasync.hf); imported here so old imports keep working
+from lorasync.train.ddp import buffer_sync_kwarg as _buffer_sync_kwarg  # noqa: F401
+from lorasync.train.ddp import same_on_every_rank  # noqa: F401
 
 __all__ = ["train_worker", "resolve_backend"]
 
@@ -56,21 +59,6 @@ def resolve_backend(name: str) -> str:
         raise LorasyncError("run.backend: 'nccl' needs CUDA GPUs, none found; use "
                             "--backend gloo (or auto)")
     return name
-
-
-def _buffer_sync_kwarg(enabled: bool) -> dict:
-    """DDP's per-forward buffer broadcast switch under its current name.
-
-    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the
-    old name still works, with a warning); older releases only know the old one.
-    """
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-        return {"forward_sync_buffers": enabled}
-    return {"broadcast_buffers": enabled}
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
@@ -449,23 +437,6 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
         print(format_summary(summary, run_dir))
     barrier()
     return 0
-
-
-def same_on_every_rank(tensors, device) -> bool:
-    """True when ``tensors`` hold the same bytes on every rank (16 bytes on the
-    wire: the MIN all-reduce of (h, -h) for a 63-bit prefix h of a SHA-256)."""
-    import hashlib
-
-    import torch
-    import torch.distributed as dist
-
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    h = int.from_bytes(digest.digest()[:8], "little") >> 1     # fits in int64
-    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MIN)
-    return int(both[0]) == h and -int(both[1]) == h
 
 
 def _summarize(per_rank, cfg, world, n_adapter, startup_bytes, eval_before, eval_after) -> dict:
