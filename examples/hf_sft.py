@@ -18,8 +18,9 @@ local model directory) and the data is lorasync's generated demo task
     torchrun --nnodes 2 --node-rank $NODE --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint FIRST_HOST:29400 examples/hf_sft.py --output_dir runs/sft ...
 
-Strategy options: ``--lorasync_option period=4`` (repeatable), e.g.
-``--lorasync_strategy diloco --lorasync_option period=8``.
+Strategy options: ``--lorasync_option KEY=VALUE [KEY=VALUE ...]``, e.g.
+``--lorasync_strategy diloco --lorasync_option period=8 streaming=true``.
+On a machine without GPUs add ``--use_cpu`` (DDP over gloo).
 """
 
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ class DemoArguments:
         default="auto", metadata={"help": "allreduce, fp16, bf16, int8, onebit, topk, powersgd, "
                                           "local, diloco or auto"})
     lorasync_option: list[str] = field(
-        default_factory=list, metadata={"help": "strategy option KEY=VALUE (repeatable)"})
+        default_factory=list, metadata={"help": "strategy options: KEY=VALUE [KEY=VALUE ...]"})
 
 
 def main(demo_args, training_args, model_args):

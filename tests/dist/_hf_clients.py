@@ -162,7 +162,8 @@ def job_trainer(dump_dir, specs):
              frozen=frozen.detach().clone(), log_history=trainer.state.log_history,
              stats=handle.stats() if handle else None, records=handle.records if handle else [],
              startup_bytes=handle.startup_bytes if handle else None,
-             resumed_state=grab.state if grab else None)
+             resumed_state=grab.state if grab else None,
+             state_keys=sorted(handle.state_dict()) if handle and handle.sync else None)
 
 
 # --------------------------------------------------------------------------- accelerate

@@ -133,6 +133,15 @@ RESUME_SPECS = ("i8:int8:steps=6,save=3", "dl:diloco:period=2,steps=6,save=3",
                 "au:auto:probe=live,measure_steps=1,interval=2,steps=6,save=3")
 
 
+#: the other strategies, briefly: (spec, strategy, compresses)
+EVERY_STRATEGIES = [("s-fp16:fp16:steps=6", "fp16", True), ("s-bf16:bf16:steps=6", "bf16", True),
+                    ("s-onebit:onebit:steps=8,warmup_steps=3", "onebit", True),
+                    ("s-topk:topk:steps=6", "topk", True),
+                    ("s-powersgd:powersgd:steps=6", "powersgd", True),
+                    ("s-local:local:steps=6,period=3", "local", True)]
+EVERY = [spec for spec, _, _ in EVERY_STRATEGIES]
+
+
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     dump = tmp_path_factory.mktemp("trainer")
@@ -140,7 +149,7 @@ def trainer(tmp_path_factory):
            "au:auto:probe=live,measure_steps=2,interval=4,force_switch_at=10:int8",
            "ga1:allreduce:steps=16", "ga2:allreduce:steps=8,ga=2",
            "plain:allreduce:attach=false,perturb=true,steps=2", "badopt:int8:block=0",
-           *(f"first-{s}" for s in RESUME_SPECS))
+           *EVERY, *(f"first-{s}" for s in RESUME_SPECS))
     return dump
 
 
@@ -157,6 +166,25 @@ def test_trainer_periodic_and_auto_end_identical(trainer, name, strategy):
         sent = [r["step"] for r in r0["records"] if r["wire_bytes"]]
         assert sent == [4, 8, 12, 16]
         assert all(h["lorasync/strategy"] == "diloco" for h in logs)
+
+
+@pytest.mark.parametrize("spec,strategy,compresses", EVERY_STRATEGIES,
+                         ids=[s for _, s, _ in EVERY_STRATEGIES])
+def test_trainer_runs_every_strategy(trainer, spec, strategy, compresses):
+    name = spec.split(":")[0]
+    r0, r1 = ranks(trainer, name)
+    assert same_tensors(r0["adapter"], r1["adapter"]), f"{strategy}: adapters differ"
+    st = r0["stats"]
+    assert st["strategy"] == strategy and st["syncs"] >= 2
+    if compresses:
+        assert 0 < st["wire_bytes"] < st["fp32_bytes"]
+    logs = train_logs(r0["log_history"])
+    assert all(h["lorasync/strategy"] == strategy for h in logs)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    if strategy == "onebit":
+        # 1-bit Adam on the Trainer's AdamW: after 3 warm-up steps the variance
+        # is frozen and momentum travels as signs
+        assert {"momentum", "adam_denom"} <= set(r0["state_keys"])
 
 
 def test_trainer_log_history_has_auto_switches_with_reasons(trainer):
