@@ -67,7 +67,7 @@ def _hash_worker(rank, world, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from lorasync.train.loop import same_on_every_rank
+        from lorasync.train.ddp import same_on_every_rank
 
         same = [torch.arange(12.0).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16)]
         out[f"same{rank}"] = same_on_every_rank(same, "cpu")

@@ -52,6 +52,8 @@ import warnings
 from lorasync.config import Config, config_to_dict
 from lorasync.errors import DataError, LorasyncError
 from lorasync.launch import worker_env
+from lorasync.train.ddp import buffer_sync_kwarg as _buffer_sync_kwarg
+from lorasync.train.ddp import make_identical
 from lorasync.train.summary import format_summary
 from lorasync.train.summary import summarize as _summarize
 
@@ -67,21 +69,6 @@ def resolve_backend(name: str) -> str:
         raise LorasyncError("run.backend: 'nccl' needs CUDA GPUs, none found; use "
                             "--backend gloo (or auto)")
     return name
-
-
-def _buffer_sync_kwarg(enabled: bool) -> dict:
-    """DDP's per-forward buffer broadcast switch under its current name.
-
-    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the
-    old name still works, with a warning); older releases only know the old one.
-    """
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-        return {"forward_sync_buffers": enabled}
-    return {"broadcast_buffers": enabled}
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
@@ -259,7 +246,6 @@ class Trainer:
 
     def setup(self) -> None:
         import torch
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from lorasync.comm import attach
@@ -309,12 +295,7 @@ class Trainer:
         # Make the adapter identical on every rank: rank 0's init is the truth.
         # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
         lora = [p for n, p in model.named_parameters() if "lora_" in n]
-        self.startup_bytes = 16
-        if not same_on_every_rank(lora, device):
-            with torch.no_grad():
-                for p in lora:
-                    dist.broadcast(p.data, src=0)
-                    self.startup_bytes += p.numel() * p.element_size()
+        self.startup_bytes = make_identical(lora, device)
         self.n_adapter = adapter_param_count(model)
         self.log(f"lorasync: {world} rank(s), backend {self.backend}, model {cfg.model.name}, "
                  f"{self.n_adapter:,} trainable adapter parameters, strategy "
@@ -526,19 +507,3 @@ class Trainer:
         self.barrier()
         return 0
 
-
-def same_on_every_rank(tensors, device) -> bool:
-    """True when ``tensors`` hold the same bytes on every rank (16 bytes on the
-    wire: the MIN all-reduce of (h, -h) for a 63-bit prefix h of a SHA-256)."""
-    import hashlib
-
-    import torch
-    import torch.distributed as dist
-
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    h = int.from_bytes(digest.digest()[:8], "little") >> 1     # fits in int64
-    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MIN)
-    return int(both[0]) == h and -int(both[1]) == h
