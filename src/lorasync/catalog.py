@@ -287,7 +287,8 @@ class DiLoCoOptions(_PeriodicOptions):
         if self.delta_block % 2:
             raise ConfigError("diloco.delta_block", self.delta_block,
                               "use an even number (int4 packs two codes a byte)")
-        if "delta_block" in given and DELTA_BITS[self.delta_dtype] > 8:
+        if "delta_block" in given and DELTA_BITS[self.delta_dtype] > 8 \
+                and self.delta_block != type(self)().delta_block:
             raise ConfigError("diloco.delta_block", self.delta_block,
                               "delta_block applies only with delta_dtype int8 or int4")
 
@@ -505,10 +506,9 @@ def _diloco_encode_ns(o: "DiLoCoOptions") -> float:
     # adapter (bench/strategies_micro.py), per element per sync
     if not delta_gathered(o):
         return 7.0
-    codec = {"fp32": 6.0, "fp16": 6.0, "bf16": 6.0, "int8": 14.0, "int4": 16.0}[o.delta_dtype]
-    if o.delta_topk < 1.0:
-        codec = 30.0
-    return 7.0 + codec
+    if o.delta_topk < 1.0:   # a top-k per size group, then little to code
+        return 7.0 + 3.0
+    return 7.0 + {"int8": 6.0, "int4": 5.0}[o.delta_dtype]
 
 
 # --------------------------------------------------------------------------- the catalog
