@@ -427,3 +427,13 @@ def test_diloco_variants_parse_in_order_and_are_checked():
     # the default: every one of them parses
     from lorasync import catalog
     assert len(A.parse_variants(catalog.AutoOptions().diloco_variants)) >= 2
+
+
+def test_probe_cost_sets_how_rarely_a_slow_link_is_probed():
+    slow, fast = Net(2e-3, 125e3, 2), Net(1e-4, MB100, 2)
+    assert A.probe_cost(slow) == pytest.approx(3 * (2 * 2e-3 + 1024 / 125e3)
+                                               + 2 * 2e-3 + A.MIN_PROBE_BYTES / 125e3)
+    assert A.probe_cost(None) == 0.0
+    # 2 s a probe at 1 Mbit/s: once in many windows; at 100 Mbit/s: every window
+    assert A.probe_every(A.probe_cost(slow), COMPUTE, 10) >= 10
+    assert A.probe_every(A.probe_cost(fast), COMPUTE, 10) == 1

@@ -95,7 +95,8 @@ from lorasync.plan.planner import tune_periodic
 from lorasync.plan.policy import (
     DEFAULT_CHILD_OPTIONS, EXPOSED_PRIOR, MIN_PROBE_BYTES, SMALL_PROBE_BYTES, Window, decide,
     describe, drifted, hidden_of, inflation, link_changed, parse_candidates, parse_force,
-    parse_variants, passive_bandwidth, probe_every, probe_size, split_extra, suggest_accum,
+    parse_variants, passive_bandwidth, probe_cost, probe_every, probe_size, split_extra,
+    suggest_accum,
     workload_for, corrections, _pred_text,
 )
 from lorasync.units import fmt_duration, fmt_rate
@@ -619,7 +620,9 @@ class Auto(Sync):
                 probed = True
                 self._next_probe = s + probe_every(spent, step, k) * k
             elif initial:
-                self._next_probe = s + k
+                # the start probe is the figure until the next probe's share of
+                # the training time (PROBE_BUDGET) is due, or the syncs drift
+                self._next_probe = s + probe_every(probe_cost(net), step, k) * k
         else:
             net = Net(alpha_s=0.0, bandwidth_Bps=1e12, world_size=1)
         changed = (probed or passive) and prev is not None \

@@ -52,7 +52,9 @@ from typing import Any, Mapping, Sequence
 
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
-from lorasync.plan.costmodel import Net, Prediction, Workload, encode_ns, path_terms, predict
+from lorasync.plan.costmodel import (
+    Net, Prediction, Workload, collective_time, encode_ns, path_terms, predict,
+)
 from lorasync.plan.planner import Measurements, choose
 from lorasync.units import fmt_duration, fmt_rate
 
@@ -60,7 +62,7 @@ __all__ = [
     "DEFAULT_CANDIDATES", "DEFAULT_CHILD_OPTIONS", "Window", "Decision", "probe_size",
     "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for",
     "encode_ns_for", "decide", "drifted", "link_changed", "suggest_accum", "describe",
-    "parse_candidates", "parse_force", "parse_variants", "passive_bandwidth",
+    "parse_candidates", "parse_force", "parse_variants", "passive_bandwidth", "probe_cost",
 ]
 
 #: the strategies auto chooses among unless ``candidates`` says otherwise
@@ -206,6 +208,17 @@ def probe_size(bandwidth_Bps: float) -> int:
     if target <= MIN_PROBE_BYTES:
         return MIN_PROBE_BYTES
     return int(min(MAX_PROBE_BYTES, 2 ** math.floor(math.log2(target))))
+
+
+def probe_cost(net: Net | None) -> float:
+    """Seconds auto's timed probe takes on ``net``: three 1 KiB all-reduces
+    and one of :func:`probe_size` (0.0 without a net: nothing to go by)."""
+    if net is None:
+        return 0.0
+    small = collective_time(catalog.Collective("all_reduce", SMALL_PROBE_BYTES), net)
+    large = collective_time(catalog.Collective("all_reduce", probe_size(net.bandwidth_Bps)),
+                            net)
+    return 3 * small + large
 
 
 def probe_every(probe_s: float, step_s: float, interval: int,
