@@ -604,6 +604,9 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
                                None))
             cur = p
             wl = _with(wl, p.strategy, **p.options)
+            # the ranking and the recommendation with the periodic strategy as tuned
+            rec = choose(Measurements(net, _with(workload, p.strategy, **p.options),
+                                      candidates=candidates))
         else:
             best_p = p
             steps.append(_step("periodic_sync", "Sync periodically",
