@@ -99,3 +99,23 @@ def test_pending_syncs_survive_a_state_dict_and_reconfigure():
         sync2.load_state_dict(sync.state_dict())      # saved with 4 fragments, this has 2
     with pytest.raises(ValueError, match="delta_block"):
         sync.reconfigure(delta_dtype="int4", delta_block=3)
+
+
+def test_settle_receives_without_applying_early():
+    """What the trainer calls before an evaluation: the syncs in flight arrive
+    (an evaluation must not give them link time for free), and are still
+    applied at their own step, so training is the same with or without it."""
+    runs = []
+    for settle in (False, True):
+        params, sync = _diloco(period=4, fragments=2, streaming=True, delay=3,
+                               delta_dtype="int8")
+        for s in range(1, 13):
+            _inner_step(params, s)
+            sync.after_step()
+            if settle:
+                anchor = sync._anchor.clone()
+                sync.settle()
+                assert all(p["work"] is None for p in sync._pending)
+                assert torch.equal(anchor, sync._anchor)   # nothing applied early
+        runs.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    assert torch.equal(runs[0], runs[1])

@@ -844,6 +844,9 @@ class Auto(Sync):
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
 
+    def settle(self) -> None:
+        self._child.settle()
+
     def finish(self) -> None:
         self._child.finish()
         self._carry, self._carry_left = None, set()

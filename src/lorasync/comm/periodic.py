@@ -182,6 +182,10 @@ class _Periodic(HookSync):
         with self._lock:
             self._syncs += 1
 
+    def settle(self) -> None:
+        for p in self._pending:   # received, still applied at its own step
+            self._wait(p)
+
     def _drain(self) -> None:
         """Apply every pending sync now (finish, reconfigure)."""
         while self._pending:
