@@ -384,6 +384,10 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
             sched.step()
             opt.zero_grad(set_to_none=True)
             sync.after_step()
+            if tc.eval_interval and step % tc.eval_interval == 0 and step < total_steps:
+                # an evaluation must not give a streamed sync free link time:
+                # what is in flight arrives now, as this step's exposed sync
+                sync.settle()
             step_s = time.perf_counter() - t0
             stats = sync.stats()
             # what the backward pass could not see: waits inside after_step (periodic
