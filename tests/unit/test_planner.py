@@ -457,3 +457,11 @@ def test_plan_streams_the_periodic_sync_and_compresses_it_before_lengthening_the
                  candidates=("allreduce", "fp16", "diloco"))
     per = next(s for s in given.steps if s.action == "periodic_sync")
     assert per.options["delta_dtype"] == "fp16"   # a codec the user chose stays
+
+
+def test_tune_periodic_takes_each_variant_as_given():
+    # the workload's options (a sparse variant in use) do not leak into the others
+    slow = what_if_net(2, 1e6 / 8, 1e-3)
+    w = wl(options={"diloco": {"delta_dtype": "int4", "delta_topk": 0.03, "fragments": 2}})
+    opts, _, i = tune_periodic(slow, w, "diloco", [{"delta_dtype": "int8"}])
+    assert (i, opts["delta_dtype"], opts["delta_topk"]) == (0, "int8", 1.0)

@@ -451,7 +451,9 @@ def tune_periodic(net: Net, workload: Workload, strategy: str,
         raise ConfigError("variants", variants, f"give at least one {strategy} option set")
     tried = []
     for i, v in enumerate(variants):
-        wl = _with(workload, strategy, **v)
+        # the variant as given, not merged into the options in the workload
+        # (a top-k ratio there must not leak into a dense variant)
+        wl = dataclasses.replace(workload, options={**workload.options, strategy: dict(v)})
         ns = encode_ns[i] if encode_ns is not None else None
         if ns is not None:
             wl = dataclasses.replace(wl, encode_ns={**wl.encode_ns, strategy: float(ns)})
