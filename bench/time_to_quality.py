@@ -378,7 +378,7 @@ def main() -> int:
                     help="the reference's steps: its eval loss there is the target")
     ap.add_argument("--max-steps", type=int, default=160,
                     help="every run's schedule length and its cap in steps")
-    ap.add_argument("--budget", type=float, default=2.0,
+    ap.add_argument("--budget", type=float, default=1.6,
                     help="training time a candidate may take, in units of the ideal")
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--eval-size", type=int, default=64)
