@@ -2,7 +2,7 @@
 """Every sync strategy on the embedded default: speed, bytes and quality.
 
     .venv/bin/python bench/strategies.py [--steps 60] [--seeds 3] [--emulate nodes=2,rate=10mbit]
-    .venv/bin/python bench/strategies.py --strategies topk,topk:ratio=0.01,diloco:outer_momentum=0.9
+        [--strategies fp16,diloco:delta_dtype=int4:fragments=4:streaming=true]
 
 Runs ``lorasync train`` once per strategy (seed 0; ``NAME:KEY=VALUE:...``
 runs it with those options) and the ``allreduce`` reference once per seed, all with the same data, steps and batch (so the same
@@ -18,6 +18,9 @@ eval loss here); the seed spread printed above the table says how much.
 
 Without ``--emulate`` ranks talk over loopback: quality and bytes are what
 matter there; speed differences need a slow link (``--emulate``, root).
+
+A strategy may carry options: ``NAME:KEY=VALUE:KEY=VALUE`` (each becomes a
+``--comm-opt``); the row is labelled with the whole entry.
 """
 
 from __future__ import annotations
@@ -35,10 +38,18 @@ import time
 STRATEGIES = ["fp16", "bf16", "int8", "onebit", "topk", "powersgd", "local", "diloco"]
 
 
-def train(out: str, strategy: str, seed: int, a) -> dict:
-    name, *opts = strategy.split(":")
-    cmd = [sys.executable, "-m", "lorasync", "train", "--comm", name, "--seed", str(seed),
-           *[x for o in opts for x in ("--comm-opt", o)],
+def split_entry(entry: str) -> tuple[str, list[str]]:
+    """``"diloco:delta_dtype=int4:fragments=4"`` -> ``("diloco", ["--comm-opt", ...])``."""
+    name, *opts = entry.split(":")
+    for o in opts:
+        if "=" not in o:
+            raise SystemExit(f"--strategies: {entry!r}: options are KEY=VALUE, got {o!r}")
+    return name, [x for o in opts for x in ("--comm-opt", o)]
+
+
+def train(out: str, entry: str, seed: int, a) -> dict:
+    strategy, opts = split_entry(entry)
+    cmd = [sys.executable, "-m", "lorasync", "train", "--comm", strategy, *opts, "--seed", str(seed),
            "--max-steps", str(a.steps), "--eval-size", str(a.eval_size), "--no-progress",
            "--ckpt-interval", "0", "--no-eval-before", "--output-dir", out, *a.extra]
     if a.emulate:

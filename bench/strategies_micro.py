@@ -12,7 +12,8 @@ layers, 921,600 parameters).  Three measurements:
   so this is close to the per-rank cost at any world size.
 * ``loopback``: what ``auto`` times at start for the strategies it has not
   run (``lorasync.comm.loopback.time_encode``: the hooks alone, as on 2
-  ranks, wall time per step), in ms per step for this adapter.
+  ranks, wall time per step), in ms per step for this adapter; for DiLoCo
+  (and its outer-sync variants) one whole sync, i.e. ``period`` steps' worth.
 * ``codec``: the bare compressor round trip on the flat 921,600 values
   (``torch.utils.benchmark``), for comparison.
 
@@ -44,6 +45,14 @@ SHAPES = LAYER * 30
 STRATEGIES = [
     ("allreduce", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("onebit", {}),
     ("topk", {"ratio": 0.01}), ("powersgd", {"rank": 1}), ("powersgd", {"rank": 2}),
+]
+
+
+#: DiLoCo's outer syncs (one whole sync each: divide by the period for a step)
+DILOCO_VARIANTS = [
+    ("diloco", {"delta_dtype": "fp16"}), ("diloco", {"delta_dtype": "int8"}),
+    ("diloco", {"delta_dtype": "int4"}), ("diloco", {"delta_dtype": "int4", "delta_topk": 0.03}),
+    ("diloco", {"delta_dtype": "int8", "fragments": 8}),
 ]
 
 
@@ -84,7 +93,7 @@ def bench_loopback(calls: int) -> list[dict]:
     params = [torch.zeros(s) for s in SHAPES]
     n = sum(p.numel() for p in params)
     out = []
-    for name, opts in STRATEGIES + [("local", {}), ("diloco", {})]:
+    for name, opts in STRATEGIES + [("local", {}), ("diloco", {})] + DILOCO_VARIANTS:
         runs = [time_encode(name, params, 2, options=opts, bucket_cap_bytes=1 << 20,
                             calls=calls, seed=i) * n * 1e-6 for i in range(3)]
         label = name + "".join(f" {k}={v}" for k, v in opts.items())

@@ -33,7 +33,17 @@ Per strategy, with N elements, n ranks, per tensor m elements cut by
     powersgd    4 * sum(k (a + b)) over a x b matrices it compresses
                 + 4 * numel of the other tensors   (two all-reduces)
     local       4 N every period steps
-    diloco      N * bytes(delta_dtype) every period steps
+    diloco      every period steps, one collective per fragment (fragments=F;
+                the fragments are synced in turn, see fragment_ranges and
+                fragments_due), for the fragment's tensors:
+                fp32/fp16/bf16, delta_topk 1:  N_f * bytes(delta_dtype)   all_reduce
+                otherwise (int8/int4, or delta_topk < 1):                 all_gather
+                    sum over its tensors of delta_tensor_bytes(m):
+                    k = m, or max(1, ceil(delta_topk m)) entries kept
+                    + k indices (2 bytes while m <= 65536, else 4) when sparse
+                    + values: k * bytes(fp32/fp16/bf16), or for int8/int4
+                      ceil(k / delta_block) blocks of delta_block codes
+                      (1 or 1/2 byte each) + one fp32 scale per block
     none        0
 """
 
@@ -49,11 +59,22 @@ from lorasync.errors import ConfigError, UnknownKey
 __all__ = [
     "Options", "Spec", "Collective", "SPECS", "STRATEGIES", "NONE", "LOSSLESS", "PERIODIC",
     "spec", "names", "parse_options", "option_help", "param_blocks", "tensor_shapes",
-    "collectives", "wire_bytes", "DTYPE_BYTES",
+    "collectives", "wire_bytes", "DTYPE_BYTES", "DELTA_DTYPES", "DELTA_BITS",
+    "delta_tensor_bytes", "delta_gathered", "fragment_ranges", "fragment_offsets",
+    "fragments_due",
 ]
 
 #: bytes per element of the dtypes a sync may send
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+#: dtypes DiLoCo's outer delta may travel in: the float casts are all-reduced
+#: (when dense); int8/int4 are blockwise codes with one fp32 scale per block,
+#: all-gathered and summed in fp32 by every rank
+DELTA_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+#: bits per value of each delta dtype
+DELTA_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
+#: a sparse delta's indices are local to their tensor: 2 bytes while it has
+#: at most this many elements (LoRA factors have a few thousand), else 4
+SHORT_INDEX_MAX = 1 << 16
 
 
 # --------------------------------------------------------------------------- options
@@ -245,8 +266,36 @@ class DiLoCoOptions(_PeriodicOptions):
     outer_lr: float = option(0.8, "outer Nesterov SGD learning rate", lo=0.0, hi=math.inf,
                              lo_open=True)
     outer_momentum: float = option(0.5, "outer Nesterov momentum", lo=0.0, hi=1.0, hi_open=True)
-    delta_dtype: str = option("fp32", "dtype the outer delta travels in",
-                              choices=tuple(DTYPE_BYTES))
+    delta_dtype: str = option("fp32", "dtype the outer delta travels in: fp32, fp16, bf16 "
+                              "(all-reduced) or int8, int4 (blockwise codes + one fp32 scale "
+                              "per delta_block values, all-gathered, error feedback)",
+                              choices=DELTA_DTYPES)
+    delta_block: int = option(64, "values per fp32 scale of an int8/int4 delta (per tensor; "
+                              "even)", lo=2)
+    delta_topk: float = option(1.0, "share of each tensor's delta entries sent, largest first, "
+                               "with their indices and error feedback (delta_dtype applies to "
+                               "the values); 1: all of them", lo=0.0, hi=1.0, lo_open=True)
+    fragments: int = option(1, "sync the adapter in this many fragments, in turn: one every "
+                            "period/fragments steps, so the link is busy evenly", lo=1)
+
+    def check(self, given: frozenset[str] = frozenset()) -> None:
+        super().check(given)
+        if self.fragments > self.period:
+            raise ConfigError("diloco.fragments", self.fragments,
+                              f"use at most period ({self.period}) fragments: each syncs "
+                              "once a period, at its own step")
+        if self.delta_block % 2:
+            raise ConfigError("diloco.delta_block", self.delta_block,
+                              "use an even number (int4 packs two codes a byte)")
+        if "delta_block" in given and DELTA_BITS[self.delta_dtype] > 8 \
+                and self.delta_block != type(self)().delta_block:
+            raise ConfigError("diloco.delta_block", self.delta_block,
+                              "delta_block applies only with delta_dtype int8 or int4")
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the delta is all-gathered (codes, or sparse) rather than all-reduced."""
+        return delta_gathered(self)
 
 
 @_o("torch_fp16")
@@ -285,6 +334,10 @@ class AutoOptions(Options):
     force_switch_at: str = option("", "STEP:NAME[,STEP:NAME]: switch at these steps (tests)")
     encode_probe: bool = option(True, "time each candidate's encode+decode on the live device "
                                 "at start (else the CPU defaults of the cost model)")
+    diloco_variants: str = option("fp16,int8,int4,int4@0.03",
+                                  "DiLoCo outer syncs auto chooses among (DTYPE or "
+                                  "DTYPE@TOPK_RATIO, the least lossy first), each with the "
+                                  "streaming delay and fragment count that hide it")
     log: bool = option(True, "log decisions on rank 0 (stderr)")
 
 
@@ -382,6 +435,87 @@ def _numel(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
 
 
+def delta_gathered(o: "DiLoCoOptions") -> bool:
+    """Whether DiLoCo's delta travels as per-rank codes (all-gathered: int8,
+    int4, or sparse) rather than as a summable float tensor (all-reduced)."""
+    return DELTA_BITS[o.delta_dtype] <= 8 or o.delta_topk < 1.0
+
+
+def delta_tensor_bytes(numel: int, o: "DiLoCoOptions") -> int:
+    """Bytes one rank sends for one tensor of ``numel`` elements of an
+    all-gathered DiLoCo delta (see the module docstring)."""
+    sparse = o.delta_topk < 1.0
+    k = topk_k(numel, o.delta_topk) if sparse else numel
+    out = k * (2 if numel <= SHORT_INDEX_MAX else 4) if sparse else 0
+    bits = DELTA_BITS[o.delta_dtype]
+    if bits > 8:
+        return out + k * bits // 8
+    nb = math.ceil(k / o.delta_block)
+    return out + nb * o.delta_block * bits // 8 + 4 * nb
+
+
+def fragment_ranges(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
+    """The adapter's tensors (in canonical order, ``numels`` each) cut into
+    ``fragments`` contiguous runs of about equal size: ``[(first, end), ...]``
+    tensor indices.  Every tensor is in exactly one fragment."""
+    numels = [int(m) for m in numels]
+    F, L = int(fragments), len(numels)
+    if F < 1:
+        raise ConfigError("diloco.fragments", fragments, "use an integer >= 1")
+    if F > L:
+        raise ConfigError("diloco.fragments", fragments,
+                          f"the adapter has {L} tensor(s); use at most {L} fragments")
+    cum = [0]
+    for m in numels:
+        cum.append(cum[-1] + m)
+    cuts = [0]
+    for f in range(1, F):
+        target = cum[-1] * f / F
+        lo, hi = cuts[-1] + 1, L - (F - f)
+        cuts.append(min(range(lo, hi + 1), key=lambda j: (abs(cum[j] - target), j)))
+    cuts.append(L)
+    return list(zip(cuts, cuts[1:]))
+
+
+def fragment_offsets(period: int, fragments: int) -> list[int]:
+    """Step (mod ``period``) at which each fragment syncs: fragment f at
+    ``(f + 1) * period // fragments``, so one fragment has synced every
+    ``period / fragments`` steps and the last one at the period's end (one
+    fragment: every ``period`` steps, as plain DiLoCo)."""
+    return [((f + 1) * period // fragments) % period for f in range(fragments)]
+
+
+def fragments_due(step: int, period: int, fragments: int) -> list[int]:
+    """Fragments whose sync starts after optimizer step ``step`` (1-based)."""
+    r = step % period
+    return [f for f, off in enumerate(fragment_offsets(period, fragments)) if off == r]
+
+
+def _diloco(shapes, n: int, o: "DiLoCoOptions") -> list[Collective]:
+    # one collective per fragment, in fragment order (each at its own step)
+    numels = [math.prod(s) for s in shapes]
+    out = []
+    for a, b in fragment_ranges(numels, o.fragments):
+        part = numels[a:b]
+        if delta_gathered(o):
+            out.append(Collective("all_gather", float(sum(delta_tensor_bytes(m, o)
+                                                          for m in part))))
+        else:
+            out.append(Collective("all_reduce", float(DTYPE_BYTES[o.delta_dtype] * sum(part))))
+    return out
+
+
+def _diloco_encode_ns(o: "DiLoCoOptions") -> float:
+    # the flat copy and the outer Nesterov step (7 ns), plus the codec: what
+    # comm.loopback.time_encode measured on one CPU thread for the SmolLM2
+    # adapter (bench/strategies_micro.py), per element per sync
+    if not delta_gathered(o):
+        return 7.0
+    if o.delta_topk < 1.0:   # a top-k per size group, then little to code
+        return 7.0 + 3.0
+    return 7.0 + {"int8": 6.0, "int4": 5.0}[o.delta_dtype]
+
+
 # --------------------------------------------------------------------------- the catalog
 
 @dataclass(frozen=True)
@@ -449,9 +583,8 @@ _SPECS = [
           encode_ns=lambda o: 2.5, per_step=False, periodic=True),
     # the flat copy and the outer Nesterov step
     _spec("diloco", "the adapter delta every `period` steps, outer Nesterov SGD", DiLoCoOptions,
-          lambda s, n, o: [Collective("all_reduce",
-                                      float(DTYPE_BYTES[o.delta_dtype]) * _numel(s))],
-          encode_ns=lambda o: 7.0, per_step=False, periodic=True),
+          lambda s, n, o: _diloco(s, n, o), encode_ns=_diloco_encode_ns, per_step=False,
+          periodic=True),
     _spec("none", "no sync (ranks diverge): the compute ceiling of the bench", NoneOptions,
           lambda s, n, o: [], plannable=False),
     _spec("torch_fp16", "torch's fp16_compress_hook (a baseline)", TorchFP16Options, None,

@@ -40,6 +40,13 @@ CONFIGS = [
     ("local_streaming", "local", {"period": 4, "streaming": True}),
     ("diloco", "diloco", {}),  # period 8, outer_lr 0.8, Nesterov 0.5 (the defaults)
     ("diloco_streaming", "diloco", {"streaming": True, "delta_dtype": "fp16"}),
+    # the outer-sync options of issue 17, each composed with streaming
+    ("diloco_int4", "diloco", {"delta_dtype": "int4", "delta_block": 16}),
+    ("diloco_topk", "diloco", {"delta_dtype": "int8", "delta_topk": 0.3, "streaming": True,
+                               "delay": 2}),
+    ("diloco_fragments", "diloco", {"fragments": 3, "delta_dtype": "int8", "streaming": True,
+                                    "delay": 4}),
+    ("diloco_fragments_fp16", "diloco", {"fragments": 2, "delta_dtype": "fp16"}),
 ]
 #: configurations whose sync is given the optimizer (``set_optimizer``)
 WITH_OPTIMIZER = {"onebit_adam"}
@@ -105,7 +112,7 @@ def scenario_reference(rank, teach):
 
 def scenario_train(rank, name, opts, teach, ev, give_opt=False):
     import lorasync
-    from lorasync.catalog import wire_bytes
+    from lorasync.catalog import collectives, wire_bytes
 
     model = M.build(0)
     ddp, opt = _ddp(model), _opt(model)
@@ -130,6 +137,8 @@ def scenario_train(rank, name, opts, teach, ev, give_opt=False):
     return {
         "eval_before": before, "eval_after": _eval(model, ev), "train_losses": losses,
         "wire": wire, "fp32": fp32, "formula": wire_bytes(name, shapes, dist.get_world_size(), **opts),
+        "per_sync": [c.payload_bytes for c in collectives(name, shapes, dist.get_world_size(),
+                                                          opts)],
         "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "spread_before_finish": spread_before_finish, "spread_after_finish": _spread(_flat(model)),
         "stats": {k: v for k, v in st.items() if k != "strategy"},
@@ -219,6 +228,55 @@ def scenario_mass(rank, name, opts, teach, steps=8):
             "scale": float(true.abs().max()), "resid_max": float(resid.abs().max())}
 
 
+DELTA_MASS_CONFIGS = {"int4": {"delta_dtype": "int4", "delta_block": 16},
+                      "topk_int8": {"delta_dtype": "int8", "delta_topk": 0.2},
+                      "topk_fp16_fragments": {"delta_dtype": "fp16", "delta_topk": 0.3,
+                                              "fragments": 3}}
+
+
+def scenario_delta_mass(rank, opts, teach, steps=24):
+    """DiLoCo's error feedback on the delta loses nothing.  With outer_lr 1
+    and no momentum the anchor moves by exactly the mean delta that arrived,
+    so anchor_0 - anchor_T + mean(residual_T) must equal the sum of the true
+    mean deltas (anchor - theta, averaged over ranks) of every sync."""
+    import lorasync
+    from lorasync.catalog import fragment_ranges, fragments_due
+
+    n = dist.get_world_size()
+    model = M.build(0)
+    ddp, opt = _ddp(model), _opt(model)
+    full = {"period": 4, "outer_lr": 1.0, "outer_momentum": 0.0, **opts}
+    sync = lorasync.attach(ddp, "diloco", **full)
+    numels = [p.numel() for p in sync.params]
+    offs = [0]
+    for m in numels:
+        offs.append(offs[-1] + m)
+    frags = fragment_ranges(numels, full.get("fragments", 1))
+    anchor0 = sync._anchor.double().clone()
+    true = torch.zeros_like(anchor0)
+    for s in range(1, steps + 1):
+        x, y = M.batch(s, rank, True, teach)
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        due = fragments_due(s, full["period"], len(frags))
+        if due:
+            d = (sync._anchor - _flat(model)).double()
+            mask = torch.zeros_like(d)
+            for f in due:
+                a, b = frags[f]
+                mask[offs[a]:offs[b]] = 1
+            d *= mask
+            dist.all_reduce(d)
+            true += d / n
+        sync.after_step()
+    resid = sync.state_dict()["residual"].double() / n
+    dist.all_reduce(resid)
+    got = anchor0 - sync._anchor.double() + resid
+    return {"max_err": float((got - true).abs().max()), "scale": float(true.abs().max()),
+            "resid_max": float(resid.abs().max())}
+
+
 def scenario_adam(rank, teach, warmup=3, steps=8):
     """onebit given AdamW (1-bit Adam): warm-up steps are plain AdamW on fp32
     all-reduced gradients; after them Adam's bias-corrected variance stays
@@ -295,6 +353,8 @@ def scenario_validation(rank):
         "diloco_streaming_period_one": ("diloco", {"period": 1, "streaming": True}),
         "diloco_delay_too_big": ("diloco", {"period": 4, "streaming": True, "delay": 4}),
         "diloco_bad_dtype": ("diloco", {"delta_dtype": "fp8"}),
+        "diloco_too_many_fragments": ("diloco", {"fragments": 8, "period": 8}),
+        "diloco_odd_block": ("diloco", {"delta_dtype": "int4", "delta_block": 33}),
         "diloco_momentum_one": ("diloco", {"outer_momentum": 1.0}),
         "allreduce_warmup": ("allreduce", {"warmup_steps": 2}),
         "onebit_momentum_str": ("onebit", {"momentum": "yes"}),
@@ -373,6 +433,10 @@ def run(rank, world, out_dir, port, only):
         for name, mopts in MASS_CONFIGS.items():
             log.write(f"start mass {name}\n")
             results["mass"][name] = scenario_mass(rank, name, mopts, teach)
+        results["delta_mass"] = {}
+        for name, mopts in DELTA_MASS_CONFIGS.items():
+            log.write(f"start delta mass {name}\n")
+            results["delta_mass"][name] = scenario_delta_mass(rank, mopts, teach)
         for label, name, opts in CONFIGS:
             if only and label not in only:
                 continue

@@ -274,6 +274,47 @@ def scenario_resume(M, rank, teach, at):
             "end_child": sync2.stats()["strategy"], "carry_saved": ckpt[2]["carry"] is not None}
 
 
+RECONF_AT, RECONF_STEPS = 6, 30
+RECONF_TO = {"period": 4, "streaming": True, "delay": 2, "delta_dtype": "int4",
+             "delta_block": 16, "fragments": 3}
+
+
+def scenario_diloco_reconfigure(M, rank, teach, ev):
+    """auto moves DiLoCo to another outer sync in place (what it does when the
+    planner predicts another variant faster): no average of the replicas at
+    the switch, the new codec's bytes at each fragment's step from then on,
+    identical replicas after finish(); the wire timed the idle collectives."""
+    import lorasync
+    from lorasync.catalog import collectives, fragments_due
+
+    model = M.build(0)
+    ddp, opt = _ddp(model), _opt(model)
+    sync = lorasync.attach(ddp, "auto", candidates="diloco", interval=0, measure_steps=0,
+                           probe="none", start="diloco", **{"diloco.period": 4}, **QUIET)
+    sync.set_optimizer(opt)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    before = _eval(model, ev)
+    last = sync.stats()
+    rec, kinds = [], []
+    for s in range(1, RECONF_STEPS + 1):
+        _step(M, ddp, opt, sync, s, rank, False, teach)
+        if s == RECONF_AT:
+            sync._switch("diloco", RECONF_TO, "test: another outer sync")
+        st = sync.stats()
+        rec.append({"step": s, "wire": st["wire_bytes"] - last["wire_bytes"],
+                    "auto": st["auto_bytes"] - last["auto_bytes"]})
+        kinds += [t[0] for t in sync._transfers]
+        sync._transfers = []
+        last = st
+    sync.finish()
+    per = [c.payload_bytes for c in collectives("diloco", shapes, 2, RECONF_TO)]
+    want = [sum(per[f] for f in fragments_due(s, 4, 3)) for s in range(1, RECONF_STEPS + 1)]
+    return {"records": rec, "expected_after": want, "kinds": kinds,
+            "eval_before": before, "eval_after": _eval(model, ev),
+            "spread_end": _spread(_flat(model)), "strategy": sync.stats()["strategy"],
+            "options": dict(sync._child_options), "switches": sync.stats()["switches"]}
+
+
 def scenario_default(M, rank, teach, ev, steps=40):
     """Plain ``attach(ddp, "auto")``: probe, measure, choose, train."""
     import lorasync
@@ -336,6 +377,7 @@ def _run_rank(rank, world, out_dir, port):
             ("resume_at_switch", lambda: scenario_resume(M, rank, teach, 6)),
             ("resume_mid", lambda: scenario_resume(M, rank, teach, 10)),
             ("default", lambda: scenario_default(M, rank, teach, ev)),
+            ("diloco_reconfigure", lambda: scenario_diloco_reconfigure(M, rank, teach, ev)),
         ]:
             log.write(f"start {name}\n")
             res[name] = fn()
@@ -394,6 +436,25 @@ def ranks(tmp_path_factory):
     if "error" in res:
         pytest.fail(res["error"])
     return res["ranks"]
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_diloco_changes_its_outer_sync_in_place(ranks):
+    for r in ranks:
+        d = r["diloco_reconfigure"]
+        rec = d["records"]
+        assert d["strategy"] == "diloco" and d["switches"] == 1
+        assert d["options"]["delta_dtype"] == "int4" and d["options"]["fragments"] == 3
+        # no fp32 average of the adapter at the switch: auto sent nothing of its own
+        assert all(x["auto"] == 0 for x in rec)
+        # before: fp32 every 4 steps (DiLoCo's default dtype); after: the new
+        # codec's buffer at each of its 3 fragments' steps
+        after = rec[RECONF_AT:]
+        assert [x["wire"] for x in after] == d["expected_after"][RECONF_AT:]
+        assert rec[3]["wire"] > 0 and rec[4]["wire"] == 0
+        assert d["spread_end"] == 0.0 and d["eval_after"] < d["eval_before"]
+        # the wire timed what found it idle: fp32 all-reduces, then all-gathers
+        assert d["kinds"][0] == "all_reduce" and d["kinds"][-1] == "all_gather"
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
@@ -463,10 +524,11 @@ def test_switches_through_periodic_strategies(ranks):
     assert all(recs[s]["wire"] == f["topk"] for s in range(21, 28))
     assert recs[28]["wire"] == f["topk"] + n4
     assert all(recs[s]["wire"] == f["fp16"] for s in range(35, 41))
-    # leaving diloco (streaming, fp16 deltas: auto's default): its outer sync at
-    # its 8th step, the fp32 average finish() takes because the streamed
-    # corrections leave the replicas apart, and AdamW's two moments
-    assert recs[20]["wire"] == n4 // 2 + n4 + 2 * n4
+    # leaving diloco (streaming, fp16 deltas: auto's default) at its 8th step,
+    # where its outer sync is due: auto decides before the launch, so that
+    # sync is not sent (the fp32 average finish() takes, because the streamed
+    # corrections leave the replicas apart, makes it moot), then AdamW's two moments
+    assert recs[20]["wire"] == n4 + 2 * n4
     # training stays sane across all of it
     losses = [r["loss"] for r in p["records"]]
     assert all(x == x and x < 10 * losses[0] for x in losses)

@@ -29,13 +29,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _strat_worker import CONFIGS, MASS_CONFIGS, TRAIN_STEPS  # noqa: E402
+from _strat_worker import CONFIGS, DELTA_MASS_CONFIGS, MASS_CONFIGS, TRAIN_STEPS  # noqa: E402
+
+from lorasync.catalog import fragments_due  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 WORKER = Path(__file__).parent / "_strat_worker.py"
-WORKER_TIMEOUT_S = 150
-TEST_TIMEOUT_S = 200  # > WORKER_TIMEOUT_S: the first test of a world size runs the worker
+WORKER_TIMEOUT_S = 240
+TEST_TIMEOUT_S = 300  # > WORKER_TIMEOUT_S: the first test of a world size runs the worker
 WORLD_SIZES = [2, 3]
 LABELS = [c[0] for c in CONFIGS]
 OPTS = {c[0]: (c[1], c[2]) for c in CONFIGS}
@@ -51,6 +53,9 @@ QUALITY_FACTOR = {
     "onebit": 5.0, "topk": 5.0,                 # 1 bit / 10% of entries a step
     "onebit_adam": 1.5,                         # 1 bit, but Adam's variance from fp32 steps
     "diloco": 6.0, "diloco_streaming": 6.0,     # 5 outer steps of outer SGD with momentum
+    # the same, with the outer delta in 8 / 4 bits, 10% of it, or in fragments
+    "diloco_int4": 6.0, "diloco_topk": 6.0, "diloco_fragments": 6.0,
+    "diloco_fragments_fp16": 6.0,
 }
 # every strategy must at least cut the initial eval loss by this factor
 MIN_IMPROVEMENT = 10.0
@@ -153,14 +158,18 @@ def test_wire_bytes_match_formula(results, world, label):
             assert st["syncs"] == TRAIN_STEPS
             assert t["finish_wire"] == 0
         else:
-            period = opts.get("period", 8)
-            per_sync = t["formula"] * period
-            expected = [per_sync if s % period == 0 else 0 for s in range(1, TRAIN_STEPS + 1)]
-            assert t["wire"] == pytest.approx(expected)
-            # finish() averages in fp32 when replicas differ (streaming keeps local steps)
-            streaming = opts.get("streaming", False)
-            assert t["finish_wire"] == (n_fp32 if streaming else 0)
-            assert st["syncs"] == TRAIN_STEPS // period + (1 if streaming else 0)
+            # one collective per fragment (the formula's, in order), each at its own steps
+            period, frags = opts.get("period", 8), len(t["per_sync"])
+            assert sum(t["per_sync"]) == pytest.approx(t["formula"] * period)
+            expected = [sum(t["per_sync"][f] for f in fragments_due(s, period, frags))
+                        for s in range(1, TRAIN_STEPS + 1)]
+            assert t["wire"] == expected
+            # finish() averages in fp32 when replicas differ (streaming keeps local
+            # steps; fragments leave the others' local steps)
+            differ = opts.get("streaming", False) or frags > 1
+            assert t["finish_wire"] == (n_fp32 if differ else 0)
+            syncs = sum(len(fragments_due(s, period, frags)) for s in range(1, TRAIN_STEPS + 1))
+            assert st["syncs"] == syncs + (1 if differ else 0)
         assert st["steps"] == TRAIN_STEPS
         assert st["comm_s"] >= 0 and st["encode_s"] >= 0
 
@@ -174,6 +183,16 @@ def test_error_feedback_conserves_mass(results, world, name):
         m = rank["mass"][name]
         assert m["resid_max"] > 0, "nothing was compressed: the check would be vacuous"
         assert m["max_err"] <= 1e-6 * max(1.0, m["scale"])
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("name", list(DELTA_MASS_CONFIGS))
+def test_diloco_delta_error_feedback_conserves_mass(results, world, name):
+    for rank in results(world):
+        m = rank["delta_mass"][name]
+        assert m["resid_max"] > 0, "nothing was held back: the check would be vacuous"
+        assert m["max_err"] <= 1e-5 * max(1e-3, m["scale"]), m
 
 
 # -- resume + variable shapes (hangs fail the worker) ----------------------------------
@@ -198,6 +217,7 @@ EXPECT_IN_MESSAGE = {
     "local_period_zero": "period", "local_delay_without_streaming": "delay",
     "diloco_streaming_period_one": "period", "diloco_delay_too_big": "delay",
     "diloco_bad_dtype": "delta_dtype", "diloco_momentum_one": "outer_momentum",
+    "diloco_too_many_fragments": "fragments", "diloco_odd_block": "delta_block",
     "allreduce_warmup": "warmup_steps", "not_ddp": "DistributedDataParallel",
     "onebit_momentum_str": "momentum", "onebit_update_rms_negative": "max_update_rms",
     "onebit_sgd": "AdamW", "onebit_adam_no_warmup": "warmup_steps",

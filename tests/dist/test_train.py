@@ -133,3 +133,21 @@ def test_max_grad_accum_below_grad_accum_is_refused(tmp_path):
     p = run_cli("train", *TINY, "--grad-accum", "4", "--max-grad-accum", "2",
                 "--output-dir", tmp_path / "r")
     assert p.returncode == 2 and "train.max_grad_accum" in p.stderr
+
+
+def test_evaluations_mid_run_settle_a_streamed_outer_sync(tmp_path):
+    """--eval-interval with DiLoCo's outer sync in flight (4 fragments, 2 steps
+    late): the trainer settles it before each evaluation; training and the
+    evaluations go on, and the replicas end identical."""
+    run = str(tmp_path / "r")
+    p = run_cli("train", *TINY, "--max-steps", "8", "--eval-interval", "2", "--comm", "diloco",
+                "--comm-opt", "period=4", "--comm-opt", "streaming=true", "--comm-opt", "delay=2",
+                "--comm-opt", "fragments=4", "--comm-opt", "delta_dtype=int8",
+                "--ckpt-interval", "0", "--output-dir", run)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(run, "evals.jsonl")) as fh:
+        evals = [json.loads(line) for line in fh]
+    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8]
+    recs = read_metrics(run)
+    assert all(r["strategy"] == "diloco" for r in recs)
+    assert sum(r["wire_bytes"] for r in recs) > 0

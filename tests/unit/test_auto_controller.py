@@ -395,3 +395,45 @@ def test_auto_is_a_registered_strategy():
     from lorasync.comm import strategy_names
 
     assert "auto" in strategy_names()
+
+
+# --------------------------------------------------------------------------- slow links
+
+def test_passive_bandwidth_from_the_syncs_auto_already_makes():
+    bw, alpha = 125e3, 2e-3          # 1 Mbit/s
+    fp16 = 2.0 * N                   # an fp16 outer all-reduce: (n-1)/n x 2 x payload on the path
+    t = 2 * alpha + fp16 / bw
+    assert A.passive_bandwidth([("all_reduce", fp16, t)], 2, alpha) == pytest.approx(bw)
+    # an all-gather of P per rank: (n-1) P on the path, as the cost model counts it
+    t3 = 2 * alpha + 2 * 300_000 / bw
+    assert A.passive_bandwidth([("all_gather", 300_000, t3)], 3, alpha) == pytest.approx(bw)
+    # the fastest transfer counts (the others waited for a late rank, or shared the CPU)
+    got = A.passive_bandwidth([("all_reduce", fp16, 3 * t), ("all_reduce", fp16, t)], 2, alpha)
+    assert got == pytest.approx(bw)
+    # too small to tell (a shaper's burst flatters it), or nothing at all: no figure
+    assert A.passive_bandwidth([("all_gather", 70_000, 0.6)], 2, alpha) == 0.0
+    assert A.passive_bandwidth([], 2, alpha) == 0.0
+    assert A.passive_bandwidth([("all_reduce", 1e6, alpha)], 2, alpha) == 0.0
+
+
+def test_diloco_variants_parse_in_order_and_are_checked():
+    assert A.parse_variants("fp16, int8,int4@0.03") == [
+        {"delta_dtype": "fp16"}, {"delta_dtype": "int8"},
+        {"delta_dtype": "int4", "delta_topk": 0.03}]
+    for bad, needle in (("int3", "delta_dtype"), ("int4@x", "DTYPE@RATIO"),
+                        ("int4@2", "delta_topk"), ("fp16,fp16", "twice"), ("", "empty")):
+        with pytest.raises(ValueError, match=needle):
+            A.parse_variants(bad)
+    # the default: every one of them parses
+    from lorasync import catalog
+    assert len(A.parse_variants(catalog.AutoOptions().diloco_variants)) >= 2
+
+
+def test_probe_cost_sets_how_rarely_a_slow_link_is_probed():
+    slow, fast = Net(2e-3, 125e3, 2), Net(1e-4, MB100, 2)
+    assert A.probe_cost(slow) == pytest.approx(3 * (2 * 2e-3 + 1024 / 125e3)
+                                               + 2 * 2e-3 + A.MIN_PROBE_BYTES / 125e3)
+    assert A.probe_cost(None) == 0.0
+    # 2 s a probe at 1 Mbit/s: once in many windows; at 100 Mbit/s: every window
+    assert A.probe_every(A.probe_cost(slow), COMPUTE, 10) >= 10
+    assert A.probe_every(A.probe_cost(fast), COMPUTE, 10) == 1

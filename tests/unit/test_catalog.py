@@ -58,6 +58,13 @@ def test_every_registered_strategy_is_in_the_catalog_and_back():
     ("diloco", {"delta_dtype": "fp8"}, "diloco.delta_dtype", "fp32, fp16, bf16"),
     ("diloco", {"outer_momentum": 1.0}, "diloco.outer_momentum", "[0, 1)"),
     ("diloco", {"outer_lr": 0}, "diloco.outer_lr", "(0, inf]"),
+    ("diloco", {"delta_dtype": "int3"}, "diloco.delta_dtype", "int8, int4"),
+    ("diloco", {"delta_topk": 0}, "diloco.delta_topk", "(0, 1]"),
+    ("diloco", {"delta_topk": 1.5}, "diloco.delta_topk", "(0, 1]"),
+    ("diloco", {"delta_dtype": "int4", "delta_block": 33}, "diloco.delta_block", "even"),
+    ("diloco", {"delta_block": 32}, "diloco.delta_block", "only with delta_dtype int8"),
+    ("diloco", {"fragments": 0}, "diloco.fragments", ">= 1"),
+    ("diloco", {"fragments": 9}, "diloco.fragments", "at most period (8)"),
     ("auto", {"probe": "fast"}, "auto.probe", "quick, live, none"),
     ("auto", {"interval": True}, "auto.interval", "integer"),
 ])
@@ -198,3 +205,93 @@ def test_list_strategies_shows_every_strategy_and_option(capsys):
         for key, default, _ in catalog.option_help(name):
             shown = str(default).lower() if isinstance(default, bool) else default
             assert f"{key}={shown}" in out, (name, key)
+
+
+# --------------------------------------------------------------------------- DiLoCo outer sync
+
+def _delta_tensor(m, dtype, ratio=1.0, block=64):
+    """The bytes of one tensor of an all-gathered DiLoCo delta, written out."""
+    k = max(1, math.ceil(ratio * m)) if ratio < 1 else m
+    index = (2 if m <= 65536 else 4) * k if ratio < 1 else 0
+    if dtype in ("fp32", "fp16", "bf16"):
+        return index + {"fp32": 4, "fp16": 2, "bf16": 2}[dtype] * k
+    nb = math.ceil(k / block)
+    return index + nb * block * (1 if dtype == "int8" else 0.5) + 4 * nb
+
+
+@pytest.mark.parametrize("opts", [
+    {"delta_dtype": "int8"}, {"delta_dtype": "int4"}, {"delta_dtype": "int4", "delta_block": 128},
+    {"delta_dtype": "int4", "delta_topk": 0.03}, {"delta_dtype": "int8", "delta_topk": 0.01},
+    {"delta_dtype": "fp16", "delta_topk": 0.1}, {"delta_dtype": "fp32", "delta_topk": 0.5},
+])
+@pytest.mark.parametrize("world", [2, 4])
+def test_diloco_gathered_delta_bytes(opts, world):
+    o = catalog.parse_options("diloco", opts)
+    want = sum(_delta_tensor(r * c, o.delta_dtype, o.delta_topk, o.delta_block) for r, c in SMOL)
+    [c] = catalog.collectives("diloco", SMOL, world, o)
+    assert c.kind == "all_gather" and c.payload_bytes == want
+    assert wire_bytes("diloco", SMOL, world, **opts) == pytest.approx(want / 8)
+    # indices of a tensor past 65,536 elements take 4 bytes
+    if o.delta_topk < 1:
+        assert catalog.delta_tensor_bytes(70_000, o) == _delta_tensor(
+            70_000, o.delta_dtype, o.delta_topk, o.delta_block)
+
+
+def test_diloco_delta_sizes_on_the_embedded_default():
+    """What one outer sync of the SmolLM2 adapter (921,600 values) sends."""
+    per_sync = {k: wire_bytes("diloco", SMOL, 2, **o) * 8 for k, o in {
+        "fp32": {}, "fp16": {"delta_dtype": "fp16"}, "int8": {"delta_dtype": "int8"},
+        "int4": {"delta_dtype": "int4"},
+        "top3%int4": {"delta_dtype": "int4", "delta_topk": 0.03}}.items()}
+    assert per_sync["fp32"] == 4 * N and per_sync["fp16"] == 2 * N
+    assert per_sync["int8"] == N * (1 + 4 / 64)          # a scale per 64 codes
+    assert per_sync["int4"] == N * (0.5 + 4 / 64)
+    assert per_sync["top3%int4"] < N / 10                # 2-byte indices + 4-bit values
+
+
+def test_diloco_fragments_split_the_bytes_and_keep_the_kind():
+    whole = catalog.collectives("diloco", SMOL, 2, {"delta_dtype": "int4"})
+    parts = catalog.collectives("diloco", SMOL, 2, {"delta_dtype": "int4", "fragments": 4})
+    assert [c.kind for c in parts] == ["all_gather"] * 4
+    assert sum(c.payload_bytes for c in parts) == whole[0].payload_bytes
+    dense = catalog.collectives("diloco", SMOL, 2, {"fragments": 3, "delta_dtype": "bf16"})
+    assert [c.kind for c in dense] == ["all_reduce"] * 3
+    assert sum(c.payload_bytes for c in dense) == 2 * N
+    with pytest.raises(ConfigError, match="at most 1 fragments"):
+        catalog.collectives("diloco", N, 2, {"fragments": 2})
+
+
+@pytest.mark.parametrize("numels", [[5] * 7, [4608, 4608, 4608, 1536] * 30, [1, 100, 1, 100, 3],
+                                    [m * c for m, c in SMOL]])
+@pytest.mark.parametrize("F", [1, 2, 3, 4, 7])
+def test_fragment_ranges_cover_every_tensor_once(numels, F):
+    if F > len(numels):
+        with pytest.raises(ConfigError, match="fragments"):
+            catalog.fragment_ranges(numels, F)
+        return
+    ranges = catalog.fragment_ranges(numels, F)
+    assert len(ranges) == F and ranges[0][0] == 0 and ranges[-1][1] == len(numels)
+    assert all(a < b for a, b in ranges)
+    assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))   # contiguous, no overlap
+    sizes = [sum(numels[a:b]) for a, b in ranges]
+    if len(set(numels)) == 1 or len(numels) >= 100:      # even where tensors allow
+        assert max(sizes) - min(sizes) <= 2 * max(numels)
+
+
+@pytest.mark.parametrize("period", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("F", [1, 2, 3, 4, 8, 16])
+def test_every_fragment_syncs_once_a_period_at_even_spacing(period, F):
+    if F > period:
+        return
+    offsets = catalog.fragment_offsets(period, F)
+    assert len(set(offsets)) == F
+    for start in range(1, 3 * period, 3):   # any window of `period` steps
+        due = [f for s in range(start, start + period) for f in catalog.fragments_due(s, period, F)]
+        assert sorted(due) == list(range(F))   # every fragment exactly once
+    # one fragment: plain DiLoCo's steps; F fragments: spaced by period // F or period // F + 1
+    if F == 1:
+        assert [s for s in range(1, 3 * period + 1) if catalog.fragments_due(s, period, 1)] == \
+            [period, 2 * period, 3 * period]
+    steps = [s for s in range(1, 2 * period + 1) if catalog.fragments_due(s, period, F)]
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    assert gaps <= {period // F, -(-period // F)}

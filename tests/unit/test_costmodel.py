@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from lorasync import catalog
 from lorasync.errors import ConfigError
 from lorasync.catalog import PERIODIC, STRATEGIES, Collective
 from lorasync.plan.costmodel import (
@@ -245,7 +246,7 @@ def test_net_validation_names_the_field(kwargs, field):
     (dict(head_share=-0.1), "head_share"),
     (dict(options={"topk": {"ratio": 2}}), "topk.ratio"),
     (dict(options={"topk": {"rank": 2}}), "topk.rank"),
-    (dict(options={"diloco": {"delta_dtype": "int4"}}), "diloco.delta_dtype"),
+    (dict(options={"diloco": {"delta_dtype": "int3"}}), "diloco.delta_dtype"),
     (dict(options={"local": {"dtype": "fp16"}}), "local.dtype"),
     (dict(options={"local": {"streaming": True, "delay": 8}}), "local.delay"),
     (dict(encode_ns={"zstd": 1.0}), "encode_ns"),
@@ -337,3 +338,60 @@ def test_ring_link_load_counts_relayed_legs_twice_on_the_hub():
     # four nodes, legs 1->2 and 2->3 relayed through 0: its links carry its own leg and both
     assert ring_link_load([0, 1, 2, 3], {(1, 2): 0, (2, 3): 0}) == 3
     assert ring_link_load([0], {}) == 1
+
+
+# --------------------------------------------------------------------------- streamed outer syncs
+
+def _diloco(x, **opts):
+    return predict("diloco", x, wl(options={"diloco": opts}))
+
+
+def test_one_streamed_sync_exposes_what_its_delay_does_not_cover():
+    x = net(bw=125e3)   # 1 Mbit/s: an fp16 sync of the adapter takes ~15 s
+    sync = collective_time(Collective("all_reduce", 2 * N), x)
+    for delay in (1, 3, 7):
+        p = _diloco(x, streaming=True, delta_dtype="fp16", delay=delay)
+        # the period's compute (8 x 1.25 s) does not cover it either: the
+        # steps wait for the link, whatever the delay
+        assert p.exposed_comm_s == pytest.approx(max(sync - delay * 1.25, sync - 8 * 1.25) / 8)
+    fast = net(bw=1.25e6)   # 10 Mbit/s: 1.5 s, under two steps
+    sync = collective_time(Collective("all_reduce", 2 * N), fast)
+    for delay in (1, 2):
+        p = predict("diloco", fast, wl(options={"diloco": {"streaming": True,
+                                                           "delta_dtype": "fp16",
+                                                           "delay": delay}}))
+        assert p.exposed_comm_s == pytest.approx(max(0.0, sync - delay * 1.25) / 8)
+    assert _diloco(fast, streaming=False, delta_dtype="fp16").exposed_comm_s == \
+        pytest.approx(sync / 8)
+
+
+def test_fragments_hide_what_one_sync_cannot():
+    x = net(bw=125e3)
+    whole = _diloco(x, streaming=True, delta_dtype="int4")                 # 4.1 s, 1 step late
+    frags = _diloco(x, streaming=True, delta_dtype="int4", fragments=4)    # 4 x 1.04 s
+    assert whole.exposed_comm_s > 0.25 and frags.exposed_comm_s == 0.0
+    assert frags.wire_bytes == pytest.approx(whole.wire_bytes)
+    assert frags.comm_s > whole.comm_s   # 4 collectives pay 4 latencies
+    # the same hiding with the whole sync 4 steps late
+    assert _diloco(x, streaming=True, delta_dtype="int4", delay=4).exposed_comm_s == 0.0
+
+
+def test_fragments_queue_on_the_link():
+    # 8 fragments, 1 a step, each 1.5 steps long: the link cannot keep up with
+    # the schedule, so the steps wait for it (what the period's compute leaves)
+    x = net(bw=125e3)
+    o = {"streaming": True, "delta_dtype": "fp16", "fragments": 8}
+    p = _diloco(x, **o)
+    per = [collective_time(c, x) for c in catalog.collectives("diloco", SMOL, 2, o)]
+    assert p.exposed_comm_s == pytest.approx((sum(per) - 8 * 1.25) / 8, rel=1e-6)
+    assert p.exposed_comm_s > _diloco(x, **{**o, "delta_dtype": "int8"}).exposed_comm_s
+
+
+def test_gathered_deltas_cost_n_minus_1_shares_of_the_link():
+    # an all-gather of P bytes moves (n-1) P per rank: int8 stays ahead of an
+    # fp16 all-reduce (2 (n-1)/n x 2N) up to 4 ranks and falls behind past them
+    for n, int8_wins in ((2, True), (3, True), (8, False)):
+        x = net(bw=1.25e6, n=n)
+        a = _diloco(x, delta_dtype="int8").link_bytes
+        b = _diloco(x, delta_dtype="fp16").link_bytes
+        assert (a < b) == int8_wins, (n, a, b)

@@ -193,9 +193,13 @@ def test_probe_without_line_rate_flags_window_limit_with_unknown_gain():
 def test_rdma_step_only_when_present_and_lowers_latency():
     net = what_if_net(8, 25e9 / 8, 10e-3, tcp_window_bytes=None)
     w = wl(compute_s=0.3)
-    without = plan(net, w, Link(rtt_s=10e-3, rate_Bps=25e9 / 8))
+    # per-step strategies only: a streamed periodic sync would hide the latency
+    # RDMA removes (the plan then gains nothing from it, rightly)
+    per_step = tuple(c for c in STRATEGIES if c not in PERIODIC)
+    without = plan(net, w, Link(rtt_s=10e-3, rate_Bps=25e9 / 8), candidates=per_step)
     assert all(s.action != "rdma" for s in without.steps)
-    with_rdma = plan(net, w, Link(rtt_s=10e-3, rate_Bps=25e9 / 8, rdma=True))
+    with_rdma = plan(net, w, Link(rtt_s=10e-3, rate_Bps=25e9 / 8, rdma=True),
+                     candidates=per_step)
     step = with_rdma.steps[-1]
     assert step.action == "rdma" and step.worthwhile and step.gain > 0
 
@@ -211,10 +215,13 @@ def test_periodic_step_picks_smallest_sufficient_period():
     per = next(s for s in pl.steps if s.action == "periodic_sync")
     assert per.worthwhile and per.strategy == "local"
     h = per.options["period"]
-    assert predict("local", SLOW[0], wl(options={"local": {"period": h}})).efficiency >= 0.95
-    if h > 2:
-        smaller = predict("local", SLOW[0], wl(options={"local": {"period": h // 2}}))
-        assert smaller.efficiency < 0.95
+    o = {k: per.options[k] for k in ("period", "streaming", "delay")}
+    assert predict("local", SLOW[0], wl(options={"local": o})).efficiency >= 0.95
+    if h > 2:   # with half the period, no delay hides the sync well enough
+        for d in range(1, h // 2):
+            smaller = predict("local", SLOW[0], wl(options={"local": {
+                "period": h // 2, "streaming": True, "delay": d}}))
+            assert smaller.efficiency < 0.95
 
 
 def test_plan_to_dict_is_json():
@@ -383,3 +390,93 @@ def test_nodes_behind_nat_share_the_hubs_link(capsys):
     assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--behind-nat", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["net"]["bandwidth_Bps"] == pytest.approx(direct)
     assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--behind-nat", "3"]) == 2
+
+
+# --------------------------------------------------------------------------- hiding outer syncs
+
+from lorasync.plan.planner import hide_sync, tune_periodic  # noqa: E402
+
+VARIANTS = [{"delta_dtype": "fp16"}, {"delta_dtype": "int8"}, {"delta_dtype": "int4"},
+            {"delta_dtype": "int4", "delta_topk": 0.03}]
+
+
+def _dl(**opts):
+    return wl(options={"diloco": opts})
+
+
+@pytest.mark.parametrize("mbit", [1, 3, 10, 100])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hide_sync_takes_the_fewest_steps_late_then_the_fewest_fragments(mbit, variant):
+    x = what_if_net(2, mbit * 1e6 / 8, 1e-3)
+    opts, p = hide_sync(x, _dl(**variant))
+    assert opts["streaming"] and opts["delta_dtype"] == variant["delta_dtype"]
+    o = {k: opts[k] for k in ("delay", "fragments")}
+    if p.exposed_comm_s <= 0.005 * p.compute_s:
+        # nothing with fewer steps late hides it, nor fewer fragments at this delay
+        for d in range(1, o["delay"] + 1):
+            for f in (1, 2, 4, 8):
+                if (d, f) >= (o["delay"], o["fragments"]):
+                    continue
+                q = predict("diloco", x, _dl(**variant, streaming=True, delay=d, fragments=f))
+                assert q.exposed_comm_s > 0.005 * q.compute_s, (d, f, o)
+    else:   # the link cannot carry one sync a period: the least exposure
+        for d in range(1, 8):
+            for f in (1, 2, 4, 8):
+                q = predict("diloco", x, _dl(**variant, streaming=True, delay=d, fragments=f))
+                assert q.step_s >= p.step_s - 1e-9
+
+
+def test_hide_sync_keeps_what_was_given():
+    x = what_if_net(2, 1e6 / 8, 1e-3)
+    opts, _ = hide_sync(x, _dl(delta_dtype="int8", fragments=2), fixed={"fragments"})
+    assert opts["fragments"] == 2 and opts["delay"] == 4     # 2 x 4.2 s: 4 steps of 1.25 s
+    opts, p = hide_sync(x, _dl(delta_dtype="int8", streaming=False), fixed={"streaming"})
+    assert not opts["streaming"] and p.exposed_comm_s > 0
+    opts, _ = hide_sync(x, _dl(delta_dtype="int8", period=1))   # too short to stream
+    assert not opts["streaming"]
+
+
+def test_tune_periodic_picks_the_least_lossy_variant_that_keeps_up():
+    slow = what_if_net(2, 1e6 / 8, 1e-3)        # 1 Mbit/s: fp16 cannot keep up, int8 can
+    opts, p, i = tune_periodic(slow, wl(), "diloco", VARIANTS)
+    assert i == 1 and opts["delta_dtype"] == "int8" and p.efficiency > 0.98
+    fast = what_if_net(2, 10e6 / 8, 1e-3)       # 10 Mbit/s: fp16 in 2 fragments, 1 step late
+    opts, p, i = tune_periodic(fast, wl(), "diloco", VARIANTS)
+    assert (i, opts["fragments"], opts["delay"]) == (0, 2, 1) and p.efficiency > 0.98
+    # a measured encode cost counts: int8 priced far above the others loses to int4
+    opts, _, i = tune_periodic(slow, wl(), "diloco", VARIANTS, encode_ns=[None, 400.0, None, None])
+    assert i == 2
+    with pytest.raises(ConfigError):
+        tune_periodic(slow, wl(), "diloco", [])
+
+
+
+@pytest.mark.parametrize("mbit", [1, 10])
+def test_plan_streams_the_periodic_sync_and_compresses_it_before_lengthening_the_period(mbit):
+    x = what_if_net(2, mbit * 1e6 / 8, 1e-3)
+    pl = plan(x, wl(), Link())
+    per = next(s for s in pl.steps if s.action == "periodic_sync")
+    assert per.strategy in PERIODIC and per.options["streaming"]
+    p = predict(per.strategy, x, wl(options={per.strategy: {k: v for k, v in per.options.items()
+                                                            if k in ("period", "streaming",
+                                                                     "delay", "fragments",
+                                                                     "delta_dtype",
+                                                                     "delta_topk")}}))
+    assert p.efficiency >= 0.95 and p.exposed_comm_s <= 0.005 * p.compute_s
+    if mbit == 1:   # fp32 would need 32 local steps: a compressed outer sync at 8 instead
+        assert per.strategy == "diloco" and per.options["period"] == 8
+        assert per.options["delta_dtype"] != "fp32" and "compressed" in per.detail
+    else:           # fp32 every 4 steps, streamed, is enough
+        assert per.options["period"] <= 8
+    given = plan(x, wl(options={"diloco": {"delta_dtype": "fp16"}}), Link(),
+                 candidates=("allreduce", "fp16", "diloco"))
+    per = next(s for s in given.steps if s.action == "periodic_sync")
+    assert per.options["delta_dtype"] == "fp16"   # a codec the user chose stays
+
+
+def test_tune_periodic_takes_each_variant_as_given():
+    # the workload's options (a sparse variant in use) do not leak into the others
+    slow = what_if_net(2, 1e6 / 8, 1e-3)
+    w = wl(options={"diloco": {"delta_dtype": "int4", "delta_topk": 0.03, "fragments": 2}})
+    opts, _, i = tune_periodic(slow, w, "diloco", [{"delta_dtype": "int8"}])
+    assert (i, opts["delta_dtype"], opts["delta_topk"]) == (0, "int8", 1.0)

@@ -91,11 +91,13 @@ from lorasync.comm.loopback import time_encode
 from lorasync.errors import LorasyncError
 from lorasync.net.probe import allreduce_model
 from lorasync.plan.costmodel import Net, Workload, predict
+from lorasync.plan.planner import tune_periodic
 from lorasync.plan.policy import (
     DEFAULT_CHILD_OPTIONS, EXPOSED_PRIOR, MIN_PROBE_BYTES, SMALL_PROBE_BYTES, Window, decide,
     describe, drifted, hidden_of, inflation, link_changed, parse_candidates, parse_force,
-    probe_every, probe_size, split_extra, suggest_accum, workload_for, corrections,
-    _pred_text,
+    parse_variants, passive_bandwidth, probe_cost, probe_every, probe_size, split_extra,
+    suggest_accum,
+    workload_for, corrections, _pred_text,
 )
 from lorasync.units import fmt_duration, fmt_rate
 
@@ -131,6 +133,10 @@ def _residual(child: Sync) -> torch.Tensor | None:
     """What an error-feedback strategy still owes, per rank, in gradient units
     over the canonical flat parameters: adding it to this rank's gradient
     before an averaging sync delivers mean(e) + s (see the module docstring)."""
+    if not child.per_step:
+        # DiLoCo's residual is delta it has not sent yet, in weight units; its
+        # finish() averages the weights themselves, which hold all of it
+        return None
     sd = child.state_dict()
     n = child.world_size
     if "worker_residual" in sd:          # int8, onebit
@@ -147,6 +153,17 @@ def _residual(child: Sync) -> torch.Tensor | None:
 
 
 _COUNTERS = ("wire_bytes", "fp32_bytes", "comm_s", "encode_s", "syncs")
+
+
+def _variant_text(options: Mapping[str, Any]) -> str:
+    """A DiLoCo outer sync in a few words: dtype[, top-k][, delay, fragments]."""
+    o = catalog.parse_options("diloco", options)
+    out = [o.delta_dtype + (f" top {o.delta_topk:g}" if o.delta_topk < 1 else "")]
+    if o.streaming:
+        out.append(f"{o.delay} step{'s' if o.delay > 1 else ''} late")
+    if o.fragments > 1:
+        out.append(f"{o.fragments} fragments")
+    return ", ".join(out)
 
 
 @register
@@ -177,6 +194,7 @@ class Auto(Sync):
         self._lossless_margin = o.lossless_margin
         self._switch_margin = o.switch_margin
         self._force = parse_force(o.force_switch_at)
+        self._variants = parse_variants(o.diloco_variants)
         if o.start and o.start not in STRATEGIES:
             raise ValueError(f"auto.start: {o.start!r} must be one of {', '.join(STRATEGIES)}")
         for name, opts in self._nested.items():
@@ -197,6 +215,24 @@ class Auto(Sync):
             except LorasyncError:
                 continue  # e.g. diloco.period=1: no room to stream; the user's options stand
             self._child_opts[k] = merged
+        # DiLoCo's outer-sync variants: each on top of the defaults above, the
+        # user's diloco.* options over both (they are never changed)
+        self._diloco_fixed = frozenset(self._nested.get("diloco", {}))
+        variants: list[dict] = []
+        for v in self._variants:
+            merged = {**DEFAULT_CHILD_OPTIONS.get("diloco", {}), **v,
+                      **self._nested.get("diloco", {})}
+            try:
+                catalog.parse_options("diloco", merged)
+            except LorasyncError:
+                continue
+            if merged not in variants:
+                variants.append(merged)
+        self._variant_opts = variants or [dict(self._child_opts.get("diloco", {}))]
+        self._variant_ns: list[float | None] = [None] * len(self._variant_opts)
+        self._transfers: list[tuple[str, float, float]] = []
+        self._deferred = 0
+        self._window_syncs = 0
         self._retired = dict.fromkeys(_COUNTERS, 0)
         self._auto_bytes = 0
         self._probes = 0
@@ -244,6 +280,9 @@ class Auto(Sync):
             raise ValueError("auto: none of the candidates can run here")
         self._candidates = tuple(usable)
         self._encode_ns = self._time_encodes() if self.options.encode_probe else {}
+        if self.options.encode_probe and "diloco" in self._candidates \
+                and len(self._variant_opts) > 1:
+            self._variant_ns = self._time_variants()
         self.ddp.register_comm_hook(self, _hook)
         t0 = time.perf_counter()
         self._start_net = self._start_probe()
@@ -293,6 +332,18 @@ class Auto(Sync):
         self._log(f"auto: encode+decode on {self.device.type} ({time.perf_counter() - t0:.1f} s): "
                   + ", ".join(f"{c} {v:.3g}" for c, v in out.items()) + " ns per element")
         return out
+
+    def _time_variants(self) -> list[float | None]:
+        """Each DiLoCo variant's encode+decode on this device, as _time_encodes."""
+        cap = getattr(self.ddp, "bucket_bytes_cap", 25 << 20)
+        ns = [time_encode("diloco", self.params, self.world_size, rank=self.rank, options=v,
+                          bucket_cap_bytes=cap) for v in self._variant_opts]
+        if self.world_size > 1:
+            ns = self._allreduce_max(ns)
+        self._log("auto: diloco outer syncs: " + ", ".join(
+            f"{_variant_text(v)} {x:.3g}" for v, x in zip(self._variant_opts, ns))
+            + " ns per element")
+        return list(ns)
 
     def _start_probe(self) -> Net | None:
         if self.world_size < 2 or self.options.probe == "none":
@@ -408,16 +459,22 @@ class Auto(Sync):
     def _window(self) -> Window | None:
         """This window's samples, reduced over ranks (identical on every rank)."""
         mine = [s for s in self._samples if s["gen"] == self._generation]
+        net = self._net or self._start_net
+        # the link as the syncs of this window saw it (the fastest transfer,
+        # then the fastest rank: the one that arrived last waited for nobody)
+        link = passive_bandwidth(self._transfers, self.world_size,
+                                 net.alpha_s if net is not None else 0.0)
+        self._transfers = []
         if mine:
             comp = statistics.median(s["compute"] for s in mine)
             overs = [s["wall"] - s["compute"] for s in mine]
             recent = overs[-max(2, len(overs) // 3):]
             vals = [1.0, comp, -statistics.fmean(overs), -statistics.fmean(recent),
-                    float(len(mine))]
+                    float(len(mine)), link]
         else:
-            vals = [0.0, 0.0, -1e30, -1e30, 0.0]
+            vals = [0.0, 0.0, -1e30, -1e30, 0.0, link]
         t0 = time.perf_counter()
-        ok, comp, neg_over, neg_recent, steps = self._allreduce_max(vals)
+        ok, comp, neg_over, neg_recent, steps, link = self._allreduce_max(vals)
         # waited on the network (and on the slowest rank): sync, not compute, in
         # the trainer's metrics (comm_s), as the probe's time already is
         self._add_comm(time.perf_counter() - t0)
@@ -425,7 +482,7 @@ class Auto(Sync):
         if not ok or comp <= 0:
             return None
         return Window(compute_s=comp, overhead_s=max(0.0, -neg_over), steps=int(steps),
-                      recent_overhead_s=max(0.0, -neg_recent))
+                      recent_overhead_s=max(0.0, -neg_recent), link_Bps=link)
 
     # -- the step ---------------------------------------------------------------
     def after_step(self) -> None:
@@ -433,7 +490,16 @@ class Auto(Sync):
         child = self._child
         gen = self._generation
         at_entry = self._child_counters()
-        child.after_step()
+        # a periodic child in two halves: its due syncs are applied, auto
+        # measures and decides on the idle link, then the due ones launch
+        halves = hasattr(child, "after_step_launch")
+        if halves:
+            child.after_step_apply()
+        else:
+            child.after_step()
+        self._transfers.extend((t.kind, t.payload_bytes, t.seconds)
+                               for t in child.wire.take_transfers())
+        del self._transfers[:-256]   # a window's worth (interval=0 never collects them)
         t_mid = time.perf_counter()
         sizes = getattr(child, "bucket_sizes", None)
         if sizes:
@@ -453,6 +519,11 @@ class Auto(Sync):
         if not self._carry_left:
             self._carry = None
         self._boundary()
+        if halves and self._child is child:
+            t0 = time.perf_counter()
+            child.after_step_launch()
+            if self._samples and self._samples[-1]["gen"] == gen and self._generation == gen:
+                self._samples[-1]["wall"] += time.perf_counter() - t0   # its encode
         self._mark = {"t": time.perf_counter(), "first": self._generation != gen,
                       **self._child_counters()}
 
@@ -465,15 +536,18 @@ class Auto(Sync):
             return
         if not self._next_eval or s < self._next_eval:
             return
-        if self._sync_in_flight():
-            # a periodic strategy has just launched its all-reduce (streaming):
-            # the window all-reduce and any probe would queue behind it on the
-            # link, block this step for the whole transfer (which the next
-            # step's compute would otherwise hide) and time a busy link.  Decide
-            # one step later, once it has landed (identical on every rank: the
-            # launch and apply steps are)
+        if self._sync_in_flight() and self._deferred < self._max_defer():
+            # a streamed sync launched in an earlier step is still on the link
+            # (delay > 1): the window all-reduce and any probe would queue
+            # behind it, block this step for the rest of the transfer (which
+            # compute would otherwise hide) and time a busy link.  Decide one
+            # step later (identical on every rank: the launch and apply steps
+            # are), but not forever: fragments with a long delay may always
+            # have one in flight
+            self._deferred += 1
             self._next_eval = s + 1
             return
+        self._deferred = 0
         initial = self._measuring
         self._next_eval = s + self._interval if self._interval else 0
         w = self._window()
@@ -481,6 +555,9 @@ class Auto(Sync):
             self._next_eval = s + 1 if initial or not self._interval else self._next_eval
             return
         self._evaluate(w, initial)
+
+    def _max_defer(self) -> int:
+        return int(getattr(self._child.options, "period", 1))
 
     def _sync_in_flight(self) -> bool:
         """Whether the strategy in use has a collective launched in one
@@ -520,29 +597,41 @@ class Auto(Sync):
         k = self._interval or 10
         prev = self._net
         net = self._net or self._start_net
-        probed = False
+        probed = passive = False
         if self.world_size > 1:
+            if w.link_Bps > 0 and net is not None:
+                # the syncs of this window measured the link: no probe traffic
+                net = Net(alpha_s=net.alpha_s, bandwidth_Bps=w.link_Bps,
+                          world_size=self.world_size)
+                passive = True
+                self._next_probe = max(self._next_probe, s + k)
             due = net is None or s >= self._next_probe
-            if not due and not initial:
+            if not due and not initial and not passive:
                 # the whole window, or its last third (a change just before
                 # the boundary): a needless probe costs little, a missed one K steps
                 p = predict(cur, net, self._workload(comp, net))
                 recent = max(0.0, w.recent_overhead_s - self._fixed_s)
                 due = any(drifted(o, p.step_s - p.compute_s, p.step_s,
                                   calibrated=self._fit_for == cur) for o in (over, recent))
-            if due and not (initial and self._start_net is not None):
+            if due and not passive and not (initial and self._start_net is not None) \
+                    and not self._sync_in_flight():
+                # the syncs gave no figure (too small, none in the window): probe
                 size = probe_size(net.bandwidth_Bps if net else 0.0)
                 net, spent = self._live_probe(size)
                 probed = True
                 self._next_probe = s + probe_every(spent, step, k) * k
             elif initial:
-                self._next_probe = s + k
+                # the start probe is the figure until the next probe's share of
+                # the training time (PROBE_BUDGET) is due, or the syncs drift
+                self._next_probe = s + probe_every(probe_cost(net), step, k) * k
         else:
             net = Net(alpha_s=0.0, bandwidth_Bps=1e12, world_size=1)
-        changed = probed and prev is not None and link_changed(prev, net, self.numel, step)
-        if changed:
+        changed = (probed or passive) and prev is not None \
+            and link_changed(prev, net, self.numel, step)
+        if changed and probed:
             # one rank descheduled during the probe reads as a slow link: a
-            # change must show in a second probe too (the faster one counts)
+            # change must show in a second probe too (the faster one counts);
+            # a passive figure is already the fastest of the window's syncs
             again, _ = self._live_probe(probe_size(net.bandwidth_Bps))
             if again.bandwidth_Bps > net.bandwidth_Bps:
                 net = again
@@ -556,16 +645,22 @@ class Auto(Sync):
             # cost of every per-step strategy, not of local/diloco
             self._inflation_s = inflation(comp, self._quiet_s)
             comp -= self._inflation_s
-        # fit the corrections on the strategy in use: what it cost beyond the model
-        p = predict(cur, net, self._workload(comp))
-        x = over - (p.step_s - p.compute_s)
-        if self._fit_for == cur and not probed:
-            x = 0.5 * (self._last_extra + x)
-        self._last_extra, self._fit_for = x, cur
-        self._base_s, self._exposed = split_extra(x, hidden_of(p), step, self._base_s,
-                                                  self._exposed)
-        wl = self._workload(comp, net)
+        # fit the corrections on the strategy in use: what it cost beyond the
+        # model -- unless it is a periodic one that has not synced in this
+        # window (then it cost nothing yet, which says nothing about its sync)
+        syncs = self._child.stats()["syncs"]
+        if not (self._child.spec.periodic and syncs == self._window_syncs):
+            p = predict(cur, net, self._workload(comp))
+            x = over - (p.step_s - p.compute_s)
+            if self._fit_for == cur and not probed:
+                x = 0.5 * (self._last_extra + x)
+            self._last_extra, self._fit_for = x, cur
+            self._base_s, self._exposed = split_extra(x, hidden_of(p), step, self._base_s,
+                                                      self._exposed)
+        self._window_syncs = syncs
         fresh = initial or changed
+        self._tune_diloco(comp, net, fresh)
+        wl = self._workload(comp, net)
         d = decide(net, wl, None if initial else cur, self._candidates,
                    lossless_margin=self._lossless_margin, switch_margin=self._switch_margin,
                    fresh=fresh)
@@ -588,8 +683,12 @@ class Auto(Sync):
         idx = int(t.item())
         if idx >= 0 and self._candidates[idx] != pick:
             pick = self._candidates[idx]
-        reason = describe(d, net, comp, previous=prev if probed else None, initial=initial,
-                          samples="batch_size" in self._given)
+        reason = describe(d, net, comp, previous=prev if (probed or passive) else None,
+                          initial=initial, samples="batch_size" in self._given)
+        if passive:
+            reason = "link measured from the syncs: " + reason
+        if pick == "diloco":
+            reason += f"; outer sync {_variant_text(self._child_opts.get('diloco', {}))}"
         overhead = over
         opts = self._child_opts.get(pick, {})
         if pick != cur or opts != self._child_options:
@@ -601,16 +700,57 @@ class Auto(Sync):
             self._log(f"auto: step {s}: keep {cur}: {reason}")
         self._accum_basis = (s, comp, overhead)
 
+    def _tune_diloco(self, comp: float, net: Net, fresh: bool) -> None:
+        """DiLoCo's outer sync for this link: the variant, delay and fragment
+        count the planner predicts fastest (hiding the sync where the link
+        allows).  While DiLoCo runs, its options change only when the new ones
+        are predicted ``switch_margin`` faster, or the link changed."""
+        if "diloco" not in self._candidates or self.world_size < 2:
+            return
+        wl = self._workload(comp, net)
+        cur = dict(self._child_opts.get("diloco", {}))
+        # the corrections fitted for the variant in use apply to every variant
+        raw = self._encode_ns.get("diloco")
+        adj = wl.encode_ns.get("diloco", 0.0) - raw if raw is not None else 0.0
+        ns = [None if x is None else max(0.0, x + adj) for x in self._variant_ns]
+        opts, pred, i = tune_periodic(net, wl, "diloco", self._variant_opts,
+                                      fixed=self._diloco_fixed,
+                                      encode_ns=ns if any(x is not None for x in ns) else None)
+        if opts == catalog.parse_options("diloco", cur).as_dict():
+            return
+        if self._child.name == "diloco" and not fresh:
+            now = predict("diloco", net, wl)
+            if pred.samples_per_s <= (1 + self._switch_margin) * now.samples_per_s:
+                return   # the options in use are about as good: no change for noise
+        self._child_opts["diloco"] = opts
+        if self._variant_ns[i] is not None:
+            self._encode_ns["diloco"] = self._variant_ns[i]
+
     # -- switching ----------------------------------------------------------------
     def _switch(self, to: str, options: Mapping[str, Any], reason: str) -> None:
         old = self._child
         frm = old.name
+        if to == frm and hasattr(old, "reconfigure"):
+            # DiLoCo with another outer sync: in place, without averaging the
+            # replicas (anchor, momentum and residual carry over)
+            old.reconfigure(**options)
+            self._child_options = dict(options)
+            self._window_syncs = old.stats()["syncs"]
+            self._generation += 1
+            self._measuring = False
+            self._switches += 1
+            self._pending_pick = None
+            self._last_switch = {"from": frm, "to": to, "reason": reason, "step": self._steps}
+            self._log(f"auto: step {self._steps}: {frm} outer sync -> "
+                      f"{_variant_text(options)}: {reason}")
+            return
         old.finish()   # periodic: average the replicas; two-phase: nothing pending
         carry = _residual(old)
         for k, v in old.stats().items():
             if k in _COUNTERS:
                 self._retired[k] += v
         self._child = self._build(to, options)
+        self._window_syncs = 0
         if not self._child.per_step:
             self._may_differ = True
         elif not old.per_step and self._optimizer is not None:
@@ -705,6 +845,9 @@ class Auto(Sync):
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
 
+    def settle(self) -> None:
+        self._child.settle()
+
     def finish(self) -> None:
         self._child.finish()
         self._carry, self._carry_left = None, set()
@@ -734,6 +877,8 @@ class Auto(Sync):
         return {
             **super().state_dict(),
             "child": self._child.name, "child_options": dict(self._child_options),
+            "candidate_options": {k: dict(v) for k, v in self._child_opts.items()},
+            "window_syncs": self._window_syncs,
             "child_state": self._child.state_dict(), "measuring": self._measuring,
             "next_eval": self._next_eval, "next_probe": self._next_probe,
             "net": None if self._net is None else [self._net.alpha_s, self._net.bandwidth_Bps],
@@ -756,6 +901,10 @@ class Auto(Sync):
             self._child = self._build(name, opts)
             self._child_options = opts
         self._child.load_state_dict(state["child_state"])
+        for k, v in (state.get("candidate_options") or {}).items():
+            if k in self._child_opts or k in STRATEGIES:
+                self._child_opts[k] = dict(v)
+        self._window_syncs = int(state.get("window_syncs", 0))
         self._generation += 1
         self._samples, self._mark = [], None
         self._measuring = bool(state.get("measuring", False))

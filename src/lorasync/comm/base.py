@@ -212,6 +212,13 @@ class Sync:
         """Call once after every ``optimizer.step()``."""
         self._steps += 1
 
+    def settle(self) -> None:
+        """Wait until nothing this strategy sent is still in flight (counted
+        in ``comm_s``), without applying anything early: what a trainer calls
+        before work that is not training (an evaluation), so that a streamed
+        sync does not get link time for free.  No-op for per-step strategies
+        (their collectives end with the backward pass)."""
+
     def finish(self) -> None:
         """Make all replicas identical (end of training); no-op for per-step sync."""
 

@@ -1,6 +1,8 @@
 """Pure compressors: blockwise int8, 1-bit signs, top-k, and PowerSGD's
-orthogonalisation.  No communication here; the strategies compose these with
-collectives and error feedback.
+orthogonalisation, and DiLoCo's outer-delta codec (:class:`DeltaCodec`:
+int8/int4 blocks, top-k values + indices, packed into one byte buffer).  No
+communication here; the strategies compose these with collectives and error
+feedback.
 
 Blocks are described by a block id per element (``bid``, int64) and a block
 count, so blocks may differ in size, or by an int block size when they are
@@ -19,6 +21,8 @@ with block ids given as a tensor).
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
 
 import torch
 
@@ -28,6 +32,7 @@ __all__ = [
     "onebit_encode", "onebit_decode", "pack_bits", "unpack_bits",
     "topk_encode", "topk_decode",
     "orthogonalize_",
+    "quantize_blocks", "dequantize_blocks", "pack_int4", "unpack_int4", "DeltaCodec",
 ]
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8, device="cpu")
@@ -186,3 +191,179 @@ def orthogonalize_(m: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
             rest = m[..., i + 1:]
             rest.sub_(col @ (col.transpose(-1, -2) @ rest))
     return m
+
+
+# -- blockwise int8 / int4 (equal blocks) ---------------------------------------
+#: largest code of a symmetric signed integer of ``bits`` bits
+_LEVELS = {8: 127, 4: 7}
+
+
+def quantize_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 (``bits`` 8) or int4 (``bits`` 4) codes of the rows of
+    ``x`` (blocks x block size), one fp32 scale per row: ``max|row| / L`` with
+    L = 127 or 7; codes are int8 in [-L, L], ``|x - q * scale| <= scale / 2``."""
+    levels = _LEVELS[bits]
+    x = x.float()
+    scale = x.abs().amax(dim=1) / levels
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(x * inv.unsqueeze(1)).clamp_(-levels, levels).to(torch.int8)
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.unsqueeze(1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7] (an even count) -> uint8, two a byte (low nibble first)."""
+    u = (q.reshape(-1, 2).to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0] | (u[:, 1] << 4)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    lo = (p & 15).to(torch.int8) - 8
+    hi = (p >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], dim=1).reshape(-1)
+
+
+# -- DiLoCo's outer delta ---------------------------------------------------------
+_FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
+
+
+class DeltaCodec:
+    """One fragment's outer delta as one uint8 buffer per rank, and back.
+
+    The fragment is a run of whole tensors, back to back in a flat fp32
+    vector (``numels`` each).  Per tensor: with ``ratio < 1`` its
+    ``max(1, ceil(ratio m))`` largest-magnitude entries and their indices
+    (local to the tensor: int16 while it has at most 65,536 elements, else
+    int32), else all of it; the values as fp32/fp16/bf16, or as int8/int4
+    codes in blocks of ``block`` values (the tensor's values zero-padded to
+    whole blocks) with one fp32 scale a block.  Tensors of equal size are
+    coded together as the rows of one matrix (a LoRA adapter has a few
+    distinct shapes), so the cost does not grow with the number of tensors.
+
+    The buffer holds, for every size group, its scales, indices and values,
+    laid out by element size (4-byte sections first, then 2-byte, then
+    bytes), so every section can be viewed in place.  ``nbytes`` equals
+    :func:`lorasync.catalog.delta_tensor_bytes` summed over the tensors (the
+    byte formula).  The index tensors are built on the host once and moved to
+    ``device``; encode and decode then run on the inputs' device (CPU, CUDA,
+    meta) without host syncs.
+    """
+
+    def __init__(self, numels: Sequence[int], dtype: str, block: int = 64, ratio: float = 1.0,
+                 device: torch.device | str = "cpu"):
+        if dtype not in _BITS:
+            raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_BITS)}")
+        self.dtype, self.bits, self.block, self.ratio = dtype, _BITS[dtype], int(block), ratio
+        if self.bits <= 8 and self.block % 2:
+            raise ValueError(f"block: int4/int8 blocks must be even, got {block}")
+        self.sparse = ratio < 1.0
+        self.numel = int(sum(numels))
+        host = torch.device("cpu")
+        by_size: dict[int, list[int]] = {}
+        off = 0
+        for m in numels:
+            by_size.setdefault(int(m), []).append(off)
+            off += int(m)
+        self.groups = []
+        sections: list[tuple[int, int, str, int]] = []  # (elem size, group, what, count)
+        for gi, (m, offs) in enumerate(by_size.items()):
+            g = len(offs)
+            k = max(1, math.ceil(ratio * m)) if self.sparse else m
+            nb = math.ceil(k / self.block) if self.bits <= 8 else 0
+            pos = (torch.tensor(offs, device=host).unsqueeze(1)
+                   + torch.arange(m, device=host)).to(device)
+            self.groups.append({"m": m, "g": g, "k": k, "nb": nb, "pos": pos})
+            if nb:
+                sections.append((4, gi, "scale", g * nb))
+            if self.sparse:
+                sections.append((2 if m <= 1 << 16 else 4, gi, "index", g * k))
+            if self.bits > 8:
+                sections.append((self.bits // 8, gi, "value", g * k))
+            else:
+                sections.append((1, gi, "code", g * nb * self.block * self.bits // 8))
+        sections.sort(key=lambda t: -t[0])
+        self._layout: dict[tuple[int, str], tuple[int, int, torch.dtype]] = {}
+        at = 0
+        for size, gi, what, count in sections:
+            dt = {"scale": torch.float32, "code": torch.uint8,
+                  "index": torch.int16 if size == 2 else torch.int32,
+                  "value": _FLOATS.get(dtype, torch.float32)}[what]
+            self._layout[(gi, what)] = (at, at + size * count, dt)
+            at += size * count
+        #: bytes of one rank's buffer
+        self.nbytes = at
+
+    # -- encode ---------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The buffer (uint8, ``nbytes``) of the flat fp32 fragment ``x``."""
+        buf = torch.empty(self.nbytes, dtype=torch.uint8, device=x.device)
+        x = x.reshape(-1).float()
+        for gi, grp in enumerate(self.groups):
+            rows = x.index_select(0, grp["pos"].reshape(-1)).view(grp["g"], grp["m"])
+            if self.sparse:
+                idx = rows.abs().topk(grp["k"], dim=1, sorted=False).indices
+                vals = rows.gather(1, idx)
+                short = self._layout[(gi, "index")][2] == torch.int16
+                self._put(buf, gi, "index", (idx - 32768).to(torch.int16) if short
+                          else idx.to(torch.int32))
+            else:
+                vals = rows
+            if self.bits > 8:
+                self._put(buf, gi, "value", vals.to(_FLOATS[self.dtype]))
+                continue
+            width = grp["nb"] * self.block
+            if width != vals.shape[1]:
+                vals = torch.nn.functional.pad(vals, (0, width - vals.shape[1]))
+            q, scale = quantize_blocks(vals.reshape(-1, self.block), self.bits)
+            self._put(buf, gi, "scale", scale)
+            codes = q.view(torch.uint8) if self.bits == 8 else pack_int4(q)
+            self._put(buf, gi, "code", codes)
+        return buf
+
+    def _put(self, buf: torch.Tensor, gi: int, what: str, t: torch.Tensor) -> None:
+        a, b, dt = self._layout[(gi, what)]
+        buf[a:b].view(dt).copy_(t.reshape(-1))
+
+    # -- decode ---------------------------------------------------------------
+    def _get(self, row: torch.Tensor, gi: int, what: str) -> torch.Tensor:
+        a, b, dt = self._layout[(gi, what)]
+        sec = row[a:b]
+        if sec.storage_offset() % dt.itemsize:
+            sec = sec.clone()  # a row of a gathered buffer that does not start aligned
+        return sec.view(dt)
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense fp32 fragment a buffer stands for, added to ``out`` if given."""
+        dense = torch.zeros(self.numel, device=buf.device) if out is None else out
+        for gi, grp in enumerate(self.groups):
+            g, k = grp["g"], grp["k"]
+            if self.bits > 8:
+                vals = self._get(buf, gi, "value").float().view(g, k)
+            else:
+                scale = self._get(buf, gi, "scale")
+                codes = self._get(buf, gi, "code")
+                q = codes.view(torch.int8) if self.bits == 8 else unpack_int4(codes)
+                vals = dequantize_blocks(q.view(-1, self.block), scale).view(g, -1)[:, :k]
+            if self.sparse:
+                idx = self._get(buf, gi, "index").view(g, k).long()
+                if self._layout[(gi, "index")][2] == torch.int16:
+                    idx = idx + 32768
+                pos = grp["pos"].gather(1, idx).reshape(-1)
+            else:
+                pos = grp["pos"].reshape(-1)
+            # within one rank's buffer every position appears once: index_add_
+            # adds in a fixed order, the same bits on every rank
+            dense.index_add_(0, pos, vals.reshape(-1))
+        return dense
+
+    def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (rows of ``gathered``, in rank order) of their deltas."""
+        rows = gathered.view(-1, self.nbytes)
+        out = torch.zeros(self.numel, device=gathered.device)
+        for r in range(rows.shape[0]):
+            self.decode(rows[r], out)
+        return out

@@ -93,8 +93,11 @@ def time_encode(name: str, params: Sequence[torch.Tensor], world_size: int, *,
         opts["warmup_steps"] = 0
     if "momentum" in fields:
         opts["momentum"] = False
+    frags = 1
     if spec.periodic:
-        opts.update(period=1, streaming=False)
+        # every step a sync (one fragment of it with fragments: F steps a sync)
+        frags = int(opts.get("fragments", 1))
+        opts.update(period=frags, streaming=False)
         opts.pop("delay", None)
     device = params[0].device
     g = torch.Generator(device=device).manual_seed(seed)
@@ -107,11 +110,11 @@ def time_encode(name: str, params: Sequence[torch.Tensor], world_size: int, *,
     buckets = _buckets(list(clones), bucket_cap_bytes)
     numel = sum(p.numel() for p in clones)
     start = 0.0
-    for call in range(calls + 1):
+    for call in range((calls + 1) * frags):
         for b in buckets:  # fresh gradients every call
             b.buffer().normal_(generator=g).mul_(1e-3)
         _sync(device)
-        if call == 1:
+        if call == frags:
             start = sync.stats()["encode_s"]
         if spec.per_step:
             for f in [sync._on_bucket(b) for b in buckets]:

@@ -15,18 +15,30 @@ device (:mod:`lorasync.comm.loopback`).
 torch's own hooks (the bench's baselines) call ``torch.distributed`` from
 inside torch; :func:`count_group` measures what they hand over by counting
 the ``all_reduce`` calls that name a given process group.
+
+The wire also times what it carries, so that the link can be measured from
+the syncs a strategy makes anyway instead of by extra probe traffic
+(``auto`` on slow links, where a probe costs seconds): every collective
+issued while no other collective of this wire was in flight is kept as a
+:class:`Transfer` (kind, payload bytes, seconds from issue to completion,
+taken in a completion callback for asynchronous ones) until
+:meth:`Wire.take_transfers` collects them.  The time includes waiting for
+the other ranks to arrive; the rank that arrived last measured the
+transfer itself, which is why ``auto`` takes the fastest rank's figure.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
-from typing import Callable
+import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Wire", "LoopbackWire", "count_group"]
+__all__ = ["Wire", "LoopbackWire", "Transfer", "count_group"]
 
 
 #: torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases lack the new one
@@ -37,15 +49,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Transfer(NamedTuple):
+    """One collective that had the wire to itself: what it carried and how long it took."""
+
+    kind: str          # all_reduce | all_gather | all_to_all | broadcast
+    payload_bytes: int
+    seconds: float
+    #: perf_counter at completion
+    end: float
+
+
+#: transfers kept until collected (a window of steps has a few)
+_KEEP = 64
+
+
 class Wire:
     """Collectives of one process group, counted by ``count(nbytes)``.
 
     Each method takes ``count=False`` for the few calls that are not sync
     traffic (attach-time checks of what the backend can do); ``async_op``
     returns torch's ``Work``.  ``broadcast``'s ``src`` is a rank of the group.
+    Counted collectives that found the wire idle are timed (module docstring).
     """
 
-    __slots__ = ("group", "size", "rank", "backend", "_count")
+    __slots__ = ("group", "size", "rank", "backend", "_count", "_busy", "_lock", "_transfers")
 
     def __init__(self, group: dist.ProcessGroup | None, count: Callable[[int], None]):
         self.group = group
@@ -53,33 +80,67 @@ class Wire:
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
         self._count = count
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._transfers: collections.deque[Transfer] = collections.deque(maxlen=_KEEP)
+
+    def take_transfers(self) -> list[Transfer]:
+        """The timed transfers since the last call (oldest first)."""
+        with self._lock:
+            out = list(self._transfers)
+            self._transfers.clear()
+        return out
+
+    def _run(self, kind: str, t: torch.Tensor, count: bool, async_op: bool, call):
+        if not count:
+            return call()
+        nbytes = _nbytes(t)
+        self._count(nbytes)
+        with self._lock:
+            idle = self._busy == 0
+            self._busy += 1
+        t0 = time.perf_counter()
+        try:
+            work = call()
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+            raise
+        if not async_op:
+            self._done(kind, nbytes, t0, idle)
+            return work
+        work.get_future().then(lambda _f: self._done(kind, nbytes, t0, idle))
+        return work
+
+    def _done(self, kind: str, nbytes: int, t0: float, idle: bool) -> None:
+        t1 = time.perf_counter()
+        with self._lock:
+            self._busy -= 1
+            if idle:
+                self._transfers.append(Transfer(kind, nbytes, t1 - t0, t1))
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False,
                    count: bool = True):
-        if count:
-            self._count(_nbytes(t))
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
+        return self._run("all_reduce", t, count, async_op, lambda: dist.all_reduce(
+            t, op=op, group=self.group, async_op=async_op))
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, *, async_op: bool = False,
                    count: bool = True):
         """``out`` holds every rank's ``t``, in rank order (``size`` x ``t``)."""
-        if count:
-            self._count(_nbytes(t))
-        return _all_gather(out, t, group=self.group, async_op=async_op)
+        return self._run("all_gather", t, count, async_op, lambda: _all_gather(
+            out, t, group=self.group, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, *, async_op: bool = False,
                    count: bool = True):
         """Chunk j of ``t`` goes to rank j; chunk j of ``out`` comes from rank j."""
-        if count:
-            self._count(_nbytes(t))
-        return dist.all_to_all_single(out, t, group=self.group, async_op=async_op)
+        return self._run("all_to_all", t, count, async_op, lambda: dist.all_to_all_single(
+            out, t, group=self.group, async_op=async_op))
 
     def broadcast(self, t: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   count: bool = True):
-        if count:
-            self._count(_nbytes(t))
         root = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return dist.broadcast(t, src=root, group=self.group, async_op=async_op)
+        return self._run("broadcast", t, count, async_op, lambda: dist.broadcast(
+            t, src=root, group=self.group, async_op=async_op))
 
 
 class _Done:
@@ -115,6 +176,9 @@ class LoopbackWire:
         if count:
             self._count(_nbytes(t))
         return _Done(t) if async_op else None
+
+    def take_transfers(self) -> list[Transfer]:
+        return []   # nothing travels: nothing to time
 
     def all_reduce(self, t, *, op=dist.ReduceOp.SUM, async_op=False, count=True):
         return self._done(t, async_op, count)

@@ -37,7 +37,13 @@ The model
   overlaps.
 * Periodic strategies (local SGD, DiLoCo) sync once every ``period`` steps
   after the optimizer step; nothing overlaps (with ``streaming`` the sync
-  runs during the next ``delay`` steps' compute); costs are amortized.
+  runs during the next ``delay`` steps' compute); costs are amortized.  With
+  ``fragments`` each fragment's collective starts at its own step and the
+  link carries them one after another; :func:`periodic_exposed` plays a few
+  periods of that schedule through (compute, encode, the link as a queue,
+  the wait at each apply step), which also covers a sync that does not fit
+  its delay, syncs queueing behind each other, and a link too slow for the
+  period (the steps then wait for it).
 * Encode/decode (casting, quantizing, top-k, PowerSGD matmuls) runs on the
   training thread: ``encode_ns`` per element per sync (the catalog's CPU
   defaults, or what ``auto`` measured on the live device), added to the step.
@@ -66,7 +72,7 @@ from lorasync.errors import ConfigError
 __all__ = [
     "MiB", "ALLREDUCE_ALGOS", "Net", "Workload", "Prediction", "ModelShape", "MODELS",
     "lora_matrices", "head_share", "encode_ns", "collective_time", "bucket_layout",
-    "adapter_shapes", "ring_link_load", "predict",
+    "adapter_shapes", "ring_link_load", "predict", "periodic_exposed", "path_terms",
 ]
 
 MiB = 1 << 20
@@ -282,6 +288,12 @@ def _terms(c: Collective, net: Net) -> tuple[float, float]:
     raise ValueError(f"collective kind: unknown {c.kind!r}")
 
 
+def path_terms(c: Collective, net: Net) -> tuple[float, float]:
+    """(messages, bytes) on the critical path of collective ``c`` on ``net``:
+    what alpha and beta multiply."""
+    return _terms(c, net)
+
+
 def collective_time(c: Collective, net: Net) -> float:
     msgs, nbytes = _terms(c, net)
     return msgs * net.alpha_s + nbytes * net.beta_s_per_byte
@@ -418,6 +430,45 @@ def _encode_ns(name: str, opts: catalog.Options, workload: Workload) -> float:
     return catalog.spec(name).encode_ns(opts)
 
 
+def periodic_exposed(times: list[float], opts: catalog.Options, compute_s: float,
+                     encode_s: float = 0.0, periods: int = 3) -> float:
+    """Seconds per step a periodic sync makes the step wait, in steady state.
+
+    ``times``: each fragment's collective (seconds, in fragment order) on an
+    idle link; ``encode_s``: encode+decode of one whole sync, spent at the
+    launches.  Steps of ``compute_s`` are played through for ``periods``
+    periods after one to settle: a fragment's collective is launched after
+    its step (:func:`lorasync.catalog.fragments_due`), starts when the link is
+    free (collectives of one group run one after another) and is applied
+    ``delay`` steps later (at once without streaming), the step waiting for
+    it if it has not arrived.
+    """
+    H, F = opts.period, len(times)
+    if F == 0:
+        return 0.0
+    if not opts.streaming:   # every sync blocks its step, on an idle link
+        return sum(times) / H
+    delay = opts.delay
+    enc = encode_s / F
+    t = link_free = waited = 0.0
+    pending: list[tuple[int, float]] = []
+    settle = H
+    for s in range(1, settle + H * periods + 1):
+        t += compute_s
+        while pending and pending[0][0] <= s:
+            done = pending.pop(0)[1]
+            if done > t:
+                if s > settle:
+                    waited += done - t
+                t = done
+        for f in catalog.fragments_due(s, H, F):
+            t += enc
+            start = max(t, link_free)
+            link_free = start + times[f]
+            pending.append((s + delay, link_free))
+    return waited / (H * periods)
+
+
 def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
     """Predicted step of ``strategy`` on ``net`` for ``workload``."""
     opts = _options(strategy, workload.options.get(strategy))
@@ -430,13 +481,13 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
     periodic = spec.periodic
     if periodic:
         period = opts.period
-        for c in whole:
+        times = []
+        for c in whole:   # one collective per fragment
             m, b = _terms(c, net)
             msgs, link, wire = msgs + m, link + b, wire + c.payload_bytes
-            comm += collective_time(c, net)
-        # after the optimizer step: nothing to hide behind, unless streaming
-        # lets it run during the next `delay` steps' compute
-        exposed = max(0.0, comm - opts.delay * compute) if opts.streaming else comm
+            times.append(collective_time(c, net))
+        comm = sum(times)
+        exposed = periodic_exposed(times, opts, compute, encode) * period
         wire, link, msgs, comm, encode, exposed = (
             x / period for x in (wire, link, msgs, comm, encode, exposed))
         syncs, nbuckets = 1.0 / period, 1

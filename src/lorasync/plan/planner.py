@@ -16,6 +16,11 @@ link), ranked predictions, a recommendation and ordered advice out.
   compression, overlap, periodic sync, RDMA.
 * ``what_if_net`` / ``net_from_probe``: a ``Net`` from a link description or
   from ``lorasync probe --json``.
+* ``hide_sync`` / ``tune_periodic``: the streaming delay and fragment count
+  that hide a periodic strategy's outer sync behind compute, from its
+  predicted sync time (the fewest steps late first, then the fewest
+  fragments), and the best of several outer-sync variants (codecs) so tuned.
+  ``auto`` and the plan's periodic-sync step both use them.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from typing import Any, Mapping, Sequence
 from lorasync.errors import ConfigError
 from lorasync import catalog
 from lorasync.catalog import NONE, PERIODIC, STRATEGIES
-from lorasync.plan.costmodel import MiB, Net, Prediction, Workload, predict
+from lorasync.plan.costmodel import MiB, Net, Prediction, Workload, adapter_shapes, predict
 from lorasync.units import fmt_bytes, fmt_duration, fmt_rate
 
 __all__ = [
     "DEFAULT_TCP_WINDOW", "ALPHA_PER_RTT", "ALPHA_OVERHEAD_S", "LINK_EFFICIENCY", "RDMA_ALPHA_S",
     "Link", "Measurements", "Recommendation", "Step", "Plan",
     "what_if_net", "net_from_probe", "rank", "choose", "plan", "options_text",
+    "hide_sync", "tune_periodic", "FRAGMENT_CHOICES",
 ]
 
 #: Linux's default tcp_rmem max is 6 MiB and about half of a receive buffer is
@@ -58,6 +64,13 @@ PERIOD_CHOICES = (2, 4, 8, 16, 32, 64, 128)
 TARGET_EFFICIENCY = 0.95
 #: a step worth taking gains at least this much throughput
 MIN_GAIN = 0.01
+#: fragment counts hide_sync tries (at most the period and the adapter's tensors)
+FRAGMENT_CHOICES = (1, 2, 4, 8, 16, 32)
+#: a periodic sync counts as hidden when it exposes at most this share of compute
+HIDDEN_SHARE = 0.005
+#: variants of a periodic strategy within this share of the fastest count as
+#: equally fast; the one listed first (the least lossy) is taken
+VARIANT_TIE = 0.01
 
 
 @dataclass(frozen=True)
@@ -315,6 +328,8 @@ def _pct(x: float) -> str:
 def _with(workload: Workload, strategy: str, **opts) -> Workload:
     merged = {k: dict(v) for k, v in workload.options.items()}
     merged.setdefault(strategy, {}).update(opts)
+    if not merged[strategy].get("streaming", True):
+        merged[strategy].pop("delay", None)   # a delay without streaming is refused
     return dataclasses.replace(workload, options=merged)
 
 
@@ -385,6 +400,136 @@ def _opts_text(p: Prediction) -> str:
     return options_text(p.options)
 
 
+def hide_sync(net: Net, workload: Workload, strategy: str = "diloco",
+              fixed: frozenset[str] | set[str] = frozenset()) -> tuple[dict, Prediction]:
+    """Streaming options that hide ``strategy``'s periodic sync, and their prediction.
+
+    Starts from ``workload.options[strategy]``; ``delay`` (steps the outer
+    update may arrive late, 1 .. period-1) and, for DiLoCo, ``fragments``
+    (:data:`FRAGMENT_CHOICES`, at most the period and the adapter's tensor
+    count) are chosen unless named in ``fixed``: the fewest steps late that
+    hide the sync (exposed at most :data:`HIDDEN_SHARE` of compute), then the
+    fewest fragments; where nothing hides it (the link cannot carry a sync
+    per period), the choice that exposes least.  ``streaming=false`` given in
+    ``fixed`` is kept as it is, and so is a period too short to stream.
+    """
+    base = dict(workload.options.get(strategy, {}))
+    opts = catalog.parse_options(strategy, base)
+    if (("streaming" in fixed and not opts.streaming) or opts.period < 2
+            or strategy not in PERIODIC):
+        return opts.as_dict(), predict(strategy, net, workload)
+    period = opts.period
+    delays = [opts.delay] if "delay" in fixed else list(range(1, period))
+    if "fragments" in fixed or not hasattr(opts, "fragments"):
+        frags = [getattr(opts, "fragments", None)]
+    else:
+        tensors = len(adapter_shapes(workload))
+        frags = [f for f in FRAGMENT_CHOICES if f <= min(period, tensors)]
+    best: tuple[float, dict, Prediction] | None = None
+    for d in delays:
+        if d >= period:
+            continue
+        for f in frags:
+            o = {**base, "streaming": True, "delay": d}
+            if f is not None:
+                o["fragments"] = f
+            p = predict(strategy, net, _with(workload, strategy, **o))
+            if p.exposed_comm_s <= HIDDEN_SHARE * p.compute_s:
+                return catalog.parse_options(strategy, o).as_dict(), p
+            if best is None or p.step_s < best[0] - 1e-12:
+                best = (p.step_s, o, p)
+    if best is None:   # a fixed delay that streaming cannot use
+        return opts.as_dict(), predict(strategy, net, workload)
+    return catalog.parse_options(strategy, best[1]).as_dict(), best[2]
+
+
+def tune_periodic(net: Net, workload: Workload, strategy: str,
+                  variants: Sequence[Mapping[str, Any]],
+                  fixed: frozenset[str] | set[str] = frozenset(),
+                  encode_ns: Sequence[float | None] | None = None
+                  ) -> tuple[dict, Prediction, int]:
+    """The best of ``variants`` (complete option sets of ``strategy``, the
+    least lossy first), each with :func:`hide_sync`'s streaming options:
+    ``(options, prediction, index of the variant)``.  A variant within
+    :data:`VARIANT_TIE` of the fastest loses only to one listed before it.
+    ``encode_ns``: per variant, its encode+decode (ns per element per sync)
+    where measured, else the catalog's."""
+    if not variants:
+        raise ConfigError("variants", variants, f"give at least one {strategy} option set")
+    tried = []
+    for i, v in enumerate(variants):
+        # the variant as given, not merged into the options in the workload
+        # (a top-k ratio there must not leak into a dense variant)
+        wl = dataclasses.replace(workload, options={**workload.options, strategy: dict(v)})
+        ns = encode_ns[i] if encode_ns is not None else None
+        if ns is not None:
+            wl = dataclasses.replace(wl, encode_ns={**wl.encode_ns, strategy: float(ns)})
+        elif strategy in wl.encode_ns:   # measured for another variant: not this one's
+            wl = dataclasses.replace(wl, encode_ns={k: x for k, x in wl.encode_ns.items()
+                                                    if k != strategy})
+        opts, p = hide_sync(net, wl, strategy, fixed)
+        tried.append((opts, p, i))
+    fastest = max(t[1].samples_per_s for t in tried)
+    return next(t for t in tried if t[1].samples_per_s >= (1 - VARIANT_TIE) * fastest)
+
+
+#: DiLoCo outer syncs the plan may recommend: auto's default variants (each
+#: passed the quality rule at the default period; catalog.AutoOptions)
+PLAN_VARIANTS = catalog.AutoOptions().diloco_variants
+
+
+def _variant_list(text: str) -> list[dict[str, Any]]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        dtype, at, ratio = item.partition("@")
+        out.append({"delta_dtype": dtype, **({"delta_topk": float(ratio)} if at else {})})
+    return out
+
+
+def _periodic_choice(p: Prediction, net: Net, wl: Workload, given: Mapping[str, Any],
+                     cur: Prediction) -> tuple[Prediction, str]:
+    """The periodic step's strategy options: the fewest local steps (period)
+    that reach TARGET_EFFICIENCY with the sync streamed behind compute
+    (:func:`hide_sync` picks the delay and fragments); for DiLoCo, where
+    that needs a period longer than the default and the user fixed no codec,
+    a DiLoCo outer-sync variant at the default period that reaches it."""
+    name = p.strategy
+    fixed = set(given)
+    base = _with(wl, name, **{k: v for k, v in given.items()})
+    default_period = catalog.parse_options(name).period
+    chosen, why = None, "as given"
+    if "period" in given:
+        _, q = hide_sync(net, base, name, fixed)
+        chosen = q
+    else:
+        for h in PERIOD_CHOICES:
+            _, q = hide_sync(net, _with(base, name, period=h), name, fixed | {"period"})
+            if q.efficiency >= TARGET_EFFICIENCY and q.samples_per_s > cur.samples_per_s:
+                chosen, why = q, f"the fewest that reach {TARGET_EFFICIENCY:.0%} of the ceiling"
+                break
+    if name == "diloco" and not fixed & {"delta_dtype", "delta_topk", "delta_block"} \
+            and (chosen is None or chosen.options["period"] > default_period):
+        h = given.get("period", default_period)
+        variants = [{**{k: v for k, v in given.items()}, "period": h, **v}
+                    for v in _variant_list(PLAN_VARIANTS)]
+        _, q, _ = tune_periodic(net, base, name, variants, fixed | {"period"})
+        if q.efficiency >= TARGET_EFFICIENCY or chosen is None \
+                or q.samples_per_s > (1 + MIN_GAIN) * chosen.samples_per_s:
+            chosen, why = q, (f"period {h}, with the outer sync compressed "
+                              f"({q.options['delta_dtype']}"
+                              + (f", top {q.options['delta_topk']:g}"
+                                 if q.options["delta_topk"] < 1 else "")
+                              + ") rather than more local steps")
+    if chosen is None or chosen.samples_per_s <= p.samples_per_s:
+        return p, "the default period" if "period" not in given else "as given"
+    if chosen.options.get("streaming"):
+        why += (f"; streamed {chosen.options['delay']} step(s) late"
+                + (f" in {chosen.options['fragments']} fragments"
+                   if chosen.options.get("fragments", 1) > 1 else "")
+                + f", exposing {fmt_duration(chosen.exposed_comm_s)} per step")
+    return chosen, why
+
+
 def plan(net: Net, workload: Workload, link: Link = Link(),
          candidates: Sequence[str] = STRATEGIES) -> Plan:
     """Ranking, recommendation and the expert's ordered steps for this network."""
@@ -452,30 +597,27 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
     # 4. periodic sync: when even the best per-step strategy leaves too much exposed
     periodic = tuple(c for c in candidates if c in PERIODIC)
     if periodic and net.world_size > 1:
-        r = choose(Measurements(cur_net, wl, candidates=candidates))
-        p = r.prediction
-        if p.periodic and p.samples_per_s > cur.samples_per_s:
-            why = "the default period"
-            if "period" not in wl.options.get(p.strategy, {}):
-                # fewer local steps drift less: take the smallest period that is enough
-                for h in PERIOD_CHOICES:
-                    q = predict(p.strategy, cur_net, _with(wl, p.strategy, period=h))
-                    if q.efficiency >= TARGET_EFFICIENCY and q.samples_per_s > cur.samples_per_s:
-                        p, why = q, f"the fewest that reach {TARGET_EFFICIENCY:.0%} of the ceiling"
-                        break
-            else:
-                why = "as given"
+        # each periodic candidate with its period and outer sync tuned for this link
+        tuned = [_periodic_choice(predict(c, cur_net, wl), cur_net, wl,
+                                  workload.options.get(c, {}), cur) for c in periodic]
+        # of those about as fast as the fastest, the one with the fewest local steps
+        fastest = max(t[0].samples_per_s for t in tuned)
+        p, why = min((t for t in tuned if t[0].samples_per_s >= (1 - MIN_GAIN) * fastest),
+                     key=lambda t: t[0].options["period"])
+        if p.samples_per_s > cur.samples_per_s:
             title = f"Sync periodically: strategy {p.strategy} ({_opts_text(p)})"
-            detail = (f"one all-reduce every {p.options['period']} steps ({why}); "
+            detail = (f"one outer sync every {p.options['period']} steps ({why}); "
                       f"{_describe(p)}; replicas drift between syncs: compare eval quality "
                       "with a per-step run")
             steps.append(_step("periodic_sync", title, detail, cur, p, p.strategy, p.options,
                                None))
             cur = p
             wl = _with(wl, p.strategy, **p.options)
+            # the ranking and the recommendation with the periodic strategy as tuned
+            rec = choose(Measurements(net, _with(workload, p.strategy, **p.options),
+                                      candidates=candidates))
         else:
-            best_p = max((predict(c, cur_net, wl) for c in periodic),
-                         key=lambda x: x.samples_per_s)
+            best_p = p
             steps.append(_step("periodic_sync", "Sync periodically",
                                f"not needed: {cur.strategy} already reaches "
                                f"{_pct(cur.efficiency)} of the no-sync ceiling "

@@ -23,6 +23,18 @@ the faster of the two counts (a rank descheduled during one probe must not
 read as a cut link).  Without a trigger the probe runs every m K-step
 windows, m chosen so it costs about ``PROBE_BUDGET`` (1%) of the step time.
 
+On slow links a probe is dear (256 KiB take 2 s at 1 Mbit/s), so the link is
+measured from the syncs the strategy makes anyway whenever they can tell
+(:func:`passive_bandwidth`: every collective that found the wire idle is
+timed, see :mod:`lorasync.comm.wire`; transfers of at least
+``MIN_PROBE_BYTES`` on the link's critical path count, for the reason the
+probe has that floor); the timed probe runs only when they give no figure.
+
+DiLoCo comes in variants (:func:`parse_variants`: its outer-sync codec), each
+admitted with the options that passed the quality rule; at every decision
+the variant and its streaming delay / fragment count are chosen from the
+predicted sync time (:func:`lorasync.plan.planner.tune_periodic`).
+
 The cost model is corrected by what it sees (:func:`corrections`,
 :func:`split_extra`): what the strategy in use cost beyond its prediction is
 split into a base that every strategy pays (ranks waiting for each other on
@@ -40,7 +52,9 @@ from typing import Any, Mapping, Sequence
 
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
-from lorasync.plan.costmodel import Net, Prediction, Workload, encode_ns, predict
+from lorasync.plan.costmodel import (
+    Net, Prediction, Workload, collective_time, encode_ns, path_terms, predict,
+)
 from lorasync.plan.planner import Measurements, choose
 from lorasync.units import fmt_duration, fmt_rate
 
@@ -48,7 +62,7 @@ __all__ = [
     "DEFAULT_CANDIDATES", "DEFAULT_CHILD_OPTIONS", "Window", "Decision", "probe_size",
     "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for",
     "encode_ns_for", "decide", "drifted", "link_changed", "suggest_accum", "describe",
-    "parse_candidates", "parse_force",
+    "parse_candidates", "parse_force", "parse_variants", "passive_bandwidth", "probe_cost",
 ]
 
 #: the strategies auto chooses among unless ``candidates`` says otherwise
@@ -140,6 +154,52 @@ def parse_force(value: Any) -> dict[int, str]:
     return out
 
 
+def parse_variants(value: Any, field: str = "diloco_variants") -> list[dict[str, Any]]:
+    """``"fp16,int8,int4@0.03"`` -> DiLoCo outer-sync options, in the order
+    given (the least lossy first: it wins ties): ``DTYPE`` is ``delta_dtype``,
+    ``@RATIO`` ``delta_topk``."""
+    items = value.split(",") if isinstance(value, str) else list(value or [])
+    out: list[dict[str, Any]] = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        dtype, at, ratio = item.partition("@")
+        v: dict[str, Any] = {"delta_dtype": dtype.strip()}
+        if at:
+            try:
+                v["delta_topk"] = float(ratio)
+            except ValueError:
+                raise ValueError(f"auto: option {field}: {item!r}: write DTYPE@RATIO, e.g. "
+                                 "int4@0.03") from None
+        try:
+            catalog.parse_options("diloco", v)
+        except ValueError as e:
+            raise ValueError(f"auto: option {field}: {item!r}: {e}") from None
+        if v in out:
+            raise ValueError(f"auto: option {field}={value!r} names {item!r} twice")
+        out.append(v)
+    if not out:
+        raise ValueError(f"auto: option {field} is empty; name at least one, e.g. fp16")
+    return out
+
+
+def passive_bandwidth(transfers: Sequence[tuple[str, float, float]], world_size: int,
+                      alpha_s: float) -> float:
+    """Bytes per second the link gave the fastest of ``transfers`` (kind,
+    payload bytes, seconds; collectives timed on an idle wire), or 0.0 when
+    none is big enough to tell: at least ``MIN_PROBE_BYTES`` on the
+    critical path (a shaper's burst flatters smaller ones) and longer than
+    its latency terms."""
+    net = Net(alpha_s=alpha_s, bandwidth_Bps=1.0, world_size=world_size)
+    best = 0.0
+    for kind, payload, seconds in transfers:
+        msgs, nbytes = path_terms(catalog.Collective(kind, float(payload)), net)
+        busy = seconds - msgs * alpha_s
+        if nbytes >= MIN_PROBE_BYTES and busy > 0:
+            best = max(best, nbytes / busy)
+    return best
+
+
 def probe_size(bandwidth_Bps: float) -> int:
     """Bytes of the bandwidth probe: a transfer of about ``PROBE_TARGET_S``
     (long enough for the timer, short enough to run every window), a power
@@ -148,6 +208,17 @@ def probe_size(bandwidth_Bps: float) -> int:
     if target <= MIN_PROBE_BYTES:
         return MIN_PROBE_BYTES
     return int(min(MAX_PROBE_BYTES, 2 ** math.floor(math.log2(target))))
+
+
+def probe_cost(net: Net | None) -> float:
+    """Seconds auto's timed probe takes on ``net``: three 1 KiB all-reduces
+    and one of :func:`probe_size` (0.0 without a net: nothing to go by)."""
+    if net is None:
+        return 0.0
+    small = collective_time(catalog.Collective("all_reduce", SMALL_PROBE_BYTES), net)
+    large = collective_time(catalog.Collective("all_reduce", probe_size(net.bandwidth_Bps)),
+                            net)
+    return 3 * small + large
 
 
 def probe_every(probe_s: float, step_s: float, interval: int,
@@ -277,6 +348,9 @@ class Window:
     steps: int
     #: the same mean over the window's last third (a change late in the window)
     recent_overhead_s: float = 0.0
+    #: bytes/s the link gave the window's syncs (:func:`passive_bandwidth`,
+    #: fastest rank); 0.0 when they cannot tell
+    link_Bps: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -454,6 +454,10 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         sync.after_step()
+        if tc.eval_interval and step % tc.eval_interval == 0 and step < self.total_steps:
+            # an evaluation must not give a streamed sync free link time:
+            # what is in flight arrives now, as this step's exposed sync
+            sync.settle()
         step_s = time.perf_counter() - t0
         rec = self.steplog.record(step=step, stats=sync.stats(),
                                   loss=sum(losses) / len(losses),

@@ -1,0 +1,555 @@
+#!/usr/bin/env python3
+"""Time to quality: how long each strategy takes to reach exact all-reduce's loss on a slow link.
+
+    sudo .venv/bin/python bench/time_to_quality.py [--links 1mbit,10mbit] [--steps 120]
+        [--max-steps 160] [--budget 2.0] [--candidates ddp,fp16,...] [--json FILE]
+
+samples/s says how fast a strategy trains; it does not say how many samples
+it needs.  This bench measures what a user waits for:
+
+1. The target.  Exact fp32 all-reduce (``--comm allreduce``) trains
+   ``--steps`` steps (over loopback: its losses do not depend on the link)
+   with every run's schedule (cosine over ``--max-steps``, so runs that go
+   on past ``--steps`` see the same learning rates); its eval loss after
+   ``--steps`` steps is the target, and the eval step where it first got
+   there its samples to target.  Two more seeds give the quality rule of
+   bench/strategies.py: eval loss after ``--steps`` steps at most the worst
+   of the three seeds + 5%.
+2. The no-network ideal: exact sync at zero communication cost = the
+   no-sync ceiling's time per sample (``--comm none`` on the emulated
+   nodes, the faster of a run at the start and one at the end) x the
+   reference's samples to target.
+3. Per link (2 emulated nodes, htb-shaped): every candidate trains,
+   evaluated every ``--eval-interval`` steps, until its eval loss reaches
+   the target (but at least ``--steps`` steps, for the quality rule), or
+   until its training time passes ``--budget`` x the ideal, or
+   ``--max-steps``.  Its time to target is the training time (the sum of its
+   steps, each as long as its slowest rank; evaluations and start-up left
+   out) up to the first evaluation at or under the target; the ratio to the
+   ideal is the figure of merit.
+
+Candidates: plain DDP (fp32, 25 MB buckets, buffer broadcast), torch's
+PowerSGD hook (rank 1), fp16, top-k, DiLoCo with fp16 deltas one step late
+(the previous best), the new DiLoCo outer syncs (fp16, int8, int4 and 3%
+top-k with int4 values) each with the streaming delay and fragment count the
+planner picks for the probed link and the measured compute
+(:func:`lorasync.plan.planner.hide_sync`), and ``auto``.  Every lorasync
+row also gets the cost model's step time next to the measured one.
+
+Each link prints a table and the targets of issue 17: the best strategy at
+1 Mbit/s at >= 90% of the ceiling's samples/s with the quality rule met;
+time to target <= 1.15x the ideal at 10 Mbit/s and <= 1.3x at 1 Mbit/s;
+encode+decode of the new codecs <= 5% of a compute step; cost model within
+15%.  A small JSON of the results (``--json``) is what bench/reference/
+holds.  Root is needed (network namespaces); everything is taken down at
+the end, also on failure and Ctrl-C.  Run it under ``flock /work/bench.lock``
+on a shared machine; compare ratios of one run, not times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from lorasync.bench_cli import _probe  # noqa: E402
+from lorasync.plan.costmodel import (  # noqa: E402
+    MODELS, MiB, Workload, head_share, lora_matrices, predict,
+)
+from lorasync.plan.planner import hide_sync  # noqa: E402
+
+#: DiLoCo outer syncs the planner tunes per link (delay, fragments)
+VARIANTS = {
+    "diloco_fp16_tuned": {"delta_dtype": "fp16"},
+    "diloco_int8": {"delta_dtype": "int8"},
+    "diloco_int4": {"delta_dtype": "int4"},
+    "diloco_int4_top3": {"delta_dtype": "int4", "delta_topk": 0.03},
+}
+DEFAULT_CANDIDATES = ("ddp", "torch_powersgd", "fp16", "topk", "diloco_fp16", *VARIANTS, "auto")
+#: the issue's targets: ratio to the ideal per link, share of the ceiling at 1 Mbit/s
+TTQ_TARGET = {"1mbit": 1.3, "10mbit": 1.15}
+SPEED_TARGET = {"1mbit": 0.90}
+
+
+@dataclass
+class Run:
+    key: str
+    label: str
+    args: list[str]
+    options: dict = field(default_factory=dict)
+    status: str = "pending"
+    steps: list[dict] = field(default_factory=list)   # per step: max step_s, samples, ...
+    evals: list[dict] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+def fixed_args(key: str) -> tuple[list[str], dict]:
+    """``lorasync train`` arguments of a candidate that needs no planning."""
+    table = {
+        "ceiling": (["--comm", "none"], {}),
+        "ddp": (["--comm", "allreduce", "--bucket-mb", "25", "--broadcast-buffers"], {}),
+        "torch_powersgd": (["--comm", "torch_powersgd", "--bucket-mb", "25"], {}),
+        "fp16": (["--comm", "fp16"], {}),
+        "topk": (["--comm", "topk"], {}),
+        "diloco_fp16": (["--comm", "diloco"], {"streaming": True, "delta_dtype": "fp16"}),
+        "auto": (["--comm", "auto", "--comm-opt", "batch_size=4"], {}),
+    }
+    args, opts = table[key]
+    return args + [x for k, v in opts.items() for x in ("--comm-opt", f"{k}={_v(v)}")], opts
+
+
+def _v(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def label_of(key: str, opts: dict) -> str:
+    names = {"ceiling": "no sync (ceiling)", "ddp": "plain DDP (fp32)",
+             "torch_powersgd": "torch PowerSGD (rank 1)", "fp16": "fp16", "topk": "top-k 10%",
+             "diloco_fp16": "DiLoCo fp16, 1 step late", "auto": "auto"}
+    if key in names:
+        return names[key]
+    dt = opts.get("delta_dtype", "fp32") + (f" top {opts['delta_topk']:g}"
+                                            if opts.get("delta_topk", 1) < 1 else "")
+    return (f"DiLoCo {dt}, {opts.get('delay')} step(s) late, "
+            f"{opts.get('fragments', 1)} fragment(s)")
+
+
+# ----------------------------------------------------------------------------- reading runs
+
+def _jsonl(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    break   # a line being written
+    except OSError:
+        pass
+    return out
+
+
+def read_progress(run_dir: str, world: int) -> tuple[list[dict], list[dict]]:
+    """(steps every rank finished: step, max step_s, samples, comm_s, encode_s,
+    compute_s; evaluations) of a run, finished or not."""
+    per = [{r["step"]: r for r in _jsonl(os.path.join(run_dir, "ranks", f"rank{i}.jsonl"))}
+           for i in range(world)]
+    steps = []
+    for s in sorted(set.intersection(*(set(p) for p in per)) if per else []):
+        rs = [p[s] for p in per]
+        steps.append({"step": s, "step_s": max(r["step_s"] for r in rs),
+                      "samples": sum(r["samples"] for r in rs),
+                      "comm_s": max(r["comm_s"] for r in rs),
+                      "encode_s": max(r["encode_s"] for r in rs),
+                      "compute_s": min(r["compute_s"] for r in rs),
+                      "strategy": rs[0].get("strategy")})
+    return steps, _jsonl(os.path.join(run_dir, "evals.jsonl"))
+
+
+def train_time(steps: list[dict], upto: int | None = None) -> float:
+    return sum(s["step_s"] for s in steps if upto is None or s["step"] <= upto)
+
+
+def first_reach(evals: list[dict], target: float) -> dict | None:
+    return next((e for e in sorted(evals, key=lambda e: e["step"])
+                 if e.get("eval_loss") is not None and e["eval_loss"] <= target), None)
+
+
+def eval_at(evals: list[dict], step: int) -> float | None:
+    return next((e["eval_loss"] for e in evals if e["step"] == step), None)
+
+
+# ----------------------------------------------------------------------------- running
+
+def _children() -> list[int]:
+    """Processes this one started (the torchrun agents of a run)."""
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def run_on_cluster(cluster, run: Run, common: list[str], out: str, timeout: float,
+                   stop) -> None:
+    """Train ``run`` on the cluster until ``stop(steps, evals)`` names a reason
+    (then its agents are sent SIGTERM: they stop their workers) or it ends."""
+    from lorasync.net.cluster import launch_on_cluster
+
+    run_dir = os.path.join(out, run.key)
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.update(rc=launch_on_cluster(
+        cluster, ["train", *common, *run.args, "--output-dir", run_dir], timeout=timeout,
+        log_dir=os.path.join(out, f"{run.key}-logs"))), daemon=True)
+    t0 = time.time()
+    th.start()
+    why = None
+    while th.is_alive():
+        th.join(2.0)
+        if why is None and th.is_alive():
+            steps, evals = read_progress(run_dir, len(cluster.nodes))
+            why = stop(steps, evals)
+            if why:
+                for pid in _children():
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+    th.join()
+    run.steps, run.evals = read_progress(run_dir, len(cluster.nodes))
+    rc = box.get("rc")
+    run.extra["wall_s"] = time.time() - t0
+    run.status = (f"stopped: {why}" if why else "ok" if rc == 0 else
+                  f"hung: stopped after {timeout:.0f} s" if rc == 124 else f"failed (exit {rc})")
+
+
+def run_reference(seed: int, a, out: str) -> Run:
+    """Exact all-reduce over loopback: the target and the quality rule."""
+    run = Run(f"reference_seed{seed}", f"allreduce seed {seed} (loopback)", [])
+    run_dir = os.path.join(out, run.key)
+    cmd = [sys.executable, "-m", "lorasync", "train", *common_args(a), "--comm", "allreduce",
+           "--seed", str(seed), "--stop-after", str(a.steps), "--nproc", str(a.nodes),
+           "--output-dir", run_dir]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.row_timeout * 4)
+    run.steps, run.evals = read_progress(run_dir, a.nodes)
+    run.extra["wall_s"] = time.time() - t0
+    run.status = "ok" if p.returncode == 0 else f"failed (exit {p.returncode}): " + \
+        " ".join(p.stderr.strip().splitlines()[-1:])
+    return run
+
+
+def common_args(a, ceiling: bool = False) -> list[str]:
+    """Every run's ``lorasync train`` flags: the same schedule (``--max-steps``),
+    evaluations of the loss only (one generated token: exact-match is not
+    the figure here, and generation would dominate the bench's time)."""
+    steps, interval, size = ((a.ceiling_steps, 0, 0) if ceiling else
+                             (a.max_steps, a.eval_interval, a.eval_size))
+    return ["--model", a.model, "--max-steps", str(steps), "--batch-size",
+            str(a.batch_size), "--eval-interval", str(interval), "--eval-size",
+            str(size), "--max-new-tokens", "1", "--no-eval-before", "--ckpt-interval", "0",
+            "--no-progress"]
+
+
+# ----------------------------------------------------------------------------- summarising
+
+def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceiling_sps: float,
+              steps_ref: int) -> dict:
+    st = run.steps
+    steady = st[1:] if len(st) > 1 else st
+    secs = train_time(steady)
+    sps = sum(s["samples"] for s in steady) / secs if secs else None
+    reach = first_reach(run.evals, target)
+    at = eval_at(run.evals, steps_ref)
+    comp = sum(s["compute_s"] for s in steady) / len(steady) if steady else None
+    enc = sum(s["encode_s"] for s in steady) / len(steady) if steady else None
+    cell = {"key": run.key, "label": run.label, "options": run.options, "status": run.status,
+            "steps_run": len(st), "samples_per_s": sps,
+            "efficiency": sps / ceiling_sps if sps and ceiling_sps else None,
+            "sync_share": (sum(s["comm_s"] for s in steady) / secs) if secs else None,
+            "encode_share": enc / comp if comp else None,
+            "eval_at_steps": at, "quality": None if at is None or limit is None else at <= limit,
+            "final_strategy": st[-1]["strategy"] if st else None, **run.extra}
+    if reach:
+        t = train_time(st, reach["step"])
+        samples = sum(s["samples"] for s in st if s["step"] <= reach["step"])
+        cell.update(reached_step=reach["step"], time_to_target_s=t, samples_to_target=samples,
+                    ratio_to_ideal=t / ideal_s if ideal_s else None)
+    else:
+        t = train_time(st)
+        cell.update(reached_step=None, time_to_target_s=None, samples_to_target=None,
+                    ratio_to_ideal=None, ratio_lower_bound=t / ideal_s if ideal_s else None)
+    return cell
+
+
+def _f(v, fmt="{:.2f}", none="-"):
+    return none if v is None else fmt.format(v)
+
+
+def table(link: str, cells: list[dict], probe_text: str) -> str:
+    lines = [f"\n### {link} ({probe_text})\n",
+             "| candidate | samples/s (% of ceiling) | exposed sync | encode % of compute | "
+             "s/step measured / planned | eval loss @ref steps | steps to target | "
+             "time to target | x ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if c["key"] == "ceiling":
+            continue
+        plan = "-" if c.get("predicted_step_s") is None else (
+            f"{c['measured_step_s']:.2f} / {c['predicted_step_s']:.2f} "
+            f"({100 * c['plan_error']:+.0f}%)")
+        q = "" if c["quality"] is None else (" pass" if c["quality"] else " FAIL")
+        ratio = (_f(c["ratio_to_ideal"], "{:.2f}x") if c["ratio_to_ideal"] is not None else
+                 f"not reached (> {c['ratio_lower_bound']:.2f}x)"
+                 if c.get("ratio_lower_bound") is not None else "-")
+        lines.append(
+            f"| {c['label']}{'' if c['status'] == 'ok' or c['status'].startswith('stopped') else ' (' + c['status'] + ')'} | "
+            f"{_f(c['samples_per_s'])} ({_f(c['efficiency'], '{:.0%}')}) | "
+            f"{_f(c['sync_share'], '{:.0%}')} | {_f(c['encode_share'], '{:.1%}')} | {plan} | "
+            f"{_f(c['eval_at_steps'], '{:.4f}')}{q} | {c['reached_step'] or '-'} | "
+            f"{_f(c['time_to_target_s'], '{:.0f} s')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def verdicts(link: str, cells: list[dict]) -> list[str]:
+    out = []
+    ok = [c for c in cells if c["key"] != "ceiling" and c["samples_per_s"]]
+    passing = [c for c in ok if c["quality"]]
+    if passing:
+        best = max(passing, key=lambda c: c["samples_per_s"])
+        line = (f"best strategy meeting the quality rule: {best['label']} at "
+                f"{best['efficiency']:.1%} of the no-sync ceiling's samples/s")
+        if link in SPEED_TARGET:
+            line += (f" (target >= {SPEED_TARGET[link]:.0%}: "
+                     f"{'met' if best['efficiency'] >= SPEED_TARGET[link] else 'NOT met'})")
+        out.append(line)
+    reached = [c for c in ok if c["ratio_to_ideal"] is not None]
+    if reached:
+        best = min(reached, key=lambda c: c["ratio_to_ideal"])
+        line = f"best time to target: {best['label']}, {best['ratio_to_ideal']:.2f}x the ideal"
+        if link in TTQ_TARGET:
+            line += (f" (target <= {TTQ_TARGET[link]}x: "
+                     f"{'met' if best['ratio_to_ideal'] <= TTQ_TARGET[link] else 'NOT met'})")
+        out.append(line)
+    else:
+        out.append("no candidate reached the target within the budget")
+    new = [c for c in ok if c["key"] in VARIANTS and c["encode_share"] is not None]
+    if new:
+        worst = max(new, key=lambda c: c["encode_share"])
+        out.append(f"encode+decode of the new outer syncs: at most {worst['encode_share']:.1%} "
+                   f"of a compute step ({worst['label']}; target <= 5%: "
+                   f"{'met' if worst['encode_share'] <= 0.05 else 'NOT met'})")
+    planned = [c for c in ok if c.get("plan_error") is not None]
+    if planned:
+        worst = max(planned, key=lambda c: abs(c["plan_error"]))
+        within = sum(abs(c["plan_error"]) <= 0.15 for c in planned)
+        out.append(f"cost model vs measured step time: {within}/{len(planned)} within 15%, "
+                   f"worst {100 * worst['plan_error']:+.1f}% ({worst['label']})")
+    return out
+
+
+def predict_cell(cell: dict, run: Run, net, compute_s: float, a) -> None:
+    """The cost model's step time for a lorasync row (not auto, not torch's hook)."""
+    name = run.args[run.args.index("--comm") + 1]
+    if name in ("auto", "none", "torch_powersgd") or net is None or not run.steps:
+        return
+    wl = workload(a, compute_s, run)
+    wl = Workload(**{**wl.__dict__, "options": {name: run.options}})
+    p = predict(name, net, wl)
+    steady = run.steps[1:] or run.steps
+    measured = train_time(steady) / len(steady)
+    cell.update(predicted_step_s=p.step_s, measured_step_s=measured,
+                plan_error=measured / p.step_s - 1)
+
+
+def workload(a, compute_s: float, run: Run | None = None) -> Workload:
+    shape = MODELS.get(a.model)
+    bucket = 1.0
+    if run is not None and "--bucket-mb" in run.args:
+        bucket = float(run.args[run.args.index("--bucket-mb") + 1])
+    return Workload(adapter_params=a.adapter_params, compute_s=compute_s,
+                    batch_size=a.batch_size, head_share=head_share(shape) if shape else 0.0,
+                    bucket_bytes=int(bucket * MiB),
+                    matrices=lora_matrices(shape) if shape else None)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main() -> int:
+    from lorasync.net.cluster import emulated, parse_emulate
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--links", default="1mbit,10mbit", help="comma-separated link rates")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=120,
+                    help="the reference's steps: its eval loss there is the target")
+    ap.add_argument("--max-steps", type=int, default=160,
+                    help="every run's schedule length and its cap in steps")
+    ap.add_argument("--budget", type=float, default=1.6,
+                    help="training time a candidate may take, in units of the ideal")
+    ap.add_argument("--eval-interval", type=int, default=10)
+    ap.add_argument("--eval-size", type=int, default=64)
+    ap.add_argument("--seeds", type=int, default=3, help="reference seeds (quality rule)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES))
+    ap.add_argument("--ceiling-steps", type=int, default=16)
+    ap.add_argument("--row-timeout", type=float, default=1800.0)
+    ap.add_argument("--output-dir", default="")
+    ap.add_argument("--json", metavar="FILE", help="write the small result JSON here")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("time_to_quality: emulated links need root (network namespaces)")
+    if a.steps % a.eval_interval:
+        raise SystemExit(f"--steps {a.steps} must be a multiple of --eval-interval "
+                         f"{a.eval_interval} (the target is an evaluation)")
+    if a.max_steps < a.steps:
+        raise SystemExit("--max-steps must be at least --steps")
+    keys = [k.strip() for k in a.candidates.split(",") if k.strip()]
+    unknown = set(keys) - set(DEFAULT_CANDIDATES)
+    if unknown:
+        raise SystemExit(f"--candidates: unknown {', '.join(sorted(unknown))}; use some of "
+                         f"{', '.join(DEFAULT_CANDIDATES)}")
+    out = os.path.abspath(a.output_dir or os.path.join(
+        "bench", "results", "ttq-" + time.strftime("%Y%m%d-%H%M%S")))
+    os.makedirs(out, exist_ok=True)
+    if a.model == "smollm2-135m":
+        from lorasync.train.model import ensure_embedded
+        ensure_embedded(log=lambda m: print(m, file=sys.stderr))
+    t_start = time.time()
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+
+    # 1. the target, over loopback
+    refs = []
+    for seed in range(a.seeds):
+        log(f"reference: allreduce seed {seed}, {a.steps} of {a.max_steps} steps ...")
+        refs.append(run_reference(seed, a, out))
+        log(f"   {refs[-1].status} ({refs[-1].extra['wall_s']:.0f} s)")
+    losses = [eval_at(r.evals, a.steps) for r in refs]
+    if losses[0] is None:
+        raise SystemExit(f"reference seed 0 has no eval at step {a.steps}: {refs[0].status}")
+    target = losses[0]
+    limit = max(x for x in losses if x is not None) * 1.05
+    ref_reach = first_reach(refs[0].evals, target)
+    ref_samples = sum(s["samples"] for s in refs[0].steps if s["step"] <= ref_reach["step"])
+    a.adapter_params = None
+    log(f"target: eval loss {target:.4f} (seed 0 at step {a.steps}; first reached at step "
+        f"{ref_reach['step']}, {ref_samples} samples); quality limit {limit:.4f}")
+
+    tag = f"ttq{os.getpid() % 100000}"
+    links = [x.strip() for x in a.links.split(",") if x.strip()]
+    results: dict[str, dict] = {}
+    ceilings: list[Run] = []
+    md = [f"time to quality: {a.nodes} emulated nodes, {a.model}, batch {a.batch_size} per "
+          f"rank, schedule {a.max_steps} steps, target = allreduce's eval loss at step "
+          f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(refs)} seeds "
+          f"+ 5%), {time.strftime('%Y-%m-%d %H:%M')}"]
+    pending = []   # (link, runs, net, probe text)
+    for li, link in enumerate(links):
+        spec = parse_emulate(f"nodes={a.nodes},rate={link},name={tag}")
+        log(f"\n== {link}: {spec.describe()}")
+        pdir = os.path.join(out, link)
+        os.makedirs(pdir, exist_ok=True)
+        with emulated(spec) as cluster:
+            net, probe_text = _probe(cluster, pdir, a.row_timeout)
+            log(f"   {probe_text}")
+            if li == 0:
+                c = Run("ceiling", "no sync (ceiling)", fixed_args("ceiling")[0])
+                run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
+                               lambda st, ev: None)
+                ceilings.append(c)
+                log(f"   ceiling: {c.status}")
+            ceiling = max(ceilings, key=lambda r: sps_of(r) or 0)
+            compute = train_time(ceiling.steps[1:]) / max(1, len(ceiling.steps) - 1)
+            if a.adapter_params is None:
+                a.adapter_params = adapter_params(os.path.join(pdir, "ceiling"))
+            ideal = ref_samples / (sps_of(ceiling) or float("inf"))
+            runs = []
+            for key in keys:
+                if key in VARIANTS:
+                    if net is None:
+                        continue
+                    wl = workload(a, compute)
+                    wl = Workload(**{**wl.__dict__, "options": {"diloco": VARIANTS[key]}})
+                    opts, _ = hide_sync(net, wl, "diloco")
+                    opts = {k: v for k, v in opts.items()
+                            if k in ("streaming", "delay", "fragments", "delta_dtype",
+                                     "delta_topk")}
+                    if key == "diloco_fp16_tuned" and opts.get("delay") == 1 \
+                            and opts.get("fragments") == 1:
+                        continue   # the same as diloco_fp16
+                    args = ["--comm", "diloco"] + [x for k, v in opts.items()
+                                                   for x in ("--comm-opt", f"{k}={_v(v)}")]
+                else:
+                    args, opts = fixed_args(key)
+                runs.append(Run(key, label_of(key, opts), args, opts))
+            for run in runs:
+                budget_s = a.budget * ideal
+
+                def stop(st, ev, run=run, budget_s=budget_s):
+                    reach = first_reach(ev, target)
+                    done = st[-1]["step"] if st else 0
+                    if reach and done >= a.steps and any(e["step"] >= a.steps for e in ev):
+                        return f"reached the target at step {reach['step']}"
+                    if train_time(st) > budget_s:
+                        return f"budget ({a.budget:g}x the ideal, {budget_s:.0f} s) spent"
+                    return None
+
+                log(f"   {run.label} ...")
+                run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
+                               a.row_timeout, stop)
+                log(f"   {run.label}: {run.status}, {len(run.steps)} steps "
+                    f"({run.extra['wall_s']:.0f} s)")
+            if li == len(links) - 1 and len(links) > 0:
+                c = Run("ceiling_end", "no sync (ceiling, again)", fixed_args("ceiling")[0])
+                run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
+                               lambda st, ev: None)
+                ceilings.append(c)
+        pending.append((link, runs, net, probe_text))
+    ceiling = max(ceilings, key=lambda r: sps_of(r) or 0)
+    ceiling_sps = sps_of(ceiling) or 0.0
+    compute = train_time(ceiling.steps[1:]) / max(1, len(ceiling.steps) - 1)
+    ideal = ref_samples / ceiling_sps if ceiling_sps else 0.0
+    for link, runs, net, probe_text in pending:
+        cells = []
+        for run in runs:
+            cell = summarize(run, target, limit, ideal, ceiling_sps, a.steps)
+            predict_cell(cell, run, net, compute, a)
+            cells.append(cell)
+        results[link] = {"probe": probe_text, "cells": cells}
+        md.append(table(link, cells, probe_text) + "\n\n" + "\n".join(
+            f"- {x}" for x in verdicts(link, cells)))
+        print(md[-1], flush=True)
+    head = (f"\nceiling: {ceiling_sps:.2f} samples/s (the faster of {len(ceilings)} no-sync "
+            f"runs); no-network ideal: {ref_samples} samples x {1 / ceiling_sps:.3f} s = "
+            f"{ideal:.0f} s of training" if ceiling_sps else "\nno ceiling measured")
+    md.insert(1, head)
+    print(head)
+    text = "\n".join(md) + f"\n\nbench wall time: {(time.time() - t_start) / 60:.1f} min\n"
+    with open(os.path.join(out, "results.md"), "w") as fh:
+        fh.write(text)
+    small = {"args": {k: v for k, v in vars(a).items()},
+             "target": target, "quality_limit": limit,
+             "reference": [{"seed": i, "eval_at_steps": x, "status": r.status}
+                           for i, (r, x) in enumerate(zip(refs, losses))],
+             "reference_samples_to_target": ref_samples, "ceiling_samples_per_s": ceiling_sps,
+             "compute_s_per_step": compute, "ideal_s": ideal, "links": results,
+             "wall_min": (time.time() - t_start) / 60}
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump(small, fh, indent=1)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(small, fh, indent=1)
+    print(f"\nresults: {out}/results.md, results.json", file=sys.stderr)
+    return 0
+
+
+def sps_of(run: Run) -> float | None:
+    steady = run.steps[1:]
+    secs = train_time(steady)
+    return sum(s["samples"] for s in steady) / secs if secs else None
+
+
+def adapter_params(run_dir: str) -> int:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as fh:
+            return int(json.load(fh)["adapter_params"])
+    except (OSError, ValueError, KeyError):
+        return 921_600
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
