@@ -268,7 +268,9 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
               init_sync=False, bucket_cap_mb=cfg.comm.bucket_mb, find_unused_parameters=False,
               **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
     try:
-        sync = attach(ddp, cfg.comm.strategy, **cfg.comm.options)
+        sync = attach(ddp, cfg.comm.strategy, hierarchy=cfg.comm.hierarchy,
+                      ranks_per_node=cfg.comm.ranks_per_node or None,
+                      allreduce_algo=cfg.comm.allreduce_algo, **cfg.comm.options)
     except ValueError as exc:
         raise LorasyncError(f"comm: {exc}") from None
     # Everything the user could get wrong has been checked: only now write.
@@ -396,6 +398,8 @@ def _train(cfg: Config, resume: bool, env, device, backend, log) -> int:
                    "compute_s": max(0.0, step_s - exposed - data_s), "comm_s": exposed,
                    "step_s": step_s,
                    "wire_bytes": stats["wire_bytes"] - last_stats["wire_bytes"],
+                   "intra_bytes": stats["intra_bytes"] - last_stats["intra_bytes"],
+                   "inter_bytes": stats["inter_bytes"] - last_stats["inter_bytes"],
                    "fp32_bytes": stats["fp32_bytes"] - last_stats["fp32_bytes"],
                    "encode_s": stats["encode_s"] - last_stats["encode_s"],
                    "time": time.time()}
