@@ -150,6 +150,8 @@ class ClusterSpec:
     """Private subnet, used only inside the cluster's namespaces."""
     mtu: int | None = None
     """Link MTU; None = 1500, or 65000 when delay/loss needs the userspace forwarder."""
+    nproc_per_node: int = 1
+    """Workers per node (``launch_on_cluster`` default); they share the node's namespace."""
 
     def __post_init__(self):
         if isinstance(self.rate_bps, str):
@@ -186,6 +188,10 @@ class ClusterSpec:
         self.pair_rates = pairs
         if self.mtu is not None and not 576 <= int(self.mtu) <= 65000:
             raise ConfigError("mtu", self.mtu, "must be between 576 and 65000")
+        if not isinstance(self.nproc_per_node, int) or isinstance(self.nproc_per_node, bool) \
+                or not 1 <= self.nproc_per_node <= 64:
+            raise ConfigError("nproc_per_node", self.nproc_per_node,
+                              "give a whole number of workers per node, 1 to 64")
 
     @property
     def needs_forwarder(self) -> bool:
@@ -202,6 +208,8 @@ class ClusterSpec:
         if self.loss:
             parts.append(f"loss {self.loss * 100:g}%")
         parts += [f"pair {i}-{j} {fmt_rate(r, 'tc', unit='bit')}" for (i, j), r in sorted(self.pair_rates.items())]
+        if self.nproc_per_node > 1:
+            parts.append(f"{self.nproc_per_node} workers per node")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -214,7 +222,8 @@ def parse_emulate(text: str) -> ClusterSpec:
     """``"nodes=2,rate=10mbit,delay=40ms,loss=0.1%"`` -> validated :class:`ClusterSpec`.
 
     Keys: nodes, rate, delay, loss, pair (``pair=0-1:10mbit``, repeatable),
-    name, subnet, mtu.  Errors raise ``ConfigError`` naming the key.
+    name, subnet, mtu, nproc_per_node (workers per node, sharing its
+    namespace).  Errors raise ``ConfigError`` naming the key.
     """
     kw: dict = {"pair_rates": {}}
     for item in filter(None, (s.strip() for s in str(text).split(","))):
@@ -243,8 +252,13 @@ def parse_emulate(text: str) -> ClusterSpec:
             if not value.isdigit():
                 raise ConfigError("mtu", value, "give a whole number of bytes, e.g. 1500")
             kw["mtu"] = int(value)
+        elif key == "nproc_per_node":
+            if not value.isdigit():
+                raise ConfigError("nproc_per_node", value, "give a whole number of workers per node")
+            kw["nproc_per_node"] = int(value)
         else:
-            raise ConfigError("emulate", key, "known keys: nodes, rate, delay, loss, pair, name, subnet, mtu")
+            raise ConfigError("emulate", key, "known keys: nodes, rate, delay, loss, pair, name, subnet, "
+                              "mtu, nproc_per_node")
     return ClusterSpec(**kw)
 
 
@@ -811,11 +825,14 @@ def _descendants(roots: Sequence[int]) -> set[int]:
     return out
 
 
-def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int = 1,
+def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int | None = None,
                       timeout: float | None = None, *, module: str | None = "lorasync",
                       port: int = 29400, env: dict | None = None, log_dir: str | Path | None = None,
                       fail_grace: float = 10.0) -> int:
     """Run one torchrun agent per node, each in its namespace; return an exit code.
+
+    ``nproc_per_node`` workers per agent (default: the spec's); the workers of
+    one node share its namespace, so their traffic to each other is local.
 
     Each node runs torchrun (``torch.distributed.run``) ``--nnodes N --node-rank I
     --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint NODE0:PORT
@@ -831,6 +848,8 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     then everything is killed; also on ``timeout`` (returns 124) and Ctrl-C.
     """
     nn = len(cluster.nodes)
+    if nproc_per_node is None:
+        nproc_per_node = cluster.spec.nproc_per_node
     endpoint = f"{cluster.nodes[0].address}:{port}"
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"
     base_env = dict(os.environ if env is None else env)
