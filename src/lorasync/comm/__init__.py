@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lorasync.comm import (auto, lowprec, periodic, powersgd, reference, topk,  # noqa: F401
                            torch_hooks, twophase)   # (importing them registers the strategies)
+from lorasync import catalog
 from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
 from lorasync.comm.hierarchy import NOT_HIERARCHICAL, Hierarchical
 from lorasync.errors import ConfigError
@@ -66,7 +67,7 @@ def use_hierarchy(strategy: str, hierarchy: str, topo, options: dict) -> bool:
         return True
     if strategy in NOT_HIERARCHICAL or not topo.multi_rank_nodes or not topo.uniform:
         return False
-    return not (strategy == "onebit" and options.get("momentum", True))
+    return catalog.flat_only(strategy, options) is None
 
 
 def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,

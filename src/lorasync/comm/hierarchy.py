@@ -59,8 +59,9 @@ from lorasync.comm.wire import Wire
 
 __all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK"]
 
-#: strategies that are never wrapped (see the module docstring)
-NOT_HIERARCHICAL = frozenset({"none", "auto", "torch_fp16", "torch_powersgd"})
+#: strategies that are never wrapped, whatever their options (catalog.flat_only)
+NOT_HIERARCHICAL = frozenset(n for n in catalog.names() if catalog.flat_only(n) is not None
+                             and n != "onebit")
 #: strategies that keep a residual (what ``auto`` carries over a switch)
 ERROR_FEEDBACK = frozenset({"int8", "onebit", "topk", "powersgd"})
 
@@ -80,10 +81,8 @@ class Hierarchical(HookSync):
                  topology: Topology, *, allreduce_algo: str | Callable[[int], str] | None = None,
                  _register_hook: bool = True, **options: Any):
         if strategy in NOT_HIERARCHICAL:
-            raise ValueError(f"hierarchy: {strategy} runs flat only (hierarchical sync is for "
-                             "the strategies that send gradients or weights: "
-                             + ", ".join(sorted(set(catalog.STRATEGIES) - NOT_HIERARCHICAL))
-                             + ")")
+            raise ValueError(f"hierarchy: {strategy} runs flat only "
+                             f"({catalog.flat_only(strategy)})")
         self.name = strategy
         self.spec = catalog.spec(strategy)
         self._cls = get_strategy(strategy)
@@ -100,10 +99,10 @@ class Hierarchical(HookSync):
         if not t.uniform:
             raise ValueError(f"hierarchy: nodes have different rank counts ({t.describe()}); "
                              "use the flat layout")
-        if self.name == "onebit" and self.options.momentum:
-            raise ValueError("onebit: 1-bit Adam (momentum=true) runs flat only: its optimizer "
-                             "step is taken on every rank; pass onebit option momentum=false "
-                             "(signed gradients) or the flat layout")
+        why = catalog.flat_only(self.name, self.options)
+        if why is not None:
+            raise ValueError(f"{self.name}: runs flat only: {why}; pass onebit option "
+                             "momentum=false (signed gradients) or the flat layout")
         self.world_size, self.rank = t.world_size, t.rank
         self._G, self._N = t.local_size, t.num_nodes
         self.leader = t.is_leader
