@@ -95,7 +95,7 @@ __all__ = [
 
 MiB = 1 << 20
 
-ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast", "auto")
+ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast", "tree", "auto")
 #: how collectives span the nodes: all ranks at once, or node, then leaders
 LAYOUTS = ("flat", "hierarchical")
 
@@ -335,6 +335,10 @@ def _allreduce_terms(algo: str, n: int, p: float, g: int = 1) -> tuple[float, fl
         # with g ranks per node the exchanges between nodes send g messages
         # through each node's link at once (those inside a node are not counted)
         return float(rd_exchanges(n)), rd_exchanges(n // g) * g * p
+    if algo == "tree":
+        # NCCL's pipelined double binary tree: log-depth latency up and down,
+        # every byte through each link about twice
+        return 2.0 * _log2(n), 2.0 * p
     return 2.0 * _log2(n), 2.0 * _log2(n) * p  # binomial reduce, then broadcast
 
 
