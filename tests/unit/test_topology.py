@@ -143,3 +143,56 @@ def test_the_algorithm_is_chosen_per_message():
     rd = dataclasses.replace(auto, allreduce_algo="recursive_doubling")
     c = Collective("all_reduce", 4096)
     assert collective_time(c, auto) == min(collective_time(c, ring), collective_time(c, rd))
+
+
+# --------------------------------------------------------------------------- plan, doctor
+
+def test_plan_ranks_both_layouts_and_advises_the_hierarchy(capsys):
+    import json
+
+    from lorasync.cli import main
+
+    assert main(["plan", "--nodes", "4", "--ranks-per-node", "2", "--rate", "10mbit", "--rtt",
+                 "1ms", "--intra-rate", "8gbit", "--compute-s", "1.25", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["net"]["ranks_per_node"] == 2 and d["net"]["world_size"] == 8
+    layouts = {(p["strategy"], p["layout"]) for p in d["ranking"]}
+    assert ("int8", "flat") in layouts and ("int8", "hierarchical") in layouts
+    # 1-bit Adam (onebit's default) runs flat only: never ranked hierarchical
+    assert ("onebit", "hierarchical") not in layouts and ("onebit", "flat") in layouts
+    step = next(s for s in d["steps"] if s["action"] == "hierarchy")
+    assert step["worthwhile"] and step["gain"] > 0.05
+    assert any("intra-node latency assumed" in n for n in d["input_notes"])
+    assert main(["plan", "--nodes", "4", "--ranks-per-node", "2", "--rate", "10mbit",
+                 "--compute-s", "1.25", "--layout", "flat"]) == 0
+    out = capsys.readouterr().out
+    assert "4 nodes x 2 ranks" in out and "hierarchical" not in out.split("Steps")[0]
+
+
+def test_plan_rejects_intra_options_without_several_ranks_per_node():
+    from lorasync.cli import main
+
+    assert main(["plan", "--nodes", "4", "--rate", "10mbit", "--intra-rate", "1gbit"]) == 2
+
+
+def test_nccl_advice_only_where_the_model_predicts_a_gain():
+    from lorasync.net.nccl_advice import nccl_findings
+
+    far = nccl_findings(nnodes=16, ranks_per_node=8, rate_bps=10e9, rtt_s=0.04)
+    near = nccl_findings(nnodes=4, ranks_per_node=8, rate_bps=100e9, rtt_s=1e-5)
+    assert far[0].severity == "info" and "NCCL_ALGO=Tree" in far[0].fix
+    assert "predicted" in far[0].found
+    assert near[0].severity == "ok" and "leave NCCL_ALGO unset" in near[0].found
+    assert nccl_findings(nnodes=1, ranks_per_node=1, rate_bps=1e9, rtt_s=1e-3)[0].severity == "ok"
+
+
+def test_plan_nccl_backend_adds_the_advice(capsys):
+    import json
+
+    from lorasync.cli import main
+
+    assert main(["plan", "--nodes", "16", "--ranks-per-node", "8", "--rate", "10gbit", "--rtt",
+                 "40ms", "--intra-rate", "1200gbit", "--compute-s", "2", "--backend", "nccl",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert any(s["action"] == "nccl_algo" for s in d["steps"])
