@@ -410,8 +410,8 @@ def nccl_advice(net: Net, workload: Workload, strategy: str) -> Step | None:
     tree = predict(strategy, dataclasses.replace(net, allreduce_algo="tree"), workload)
     worth = tree.samples_per_s >= (1 + MIN_GAIN) * ring.samples_per_s
     detail = (f"{strategy}'s all-reduces: ring {fmt_duration(ring.exposed_comm_s)} exposed per "
-              f"step ({ring.messages:.0f} messages), tree {fmt_duration(tree.exposed_comm_s)} "
-              f"({tree.messages:.0f})")
+              f"step ({ring.messages:.3g} messages), tree {fmt_duration(tree.exposed_comm_s)} "
+              f"({tree.messages:.3g})")
     if worth:
         detail += ("; export NCCL_ALGO=Tree on every node (NCCL_PROTO: leave NCCL's choice; "
                    "check with NCCL_DEBUG=INFO)")
