@@ -203,6 +203,34 @@ def scenario_auto(rank, teach):
             "intra": st["intra_bytes"], "wire": st["wire_bytes"]}
 
 
+def scenario_algo(rank, teach):
+    """The strategy's all-reduces with lorasync's recursive doubling (and the
+    per-message choice) give what the ring gives, flat and across leaders."""
+    import lorasync
+
+    out = {}
+    for label, name, opts, hierarchy in (("allreduce_flat", "allreduce", {}, "flat"),
+                                         ("diloco_node", "diloco", {"period": 2}, "node"),
+                                         ("fp16_node", "fp16", {}, "node")):
+        params = {}
+        for algo in ("ring", "recursive_doubling", "auto"):
+            model = M.build(0)
+            ddp = _ddp(model)
+            opt = _opt(model)
+            sync = lorasync.attach(ddp, name, hierarchy=hierarchy, ranks_per_node=G,
+                                   allreduce_algo=algo, **opts)
+            for s in range(1, 7):
+                _step(ddp, opt, sync, s, rank, teach)
+            sync.finish()
+            wire = sync.inner.wire if getattr(sync, "inner", None) is not None else sync.wire
+            params[algo] = _flat(model)
+            out[f"{label}/{algo}/counts"] = dict(wire.algo_counts)
+        out[f"{label}/rd_vs_ring"] = float((params["recursive_doubling"] - params["ring"])
+                                           .abs().max())
+        out[f"{label}/auto_vs_ring"] = float((params["auto"] - params["ring"]).abs().max())
+    return out
+
+
 def scenario_errors(rank):
     import lorasync
 
@@ -269,6 +297,8 @@ def run_hier(rank, world, out_dir, port):
                 res["resume"][label] = scenario_resume(rank, name, opts, teach)
         log.write("auto\n")
         res["auto"] = scenario_auto(rank, teach)
+        log.write("algo\n")
+        res["algo"] = scenario_algo(rank, teach)
         log.write("done\n")
     except Exception:
         res["error"] = traceback.format_exc()

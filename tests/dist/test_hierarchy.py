@@ -212,6 +212,23 @@ def test_errors_name_the_problem(hier):
     assert e["auto_layout_int8"] == "hierarchical"
 
 
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+@pytest.mark.parametrize("label, tol", [("allreduce_flat", 1e-5), ("diloco_node", 1e-5),
+                                        ("fp16_node", 2e-3)])
+def test_strategies_run_on_recursive_doubling(hier, label, tol):
+    """The same training with the ring, recursive doubling and the per-message
+    choice: the same adapter up to rounding; the strategy's all-reduces (the
+    leaders' across nodes) really took lorasync's algorithm."""
+    for rank, r in enumerate(hier):
+        a = r["algo"]
+        assert a[f"{label}/rd_vs_ring"] <= tol, (label, rank, a)
+        assert a[f"{label}/auto_vs_ring"] <= tol, (label, rank, a)
+        if label == "allreduce_flat" or rank % G == 0:
+            assert a[f"{label}/recursive_doubling/counts"]["recursive_doubling"] > 0
+            assert a[f"{label}/recursive_doubling/counts"]["ring"] == 0
+            assert a[f"{label}/ring/counts"]["recursive_doubling"] == 0
+
+
 # -- recursive doubling --------------------------------------------------------------
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
