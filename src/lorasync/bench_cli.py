@@ -40,6 +40,12 @@ strategy's quality; ``bench/strategies.py --steps 60`` measures that.
 
     lorasync bench                                   # default profiles
     lorasync bench --profiles 10mbit,100mbit+20ms --steps 12
+
+Several workers per node (``--nproc-per-node G``): flat against
+hierarchical sync for each strategy on N x G workers, with the links dilated
+by the measured compute slowdown (:mod:`lorasync.bench_topology`):
+
+    lorasync bench --nodes 4 --nproc-per-node 2 --profiles 10mbit,100mbit+20ms
 """
 
 from __future__ import annotations
@@ -75,7 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", default=DEFAULT_PROFILES,
                    help="comma-separated link profiles RATE[+DELAY], e.g. 10mbit,100mbit+20ms "
                         f"(default: {DEFAULT_PROFILES})")
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (one worker each)")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="G",
+                   help="workers per node (sharing its namespace); G > 1 runs the topology "
+                        "bench: flat against hierarchical sync for each strategy")
+    p.add_argument("--dilation", type=float, default=None, metavar="S",
+                   help="topology bench: scale links by this compute slowdown instead of "
+                        "measuring it (1: no dilation)")
     p.add_argument("--steps", type=int, default=9, help="optimizer steps per row (the first "
                    "is left out of throughput figures; 9 = warm-up + one DiLoCo period of 8)")
     p.add_argument("--model", default="smollm2-135m", help="model for every row")
@@ -84,7 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eval examples for loss/exact-match after training (0: skip)")
     p.add_argument("--rows", default="all",
                    help="comma-separated row keys to run (ceiling is always run): "
-                        "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd")
+                        "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd "
+                        "(topology bench: strategy names, NAME/flat, NAME/node, auto, "
+                        "torch_powersgd)")
     p.add_argument("--row-timeout", type=float, default=240.0,
                    help="seconds before a row is stopped and reported as hung")
     p.add_argument("--output-dir", default="",
@@ -434,6 +448,9 @@ def run(args) -> int:
     if os.geteuid() != 0:
         raise EnvironmentProblem("lorasync bench: emulated clusters need root (network "
                                  "namespaces); run it as root")
+    if getattr(args, "nproc_per_node", 1) > 1:
+        from lorasync.bench_topology import run_topology
+        return run_topology(args)
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
     profiles = _profiles(args.profiles)

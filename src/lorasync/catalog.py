@@ -61,7 +61,7 @@ __all__ = [
     "spec", "names", "parse_options", "option_help", "param_blocks", "tensor_shapes",
     "collectives", "wire_bytes", "DTYPE_BYTES", "DELTA_DTYPES", "DELTA_BITS",
     "delta_tensor_bytes", "delta_gathered", "fragment_ranges", "fragment_offsets",
-    "fragments_due",
+    "fragments_due", "flat_only",
 ]
 
 #: bytes per element of the dtypes a sync may send
@@ -657,3 +657,25 @@ def wire_bytes(name: str, tensors, world_size: int, **options: Any) -> float:
     o = parse_options(name, options)
     total = sum(c.payload_bytes for c in collectives(name, tensors, world_size, o))
     return total / o.period if spec(name).periodic else total
+
+
+# --------------------------------------------------------------------------- layouts
+
+#: strategies that never run hierarchically (lorasync.comm.hierarchy): nothing
+#: to sync, auto (it builds hierarchical candidates itself), torch's own hooks
+_FLAT_ONLY = {"none": "nothing to sync", "auto": "it chooses the layout of its candidates",
+              "torch_fp16": "torch's hook, a flat baseline",
+              "torch_powersgd": "torch's hook, a flat baseline"}
+
+
+def flat_only(name: str, options: Mapping[str, Any] | Options | None = None) -> str | None:
+    """Why ``name`` with ``options`` cannot run hierarchically (exact inside
+    a node, the strategy across node leaders), or None when it can.  1-bit
+    Adam (onebit's default ``momentum=true``) takes its optimizer step on
+    every rank from what only the leaders receive."""
+    if name in _FLAT_ONLY:
+        return _FLAT_ONLY[name]
+    o = parse_options(name, options)
+    if name == "onebit" and o.momentum:
+        return "1-bit Adam (momentum=true) takes its optimizer step on every rank"
+    return None

@@ -175,6 +175,17 @@ class CommConfig:
     broadcast_buffers: bool = _f(False, "re-broadcast module buffers from rank 0 before every "
                                  "forward (DDP's default; not needed here: the model's buffers, "
                                  "rotary tables, never change)", flag="--broadcast-buffers")
+    hierarchy: str = _f("auto", "layout across nodes: auto (hierarchical where several nodes "
+                        "hold several ranks each), flat (every collective over all ranks) or "
+                        "node (exact all-reduce inside each node, the strategy across node "
+                        "leaders)", flag="--hierarchy")
+    ranks_per_node: int = _f(0, "take consecutive blocks of this many ranks as nodes (0: detect "
+                             "nodes from host, boot id and network namespace)",
+                             flag="--ranks-per-node")
+    allreduce_algo: str = _f("ring", "all-reduce algorithm: ring (the backend's own), "
+                             "recursive_doubling (lorasync's, from point-to-point sends; gloo) "
+                             "or auto (per message, from the cost model and a probe of the "
+                             "link)", flag="--allreduce-algo")
 
     def __post_init__(self):
         _check(isinstance(self.strategy, str) and self.strategy, "comm.strategy",
@@ -183,6 +194,13 @@ class CommConfig:
                "give a mapping of option names to values")
         _check(_num(self.bucket_mb) and 0 < self.bucket_mb <= 1024, "comm.bucket_mb",
                self.bucket_mb, "use a number of MB in (0, 1024]")
+        _check(self.hierarchy in ("auto", "flat", "node"), "comm.hierarchy", self.hierarchy,
+               "use auto, flat or node")
+        _check(isinstance(self.ranks_per_node, int) and not isinstance(self.ranks_per_node, bool)
+               and self.ranks_per_node >= 0, "comm.ranks_per_node", self.ranks_per_node,
+               "use an integer >= 1, or 0 to detect the nodes")
+        _check(self.allreduce_algo in ("ring", "recursive_doubling", "auto"),
+               "comm.allreduce_algo", self.allreduce_algo, "use ring, recursive_doubling or auto")
 
 
 @dataclass

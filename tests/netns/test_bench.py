@@ -44,7 +44,7 @@ def test_bench_rows_predictions_and_cleanup(tmp_path):
         err = fp16["measured_step_s"] / fp16["predicted_step_s"] - 1
         assert fp16["plan_error"] == pytest.approx(err)
         assert f"plan vs measured step time: {int(abs(err) <= 0.15)}/1 rows within 15%" in \
-            md.split(f"#### {prof}")[1].split("####")[0]
+            md.split(f"### {prof}")[1].split("###")[0]
     assert (out / "chart.png").stat().st_size > 1000
     # the tuned row's TCP settings were reverted with the namespaces: nothing is left
     assert _bench_namespaces() == before

@@ -72,10 +72,21 @@ candidate's own options as ``NAME.OPTION``, e.g. ``topk.ratio=0.001``
 
 Adaptive accumulation: :meth:`Auto.suggested_accum` (see there) gives the
 trainer the number of micro-batches per optimizer step for the next step.
+
+Several ranks per node (``hierarchy`` auto or node, and a topology with
+several nodes of several ranks): auto measures both links -- the start
+probe and every live probe time the whole group (its ring is as slow as the
+link between nodes) and each node's own group (the fast link) -- and
+describes the network to the cost model with both.  At its first choice it
+predicts every candidate flat and hierarchical
+(:class:`~lorasync.comm.hierarchy.Hierarchical`) and keeps the layout whose
+best candidate is faster (``node``: hierarchical always); from then on it
+chooses strategies within that layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -87,6 +98,7 @@ import torch.distributed as dist
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
 from lorasync.comm.base import Sync, _hook, get_strategy, register
+from lorasync.comm.hierarchy import Hierarchical
 from lorasync.comm.loopback import time_encode
 from lorasync.errors import LorasyncError
 from lorasync.net.probe import allreduce_model
@@ -133,6 +145,8 @@ def _residual(child: Sync) -> torch.Tensor | None:
     """What an error-feedback strategy still owes, per rank, in gradient units
     over the canonical flat parameters: adding it to this rank's gradient
     before an averaging sync delivers mean(e) + s (see the module docstring)."""
+    if isinstance(child, Hierarchical):  # the leader's, in node units
+        return child.residual_carry(_residual)
     if not child.per_step:
         # DiLoCo's residual is delta it has not sent yet, in weight units; its
         # finish() averages the weights themselves, which hold all of it
@@ -172,9 +186,21 @@ class Auto(Sync):
 
     name = "auto"
 
-    def __init__(self, ddp, process_group=None, *, _register_hook: bool = True, **options: Any):
+    def __init__(self, ddp, process_group=None, *, _register_hook: bool = True,
+                 hierarchy: str = "flat", topology=None, allreduce_algo: str = "ring",
+                 **options: Any):
         if not _register_hook:
             raise ValueError("auto: cannot run inside another strategy")
+        self._topo = topology
+        self._algo = allreduce_algo
+        self.spans_nodes = topology.num_nodes > 1 if topology is not None else True
+        multi = topology is not None and topology.multi_rank_nodes and topology.uniform
+        if hierarchy == "node" and not multi and topology is None:
+            raise ValueError("auto: hierarchy=node needs the default process group")
+        #: layouts auto may use; the one in use (decided at the first choice)
+        self._layouts = (("hierarchical",) if hierarchy == "node" else
+                         ("flat", "hierarchical") if hierarchy == "auto" and multi else ("flat",))
+        self._layout = self._layouts[0] if len(self._layouts) == 1 else "flat"
         plain, nested = {}, {}
         for key, value in options.items():
             name, dot, opt = key.partition(".")
@@ -233,8 +259,9 @@ class Auto(Sync):
         self._transfers: list[tuple[str, float, float]] = []
         self._deferred = 0
         self._window_syncs = 0
-        self._retired = dict.fromkeys(_COUNTERS, 0)
+        self._retired = dict.fromkeys(_COUNTERS + ("inter_bytes", "intra_bytes"), 0)
         self._auto_bytes = 0
+        self._auto_intra = 0
         self._probes = 0
         self._switches = 0
         self._last_switch: dict | None = None
@@ -266,19 +293,30 @@ class Auto(Sync):
         self._head_share = module_head_share(self.ddp)
         # every candidate once, without a hook: option values and backend
         # support are checked now, not at a switch in the middle of a run
-        usable = []
-        for name in self._candidates:
-            try:
-                self._build(name)
-            except ValueError as e:
-                if name in self._nested:
-                    raise ValueError(f"auto: {e}") from None
-                self._log(f"auto: leaving out {name}: {e}")
-                continue
-            usable.append(name)
-        if not usable:
+        # (in every layout auto may use: 1-bit Adam, say, runs flat only)
+        self._layout_candidates: dict[str, tuple[str, ...]] = {}
+        for layout in self._layouts:
+            usable = []
+            for name in self._candidates:
+                try:
+                    self._build(name, layout=layout)
+                except ValueError as e:
+                    if name in self._nested and len(self._layouts) == 1:
+                        raise ValueError(f"auto: {e}") from None
+                    self._log(f"auto: leaving out {name}"
+                              + (f" ({layout})" if len(self._layouts) > 1 else "") + f": {e}")
+                    continue
+                usable.append(name)
+            self._layout_candidates[layout] = tuple(usable)
+        self._layouts = tuple(lay for lay in self._layouts if self._layout_candidates[lay])
+        if not self._layouts:
             raise ValueError("auto: none of the candidates can run here")
-        self._candidates = tuple(usable)
+        if self._layout not in self._layouts:
+            self._layout = self._layouts[0]
+        self._candidates = tuple(c for c in self._candidates
+                                 if any(c in self._layout_candidates[lay]
+                                        for lay in self._layouts))
+        self._intra: tuple[float, float] | None = None  # the node's link: alpha, bandwidth
         self._encode_ns = self._time_encodes() if self.options.encode_probe else {}
         if self.options.encode_probe and "diloco" in self._candidates \
                 and len(self._variant_opts) > 1:
@@ -302,6 +340,9 @@ class Auto(Sync):
             next((c for c in self._candidates if c not in PERIODIC), self._candidates[0]))
         measuring = self._measure > 0
         opts = self._child_opts.get(start, {})
+        if start not in self._layout_candidates[self._layout]:
+            start = self._layout_candidates[self._layout][0]
+            opts = self._child_opts.get(start, {})
         self._child = self._build(start, opts)
         self._child_options = dict(opts)
         self._measuring = measuring
@@ -310,6 +351,10 @@ class Auto(Sync):
         what = (f"probe {fmt_rate(self._start_net.bandwidth_Bps, 'both')}, alpha "
                 f"{fmt_duration(self._start_net.alpha_s)} ({probe_s:.1f} s)"
                 if self._start_net else f"no start probe (probe={self.options.probe})")
+        if self._intra is not None:
+            what += (f"; inside nodes ({self._topo.describe()}) "
+                     f"{fmt_rate(self._intra[1], 'both')}, alpha {fmt_duration(self._intra[0])}"
+                     f"; layouts {'/'.join(self._layouts)}")
         plan = (f"measuring compute with {start} for {self._measure} steps, then choosing among "
                 f"{', '.join(self._candidates)}" if measuring else
                 f"starting with {start}" + (f", re-planning every {self._interval} steps"
@@ -356,14 +401,64 @@ class Auto(Sync):
         res = run_probe(self.group, quick=True)
         if not res.get("model"):
             return self._live_probe(MIN_PROBE_BYTES)[0]
-        return net_from_probe(res, world_size=self.world_size)[0]
+        self._probe_intra()
+        return self._with_topology(net_from_probe(res, world_size=self.world_size)[0])
 
-    def _build(self, name: str, options: Mapping[str, Any] | None = None) -> Sync:
+    # -- topology -------------------------------------------------------------
+    def _multi(self) -> bool:
+        """Several nodes of several ranks each: two links to measure."""
+        return self._topo is not None and self._topo.multi_rank_nodes and self._topo.uniform
+
+    def _probe_intra(self) -> None:
+        """Time each node's own group (all nodes at once); the slowest node's
+        figures, on every rank (the whole group's probe is the link between
+        nodes: its ring is as slow as its slowest edge)."""
+        if not self._multi():
+            return
+        from lorasync.comm.linkprobe import link_model
+        from lorasync.comm.wire import Wire
+
+        wire = Wire(self._topo.build_groups().local_group, self._count_intra)
+        alpha, bw, _ = link_model(wire, MIN_PROBE_BYTES, self._comm_device())
+        worst = self._allreduce_max([alpha, -bw])
+        self._intra = (worst[0], -worst[1])
+
+    def _with_topology(self, net: Net, layout: str | None = None) -> Net:
+        """``net`` (the whole group's alpha and bandwidth) with the nodes'
+        shape, the intra-node link and a layout."""
+        if not self._multi():
+            return net
+        intra = self._intra or (0.0, 1e12)
+        return dataclasses.replace(net, ranks_per_node=self._topo.local_size,
+                                   intra_alpha_s=intra[0], intra_bandwidth_Bps=intra[1],
+                                   layout=layout or self._layout)
+
+    def _build(self, name: str, options: Mapping[str, Any] | None = None,
+               layout: str | None = None) -> Sync:
         opts = self._child_opts.get(name, {}) if options is None else options
-        child = get_strategy(name)(self.ddp, process_group=self.group, _register_hook=False,
-                                   **opts)
+        layout = layout or self._layout
+        if layout == "hierarchical":
+            child = Hierarchical(self.ddp, name, self._topo, _register_hook=False,
+                                 allreduce_algo=None if self._algo == "ring" else self._algo,
+                                 **opts)
+        else:
+            child = get_strategy(name)(self.ddp, process_group=self.group,
+                                       _register_hook=False, **opts)
+            child.spans_nodes = self.spans_nodes
+            if self._algo != "ring":
+                child.wire.set_algo(self._chooser())
         self._give_optimizer(child)
         return child
+
+    def _chooser(self):
+        """The flat children's all-reduce algorithm (``allreduce_algo``);
+        for ``auto`` measured once on the whole group."""
+        if self._algo != "auto":
+            return self._algo
+        if getattr(self, "_algo_fn", None) is None:
+            from lorasync.comm.linkprobe import algo_chooser
+            self._algo_fn = algo_chooser(self.wire, self._comm_device())
+        return self._algo_fn
 
     def _give_optimizer(self, child: Sync) -> None:
         """onebit takes the optimizer to run as 1-bit Adam (its warm-up counts
@@ -423,6 +518,13 @@ class Auto(Sync):
             self._wire_bytes += nbytes
             self._auto_bytes += nbytes
 
+    def _count_intra(self, nbytes: int) -> None:
+        # the intra-node probe: auto's own bytes, on the node's link
+        with self._lock:
+            self._wire_bytes += nbytes
+            self._auto_bytes += nbytes
+            self._auto_intra += nbytes
+
     def _live_probe(self, nbytes: int) -> tuple[Net, float]:
         """Three small all-reduces and one large, timed; min over ranks."""
         dev = self._comm_device()
@@ -448,8 +550,17 @@ class Auto(Sync):
         self._add_comm(time.perf_counter() - t_start)
         self._probes += 1
         m = allreduce_model([SMALL_PROBE_BYTES, nbytes], [t_small, t_large], self.world_size)
-        return Net(alpha_s=m.alpha_s, bandwidth_Bps=m.bandwidth_Bps,
-                   world_size=self.world_size), spent
+        t1 = time.perf_counter()
+        self._probe_intra()
+        self._add_comm(time.perf_counter() - t1)
+        return self._with_topology(Net(alpha_s=m.alpha_s, bandwidth_Bps=m.bandwidth_Bps,
+                                       world_size=self.world_size)), spent
+
+    def _in_layout(self, net: Net, layout: str) -> Net:
+        """``net`` as seen by a strategy in ``layout``."""
+        if not self._multi() or net.ranks_per_node == 1 or net.layout == layout:
+            return net
+        return dataclasses.replace(net, layout=layout)
 
     @staticmethod
     def _sync_device(dev: torch.device) -> None:
@@ -497,8 +608,12 @@ class Auto(Sync):
             child.after_step_apply()
         else:
             child.after_step()
-        self._transfers.extend((t.kind, t.payload_bytes, t.seconds)
-                               for t in child.wire.take_transfers())
+        timed = child.wire.take_transfers()
+        if not self._multi():
+            # several ranks per node: a flat child's collectives cross nodes and
+            # stay inside them, a hierarchical one's wire is the node's: neither
+            # times the link between nodes alone, which the probes measure
+            self._transfers.extend((t.kind, t.payload_bytes, t.seconds) for t in timed)
         del self._transfers[:-256]   # a window's worth (interval=0 never collects them)
         t_mid = time.perf_counter()
         sizes = getattr(child, "bucket_sizes", None)
@@ -601,15 +716,15 @@ class Auto(Sync):
         if self.world_size > 1:
             if w.link_Bps > 0 and net is not None:
                 # the syncs of this window measured the link: no probe traffic
-                net = Net(alpha_s=net.alpha_s, bandwidth_Bps=w.link_Bps,
-                          world_size=self.world_size)
+                net = dataclasses.replace(net, bandwidth_Bps=w.link_Bps)
                 passive = True
                 self._next_probe = max(self._next_probe, s + k)
             due = net is None or s >= self._next_probe
             if not due and not initial and not passive:
                 # the whole window, or its last third (a change just before
                 # the boundary): a needless probe costs little, a missed one K steps
-                p = predict(cur, net, self._workload(comp, net))
+                cnet = self._in_layout(net, self._child.layout)
+                p = predict(cur, cnet, self._workload(comp, cnet))
                 recent = max(0.0, w.recent_overhead_s - self._fixed_s)
                 due = any(drifted(o, p.step_s - p.compute_s, p.step_s,
                                   calibrated=self._fit_for == cur) for o in (over, recent))
@@ -650,7 +765,7 @@ class Auto(Sync):
         # window (then it cost nothing yet, which says nothing about its sync)
         syncs = self._child.stats()["syncs"]
         if not (self._child.spec.periodic and syncs == self._window_syncs):
-            p = predict(cur, net, self._workload(comp))
+            p = predict(cur, self._in_layout(net, self._child.layout), self._workload(comp))
             x = over - (p.step_s - p.compute_s)
             if self._fit_for == cur and not probed:
                 x = 0.5 * (self._last_extra + x)
@@ -659,9 +774,24 @@ class Auto(Sync):
                                                       self._exposed)
         self._window_syncs = syncs
         fresh = initial or changed
+        layout = self._layout
+        if initial and len(self._layouts) > 1:
+            # flat or hierarchical: the layout whose best candidate is faster
+            best = None
+            for lay in self._layouts:
+                lnet = self._in_layout(net, lay)
+                dd = decide(lnet, self._workload(comp, lnet), None, self._layout_candidates[lay],
+                            lossless_margin=self._lossless_margin,
+                            switch_margin=self._switch_margin, fresh=True)
+                if best is None or dd.prediction.samples_per_s > best[1].prediction.samples_per_s:
+                    best = (lay, dd)
+            layout = best[0]
+        net = self._in_layout(net, layout)
+        self._net = net
+        cands = self._layout_candidates[layout]
         self._tune_diloco(comp, net, fresh)
         wl = self._workload(comp, net)
-        d = decide(net, wl, None if initial else cur, self._candidates,
+        d = decide(net, wl, None if initial or layout != self._child.layout else cur, cands,
                    lossless_margin=self._lossless_margin, switch_margin=self._switch_margin,
                    fresh=fresh)
         pick = d.strategy if (d.switch or initial) else cur
@@ -675,23 +805,31 @@ class Auto(Sync):
         else:
             self._pending_pick = None
         # rank 0's pick is everybody's (the inputs are identical; this makes sure)
-        t = torch.tensor([self._candidates.index(pick) if pick in self._candidates else -1],
+        t = torch.tensor([cands.index(pick) if pick in cands else -1,
+                          self._layouts.index(layout)],
                          dtype=torch.int32, device=self._comm_device())
         t0 = time.perf_counter()
         self.wire.broadcast(t, 0)
         self._add_comm(time.perf_counter() - t0)
-        idx = int(t.item())
-        if idx >= 0 and self._candidates[idx] != pick:
-            pick = self._candidates[idx]
+        if self._layouts[int(t[1])] != layout:
+            layout = self._layouts[int(t[1])]
+            cands = self._layout_candidates[layout]
+            net = self._net = self._in_layout(net, layout)
+        idx = int(t[0])
+        if idx >= 0 and cands[idx] != pick:
+            pick = cands[idx]
+        self._layout = layout
         reason = describe(d, net, comp, previous=prev if (probed or passive) else None,
                           initial=initial, samples="batch_size" in self._given)
         if passive:
             reason = "link measured from the syncs: " + reason
         if pick == "diloco":
             reason += f"; outer sync {_variant_text(self._child_opts.get('diloco', {}))}"
+        if len(self._layouts) > 1 and initial:
+            reason += f"; layout {layout} ({self._topo.describe()})"
         overhead = over
         opts = self._child_opts.get(pick, {})
-        if pick != cur or opts != self._child_options:
+        if pick != cur or opts != self._child_options or layout != self._child.layout:
             self._switch(pick, opts, reason)
             np_ = d.prediction if d.strategy == pick else predict(pick, net, wl)
             overhead = np_.step_s - np_.compute_s
@@ -747,7 +885,7 @@ class Auto(Sync):
         old.finish()   # periodic: average the replicas; two-phase: nothing pending
         carry = _residual(old)
         for k, v in old.stats().items():
-            if k in _COUNTERS:
+            if k in _COUNTERS or k in ("inter_bytes", "intra_bytes"):
                 self._retired[k] += v
         self._child = self._build(to, options)
         self._window_syncs = 0
@@ -763,15 +901,18 @@ class Auto(Sync):
         self._generation += 1
         self._measuring = False
         self._carry, self._carry_left = None, set()   # (always sent by now: one per step)
-        if carry is not None and bool(carry.abs().max() > 0):
+        if carry is not None:
             if not self._child.per_step:
                 # gradients are not averaged every step now: average the debt once
+                # (on every rank alike: a node's other ranks may owe nothing, their
+                # leader does)
                 carry = carry.to(self._comm_device()).div_(self.world_size)
                 t0 = time.perf_counter()
                 self.wire.all_reduce(carry)
                 self._add_comm(time.perf_counter() - t0)
-            self._carry = carry
-            self._carry_left = set(range(len(self.params)))
+            if bool(carry.abs().max() > 0):
+                self._carry = carry
+                self._carry_left = set(range(len(self.params)))
         self._switches += 1
         self._pending_pick = None
         self._last_switch = {"from": frm, "to": to, "reason": reason, "step": self._steps}
@@ -865,9 +1006,16 @@ class Auto(Sync):
             own = {"wire_bytes": self._wire_bytes, "fp32_bytes": self._fp32_bytes,
                    "comm_s": self._comm_s, "encode_s": self._encode_s, "syncs": self._syncs}
             auto_bytes = self._auto_bytes
+            auto_intra = self._auto_intra
         out: dict[str, Any] = {"strategy": c["strategy"]}
         for k in _COUNTERS:
             out[k] = self._retired[k] + own[k] + c[k]
+        mine = "inter_bytes" if self.spans_nodes else "intra_bytes"
+        out["inter_bytes"] = self._retired["inter_bytes"] + c.get("inter_bytes", 0)
+        out["intra_bytes"] = self._retired["intra_bytes"] + c.get("intra_bytes", 0)
+        out[mine] += own["wire_bytes"] - auto_intra
+        out["intra_bytes"] += auto_intra
+        out["layout"] = self._child.layout
         out.update(steps=self._steps, switches=self._switches,
                    last_switch=dict(self._last_switch) if self._last_switch else None,
                    auto_bytes=auto_bytes, probes=self._probes)
@@ -879,6 +1027,8 @@ class Auto(Sync):
             "child": self._child.name, "child_options": dict(self._child_options),
             "candidate_options": {k: dict(v) for k, v in self._child_opts.items()},
             "window_syncs": self._window_syncs,
+            "layout": self._child.layout,
+            "intra": list(self._intra) if self._intra else None,
             "child_state": self._child.state_dict(), "measuring": self._measuring,
             "next_eval": self._next_eval, "next_probe": self._next_probe,
             "net": None if self._net is None else [self._net.alpha_s, self._net.bandwidth_Bps],
@@ -897,7 +1047,15 @@ class Auto(Sync):
         name, opts = state["child"], dict(state.get("child_options") or {})
         if name not in STRATEGIES:
             raise ValueError(f"state_dict: auto saved strategy {name!r}, which it cannot run")
-        if name != self._child.name or opts != self._child_options:
+        layout = state.get("layout", "flat")
+        if layout not in self._layouts:
+            raise ValueError(f"state_dict: auto ran {name} {layout}, which this run's topology "
+                             f"and hierarchy option do not allow ({'/'.join(self._layouts)})")
+        self._layout = layout
+        if state.get("intra"):
+            self._intra = tuple(float(x) for x in state["intra"])
+        if name != self._child.name or opts != self._child_options \
+                or layout != self._child.layout:
             self._child = self._build(name, opts)
             self._child_options = opts
         self._child.load_state_dict(state["child_state"])
@@ -912,8 +1070,9 @@ class Auto(Sync):
         self._next_probe = int(state.get("next_probe", 0))
         net = state.get("net")
         if net is not None:
-            self._net = Net(alpha_s=float(net[0]), bandwidth_Bps=float(net[1]),
-                            world_size=self.world_size)
+            self._net = self._with_topology(Net(alpha_s=float(net[0]),
+                                                bandwidth_Bps=float(net[1]),
+                                                world_size=self.world_size), layout)
         self._fit_for = state.get("fit_for")
         self._last_extra = float(state.get("last_extra", 0.0))
         self._pending_pick = state.get("pending_pick")

@@ -89,6 +89,11 @@ class Sync:
     name = "base"
     #: the catalog entry (set by ``register``)
     spec: catalog.Spec
+    #: whether this strategy's group spans nodes (``attach`` sets it from the
+    #: topology): its bytes count as inter-node bytes, else as intra-node ones
+    spans_nodes = True
+    #: "flat": collectives over all ranks of the group (Hierarchical: "hierarchical")
+    layout = "flat"
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel,
                  process_group: dist.ProcessGroup | None = None, *,
@@ -228,6 +233,8 @@ class Sync:
             return {
                 "strategy": self.name,
                 "wire_bytes": self._wire_bytes,
+                "intra_bytes": 0 if self.spans_nodes else self._wire_bytes,
+                "inter_bytes": self._wire_bytes if self.spans_nodes else 0,
                 "fp32_bytes": self._fp32_bytes,
                 "comm_s": self._comm_s,
                 "encode_s": self._encode_s,

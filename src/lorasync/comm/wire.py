@@ -25,20 +25,37 @@ taken in a completion callback for asynchronous ones) until
 :meth:`Wire.take_transfers` collects them.  The time includes waiting for
 the other ranks to arrive; the rank that arrived last measured the
 transfer itself, which is why ``auto`` takes the fastest rank's figure.
+
+The all-reduce algorithm is chosen per message (``Wire(..., algo=)``): the
+backend's own collective (``ring``: gloo's ring, or whatever NCCL picks), or
+lorasync's recursive doubling built from point-to-point sends
+(:func:`recursive_doubling`; log2 n exchanges of the whole message, two
+more when n is not a power of two, instead of the ring's 2(n-1) steps of
+1/n of it, so it wins where latency binds).  gloo cannot be told to use
+another algorithm; on NCCL the backend's own stays (``lorasync plan`` and
+``doctor`` advise NCCL_ALGO instead).
+Point-to-point algorithms of one process group run on one FIFO worker thread
+per group, fed in the order the hook thread (or ``after_step``) issues them:
+the same order on every rank, as for every other collective.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import queue
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Wire", "LoopbackWire", "Transfer", "count_group"]
+__all__ = ["Wire", "LoopbackWire", "Transfer", "count_group", "recursive_doubling", "ALGOS"]
+
+#: all-reduce algorithms a Wire can run: the backend's own, or lorasync's own
+ALGOS = ("ring", "recursive_doubling")
 
 
 #: torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases lack the new one
@@ -72,9 +89,11 @@ class Wire:
     Counted collectives that found the wire idle are timed (module docstring).
     """
 
-    __slots__ = ("group", "size", "rank", "backend", "_count", "_busy", "_lock", "_transfers")
+    __slots__ = ("group", "size", "rank", "backend", "_count", "_busy", "_lock", "_transfers",
+                 "_choose", "algo_counts")
 
-    def __init__(self, group: dist.ProcessGroup | None, count: Callable[[int], None]):
+    def __init__(self, group: dist.ProcessGroup | None, count: Callable[[int], None],
+                 algo: str | Callable[[int], str] | None = None):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -83,6 +102,9 @@ class Wire:
         self._busy = 0
         self._lock = threading.Lock()
         self._transfers: collections.deque[Transfer] = collections.deque(maxlen=_KEEP)
+        #: all-reduces per algorithm since construction (counted ones only)
+        self.algo_counts = dict.fromkeys(ALGOS, 0)
+        self.set_algo(algo)
 
     def take_transfers(self) -> list[Transfer]:
         """The timed transfers since the last call (oldest first)."""
@@ -91,7 +113,11 @@ class Wire:
             self._transfers.clear()
         return out
 
-    def _run(self, kind: str, t: torch.Tensor, count: bool, async_op: bool, call):
+    def _run(self, kind: str, t: torch.Tensor, count: bool, async_op: bool, call,
+             timed: bool = True):
+        """Issue ``call`` counted and, when ``timed`` and the wire is idle, timed
+        (``timed=False``: an algorithm the cost model's path terms do not
+        describe as ``kind``, which a bandwidth read from it would misprice)."""
         if not count:
             return call()
         nbytes = _nbytes(t)
@@ -106,6 +132,7 @@ class Wire:
             with self._lock:
                 self._busy -= 1
             raise
+        idle = idle and timed
         if not async_op:
             self._done(kind, nbytes, t0, idle)
             return work
@@ -119,10 +146,45 @@ class Wire:
             if idle:
                 self._transfers.append(Transfer(kind, nbytes, t1 - t0, t1))
 
+    def set_algo(self, algo: str | Callable[[int], str] | None) -> None:
+        """The all-reduce algorithm: ``ring`` (None: the backend's own),
+        ``recursive_doubling``, or a function of the payload bytes returning
+        one of them (the cost model's choice per message).  Only gloo runs
+        lorasync's own algorithms; on another backend the backend's stays."""
+        if isinstance(algo, str) and algo not in ALGOS:
+            raise ValueError(f"allreduce_algo: unknown {algo!r}; use one of {', '.join(ALGOS)}")
+        if algo is None or self.backend != "gloo" or self.size < 2:
+            algo = "ring"
+        self._choose = (lambda nbytes, a=algo: a) if isinstance(algo, str) else algo
+
+    def algo_for(self, t: torch.Tensor) -> str:
+        """The algorithm an all-reduce of ``t`` runs with."""
+        if t.device.type != "cpu":
+            return "ring"
+        return self._choose(_nbytes(t))
+
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False,
-                   count: bool = True):
-        return self._run("all_reduce", t, count, async_op, lambda: dist.all_reduce(
-            t, op=op, group=self.group, async_op=async_op))
+                   count: bool = True, algo: str | None = None):
+        """``algo`` forces an algorithm for this call (probes time the ring)."""
+        algo = algo or self.algo_for(t)
+        if algo != "ring" and (self.backend != "gloo" or self.size < 2
+                               or t.device.type != "cpu"):
+            algo = "ring"
+        if count:
+            self.algo_counts[algo] += 1
+        if algo == "ring":
+            return self._run("all_reduce", t, count, async_op, lambda: dist.all_reduce(
+                t, op=op, group=self.group, async_op=async_op))
+
+        def call():
+            work = _runner(self.group).submit(
+                lambda: recursive_doubling(t, op=op, group=self.group))
+            if async_op:
+                return work
+            work.wait()
+            return None
+
+        return self._run("all_reduce", t, count, async_op, call, timed=False)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, *, async_op: bool = False,
                    count: bool = True):
@@ -141,6 +203,131 @@ class Wire:
         root = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._run("broadcast", t, count, async_op, lambda: dist.broadcast(
             t, src=root, group=self.group, async_op=async_op))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: set-up only (the
+        topology's keys), never sync traffic, so not counted."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+# -- lorasync's own all-reduce algorithms ----------------------------------------------
+_COMBINE = {
+    dist.ReduceOp.SUM: lambda a, b: a.add_(b),
+    dist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+    dist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+}
+#: tag of lorasync's point-to-point messages (the probe's pairs use 0)
+_P2P_TAG = 7411
+
+
+def recursive_doubling(t: torch.Tensor, *, op=dist.ReduceOp.SUM,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce ``t`` in place by recursive doubling over point-to-point
+    sends, for any group size: with p the largest power of two <= n and
+    r = n - p, ranks 2i and 2i+1 (i < r) first fold into the odd one, the p
+    remaining ranks exchange their whole tensor with the rank ``mask`` away
+    (mask = 1, 2, 4, ...) and combine, and the folded ranks get the result
+    back: floor(log2 n) exchanges, two more when n is not a power of two.
+
+    Every rank ends with the same bits: each exchange combines the same two
+    operands on both sides, and addition is commutative.  The summation
+    order differs from the ring's, so results agree with it up to rounding.
+    Blocking; run it on the group's worker (:class:`Wire` does).
+    """
+    try:
+        combine = _COMBINE[op]
+    except KeyError:
+        raise ValueError(f"recursive_doubling: op {op} is not supported (SUM, MAX, MIN)") from None
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return t
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+    tmp = torch.empty_like(t)
+    kw = dict(group=group, tag=_P2P_TAG)
+    if r < 2 * rem:
+        if r % 2 == 0:  # folded: hand over, get the result back at the end
+            dist.send(t, group_dst=r + 1, **kw)
+            dist.recv(t, group_src=r + 1, **kw)
+            return t
+        dist.recv(tmp, group_src=r - 1, **kw)
+        combine(t, tmp)
+        v = r // 2
+    else:
+        v = r - rem
+    mask = 1
+    while mask < p:
+        pv = v ^ mask
+        peer = 2 * pv + 1 if pv < rem else pv + rem
+        work = dist.isend(t, group_dst=peer, **kw)
+        dist.recv(tmp, group_src=peer, **kw)
+        work.wait()
+        combine(t, tmp)
+        mask <<= 1
+    if r < 2 * rem:
+        dist.send(t, group_dst=r - 1, **kw)
+    return t
+
+
+class _ThreadWork:
+    """What ``Work`` offers the strategies, for a job on a group's worker."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: torch.futures.Future):
+        self._fut = fut
+
+    def wait(self) -> bool:
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class _Runner:
+    """One FIFO worker thread for a process group's point-to-point algorithms."""
+
+    _ids = itertools.count()
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"lorasync-p2p-{next(self._ids)}")
+        self._thread.start()
+
+    def submit(self, job: Callable[[], torch.Tensor]) -> _ThreadWork:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._q.put((job, fut))
+        return _ThreadWork(fut)
+
+    def _loop(self) -> None:
+        while True:
+            job, fut = self._q.get()
+            try:
+                out = job()
+            except Exception as e:  # noqa: BLE001 - handed to whoever waits
+                fut.set_exception(e)
+            else:
+                fut.set_result([out])
+
+
+_runners: dict[int, _Runner] = {}
+_runners_lock = threading.Lock()
+
+
+def _runner(group: dist.ProcessGroup | None) -> _Runner:
+    key = id(group if group is not None else dist.group.WORLD)
+    with _runners_lock:
+        r = _runners.get(key)
+        if r is None:
+            r = _runners[key] = _Runner()
+        return r
 
 
 class _Done:
@@ -165,12 +352,22 @@ class LoopbackWire:
     taken to have sent what this rank sent (a sum over ranks is left as it is,
     an all-gather repeats the tensor).  Counts like :class:`Wire`."""
 
-    __slots__ = ("group", "size", "rank", "backend", "_count")
+    __slots__ = ("group", "size", "rank", "backend", "_count", "algo_counts")
 
     def __init__(self, size: int, rank: int = 0, count: Callable[[int], None] = lambda n: None):
         self.group = None
         self.backend = "loopback"
         self.size, self.rank, self._count = int(size), int(rank), count
+        self.algo_counts = dict.fromkeys(ALGOS, 0)
+
+    def set_algo(self, algo) -> None:
+        pass
+
+    def algo_for(self, t) -> str:
+        return "ring"
+
+    def all_gather_object(self, obj):
+        return [obj] * self.size
 
     def _done(self, t: torch.Tensor, async_op: bool, count: bool):
         if count:
@@ -180,7 +377,7 @@ class LoopbackWire:
     def take_transfers(self) -> list[Transfer]:
         return []   # nothing travels: nothing to time
 
-    def all_reduce(self, t, *, op=dist.ReduceOp.SUM, async_op=False, count=True):
+    def all_reduce(self, t, *, op=dist.ReduceOp.SUM, async_op=False, count=True, algo=None):
         return self._done(t, async_op, count)
 
     def all_gather(self, out, t, *, async_op=False, count=True):

@@ -171,6 +171,8 @@ class ClusterSpec:
     """The overlay's addresses (with ``overlay``)."""
     nat_subnet: str = "10.214.0.0/16"
     """LANs of the nodes behind NAT: node I is 10.214.I.2/24 behind router 10.214.I.1."""
+    nproc_per_node: int = 1
+    """Workers per node (``launch_on_cluster`` default); they share the node's namespace."""
 
     def __post_init__(self):
         if isinstance(self.rate_bps, str):
@@ -232,6 +234,10 @@ class ClusterSpec:
                          or max(self.nat) > 254):
             raise ConfigError("nat_subnet", self.nat_subnet, "needs a /16 (one /24 per node behind NAT, "
                               "at most 255 nodes)")
+        if not isinstance(self.nproc_per_node, int) or isinstance(self.nproc_per_node, bool) \
+                or not 1 <= self.nproc_per_node <= 64:
+            raise ConfigError("nproc_per_node", self.nproc_per_node,
+                              "give a whole number of workers per node, 1 to 64")
 
     @property
     def needs_forwarder(self) -> bool:
@@ -252,6 +258,8 @@ class ClusterSpec:
             parts.append(", ".join(f"node{i}" for i in self.nat) + " behind NAT")
         if self.overlay:
             parts.append(f"{self.overlay} overlay {self.overlay_subnet}")
+        if self.nproc_per_node > 1:
+            parts.append(f"{self.nproc_per_node} workers per node")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -275,8 +283,9 @@ def parse_emulate(text: str) -> ClusterSpec:
 
     Keys: nodes, rate, delay, loss, pair (``pair=0-1:10mbit``, repeatable),
     name, subnet, mtu, nat (``nat=node2``; several: ``nat=node1,node2`` or
-    ``nat=node1+node2``), overlay (``overlay=wireguard``).  Errors raise
-    ``ConfigError`` naming the key.
+    ``nat=node1+node2``), overlay (``overlay=wireguard``), nproc_per_node
+    (workers per node, sharing its namespace).  Errors raise ``ConfigError``
+    naming the key.
     """
     kw: dict = {"pair_rates": {}, "nat": []}
     last = None
@@ -314,9 +323,13 @@ def parse_emulate(text: str) -> ClusterSpec:
             kw["nat"] += [v for v in value.split("+") if v.strip()]
         elif key == "overlay":
             kw["overlay"] = value.lower()
+        elif key == "nproc_per_node":
+            if not value.isdigit():
+                raise ConfigError("nproc_per_node", value, "give a whole number of workers per node")
+            kw["nproc_per_node"] = int(value)
         else:
             raise ConfigError("emulate", key, "known keys: nodes, rate, delay, loss, pair, name, subnet, "
-                              "mtu, nat, overlay")
+                              "mtu, nat, overlay, nproc_per_node")
     return ClusterSpec(**kw)
 
 
@@ -945,13 +958,16 @@ def _agent_route(cluster: Cluster, overlay: bool | None) -> tuple[Node, dict[int
     return cluster.nodes[0], {n.index: (n.address, n.ifname) for n in cluster.nodes}, False
 
 
-def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int = 1,
+def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int | None = None,
                       timeout: float | None = None, *, module: str | None = "lorasync",
                       port: int = 29400, env: dict | None = None, log_dir: str | Path | None = None,
                       fail_grace: float = 10.0, overlay: bool | None = None,
                       reach_timeout: float = 5.0, max_restarts: int = 0,
                       min_nodes: int | None = None) -> int:
     """Run one torchrun agent per node, each in its namespace; return an exit code.
+
+    ``nproc_per_node`` workers per agent (default: the spec's); the workers of
+    one node share its namespace, so their traffic to each other is local.
 
     Each node runs torchrun (``torch.distributed.run``, through
     :mod:`lorasync.net.agent`) ``--nnodes N --node-rank I --nproc-per-node P
@@ -981,6 +997,8 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     when those do.
     """
     nn = len(cluster.nodes)
+    if nproc_per_node is None:
+        nproc_per_node = cluster.spec.nproc_per_node
     host, route, over = _agent_route(cluster, overlay)
     endpoint = f"{route[host.index][0]}:{port}"
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"

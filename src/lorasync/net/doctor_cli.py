@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="training config; live checks compare its hash across ranks")
     p.add_argument("--no-probe", action="store_true", help="live: skip the short pair probe")
+    p.add_argument("--nccl", action="store_true",
+                   help="the job uses NCCL: advise NCCL_ALGO where the cost model predicts a "
+                        "gain (needs --nnodes and --rate/--rtt or --from-probe)")
+    p.add_argument("--gpus-per-node", type=int, default=1, metavar="G",
+                   help="with --nccl: GPUs (ranks) per node (default 1)")
 
 
 def _link(args, host):
@@ -59,6 +64,18 @@ def _link(args, host):
         rtt = parse_duration(args.rtt) if args.rtt else base.rtt_s
         return Link(rate, rtt, "given" if args.rate and args.rtt else "partly given, rest assumed")
     return None
+
+
+def _nccl(args, link) -> list:
+    from lorasync.net.nccl_advice import nccl_findings
+
+    if link is None or not args.nnodes:
+        raise ConfigError("--nccl", True, "give --nnodes and the link (--rate and --rtt, or "
+                          "--from-probe) to advise NCCL_ALGO")
+    if args.gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node", args.gpus_per_node, "use an integer >= 1")
+    return nccl_findings(nnodes=args.nnodes, ranks_per_node=args.gpus_per_node,
+                         rate_bps=link.rate_bps, rtt_s=link.rtt_s)
 
 
 def _print(findings, args, world=None, extra=None) -> None:
@@ -91,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     link = _link(args, host)
     if not live:
         findings = static_checks(host, nnodes=args.nnodes, link=link, rdzv_endpoint=args.rdzv_endpoint)
+        if args.nccl:
+            findings += _nccl(args, link)
         _print(findings, args, extra={"host": host.summary()})
         return exit_code(findings)
     if not in_worker():

@@ -10,6 +10,8 @@ recommendation, and the steps to take on that network with their gains.
     lorasync plan --probe probe.json --nodes 8 --rate 1gbit     # what-if: 8 nodes
     lorasync plan --nodes 8 --rate 1gbit --rtt 30ms --lora-r 16 --json
     lorasync plan --nodes 2 --rate 100mbit --metrics runs/x/metrics.jsonl
+    lorasync plan --nodes 4 --ranks-per-node 8 --rate 100gbit --rtt 10us --rdma \
+        --intra-rate 1200gbit --backend nccl           # 4 x 8 GPUs: flat and hierarchical
 
 Pure prediction: nothing is measured or changed.  The model is in
 lorasync/plan/costmodel.py.
@@ -18,6 +20,7 @@ lorasync/plan/costmodel.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -48,6 +51,8 @@ __all__ = ["add_arguments", "run", "build_plan", "format_plan"]
 #: CPU thread took 1.25 s (6.4 samples/s on 2 ranks without sync)
 _DEFAULT_S_PER_SAMPLE = {"smollm2-135m": 1.25 / 4}
 _DEFAULT_RTT = "0.2ms"
+_DEFAULT_INTRA_RATE = "200gbit"
+_DEFAULT_INTRA_ALPHA = "10us"
 
 
 def _nat_link_load(nodes: int, behind_nat: int) -> int:
@@ -66,7 +71,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network (a probe, a what-if, or a probe with what-if overrides)")
     g.add_argument("--probe", metavar="FILE", help="JSON written by `lorasync probe --json`")
     g.add_argument("--nodes", type=int, metavar="N",
-                   help="ranks (world size); default: the probe's, else 2")
+                   help="nodes (with --ranks-per-node G the job has N x G ranks; without it "
+                        "one rank per node); default: the probe's world size, else 2")
+    g.add_argument("--ranks-per-node", type=int, default=1, metavar="G",
+                   help="ranks (GPUs, workers) on each node: ranks flat and hierarchical sync "
+                        "(default 1)")
+    g.add_argument("--intra-rate", metavar="RATE",
+                   help=f"link between ranks of one node, e.g. 1200gbit (NVLink), 200gbit "
+                        f"(PCIe 4.0 x16); default {_DEFAULT_INTRA_RATE} with a note")
+    g.add_argument("--intra-latency", metavar="TIME",
+                   help=f"latency per message inside a node (default {_DEFAULT_INTRA_ALPHA})")
+    g.add_argument("--layout", choices=("both", "flat", "hierarchical"), default="both",
+                   help="with --ranks-per-node: rank both layouts (default) or one")
+    g.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="the job's backend: nccl adds NCCL_ALGO advice where the model "
+                        "predicts a gain (default gloo)")
     g.add_argument("--rate", metavar="RATE",
                    help="line rate, e.g. 10mbit, 1gbit, 100Mbit/s, 12.5MB/s (with --probe: "
                         "only used to size TCP and RDMA gains)")
@@ -206,6 +225,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     notes: list[str] = []
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError("--nodes", args.nodes, "use an integer >= 1")
+    g = args.ranks_per_node
+    if g < 1:
+        raise ConfigError("--ranks-per-node", g, "use an integer >= 1")
+    if g == 1 and (args.intra_rate or args.intra_latency or args.layout != "both"):
+        raise ConfigError("--ranks-per-node", g, "--intra-rate, --intra-latency and --layout "
+                          "describe several ranks per node: give --ranks-per-node G > 1")
+    ranks = None if args.nodes is None else args.nodes * g
     rate = parse_rate(args.rate, "--rate") if args.rate else None
     rtt = parse_duration(args.rtt, "--rtt") if args.rtt else None
     window = parse_size(args.tcp_window, "--tcp-window")
@@ -214,7 +240,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
 
     # network
     if args.probe:
-        net, link = net_from_probe(_read_json(args.probe, "--probe"), world_size=args.nodes,
+        net, link = net_from_probe(_read_json(args.probe, "--probe"), world_size=ranks,
                                    allreduce_algo=args.allreduce_algo,
                                    alltoall=not args.alltoall_fallback)
         link = Link(rtt_s=rtt if rtt is not None else link.rtt_s, rate_Bps=rate,
@@ -224,11 +250,12 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         if rtt is None:
             rtt = parse_duration(_DEFAULT_RTT)
             notes.append(f"RTT not given: assumed {_DEFAULT_RTT} (give --rtt)")
-        nodes = args.nodes if args.nodes is not None else 2
-        load = _nat_link_load(nodes, args.behind_nat)
+        machines = args.nodes if args.nodes is not None else 2
+        load = _nat_link_load(machines, args.behind_nat)
         if load > 1:
             notes.append(f"{args.behind_nat} node(s) behind NAT relay through node 0: its link "
                          f"carries {load} ring legs, so the ring runs at 1/{load} of the rate")
+        nodes = ranks if ranks is not None else 2 * g
         net = what_if_net(nodes, rate, rtt, efficiency=args.link_efficiency,
                           tcp_window_bytes=window, allreduce_algo=args.allreduce_algo,
                           alltoall=not args.alltoall_fallback, link_load=load)
@@ -237,6 +264,23 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     else:
         raise ConfigError("--probe/--rate", None, "give --probe FILE (from `lorasync probe "
                           "--json`) or describe a network: --nodes 2 --rate 10mbit --rtt 1ms")
+
+    if g > 1:
+        if net.world_size % g:
+            raise ConfigError("--ranks-per-node", g, f"must divide the probe's world size "
+                              f"{net.world_size} (or give --nodes)")
+        irate = parse_rate(args.intra_rate or _DEFAULT_INTRA_RATE, "--intra-rate")
+        ialpha = parse_duration(args.intra_latency or _DEFAULT_INTRA_ALPHA, "--intra-latency")
+        if not args.intra_rate:
+            notes.append(f"intra-node link assumed {_DEFAULT_INTRA_RATE} (PCIe 4.0 x16; NVLink "
+                         "is faster): give --intra-rate")
+        if not args.intra_latency:
+            notes.append(f"intra-node latency assumed {_DEFAULT_INTRA_ALPHA} per message "
+                         "(give --intra-latency)")
+        net = dataclasses.replace(
+            net, ranks_per_node=g, intra_alpha_s=ialpha,
+            intra_bandwidth_Bps=irate * args.link_efficiency,
+            layout="flat" if args.layout == "both" else args.layout)
 
     # adapter
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
@@ -318,7 +362,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
                   bucket_bytes=int(args.bucket_mb * MiB),
                   first_bucket_bytes=first, matrices=matrices, lora_r=args.lora_r,
                   encode_ns=encode, options=options)
-    return plan(net, wl, link, names), notes
+    layouts = None if args.layout == "both" else (args.layout,)
+    return plan(net, wl, link, names, backend=args.backend, layouts=layouts), notes
 
 
 # --------------------------------------------------------------------------- output
@@ -330,7 +375,9 @@ def _opts(d: dict) -> str:
 def format_plan(pl: Plan, notes: list[str] = ()) -> str:
     net, wl, link, ceil = pl.net, pl.workload, pl.link, pl.ceiling
     out = []
-    out.append(f"lorasync plan: {net.world_size} ranks x {wl.batch_size} samples, adapter "
+    shape = (f"{net.nodes} nodes x {net.ranks_per_node} ranks" if net.ranks_per_node > 1
+             else f"{net.world_size} ranks")
+    out.append(f"lorasync plan: {shape} x {wl.batch_size} samples, adapter "
                f"{wl.adapter_params:,} params ({fmt_bytes(4 * wl.adapter_params)} fp32), "
                f"compute {fmt_duration(wl.compute_s)}/step")
     src = "probe" if link.source == "probe" else "what-if"
@@ -341,23 +388,30 @@ def format_plan(pl: Plan, notes: list[str] = ()) -> str:
         extra.append(f"RTT {fmt_duration(link.rtt_s)}")
     if link.rdma:
         extra.append("RDMA present")
-    out.append(f"network ({src}): {fmt_rate(net.bandwidth_Bps)} achieved, alpha "
+    between = " between nodes" if net.ranks_per_node > 1 else ""
+    out.append(f"network ({src}){between}: {fmt_rate(net.bandwidth_Bps)} achieved, alpha "
                f"{fmt_duration(net.alpha_s)} per message"
                + (f" ({', '.join(extra)})" if extra else ""))
+    if net.ranks_per_node > 1:
+        out.append(f"inside each node: {fmt_rate(net.intra_bandwidth_Bps)}, alpha "
+                   f"{fmt_duration(net.intra_alpha_s)} per message")
     out.append(f"ceiling (no sync): {ceil.samples_per_s:.3g} samples/s")
     out.append("")
+    multi = net.ranks_per_node > 1
     head = ("  #  strategy    samples/s    eff     step   exposed    encode  wire/step  "
-            "lossless  options")
+            + ("x-node/node  layout        " if multi else "") + "lossless  options")
     out.append(head)
+    rp = pl.recommendation.prediction
     for i, p in enumerate(pl.ranking, 1):
-        mark = "*" if p.strategy == pl.recommendation.strategy else " "
+        mark = "*" if (p.strategy, p.layout) == (rp.strategy, rp.layout) else " "
+        topo = f"{fmt_bytes(p.inter_bytes):>11}  {p.layout:<12}  " if multi else ""
         out.append(f"{mark}{i:2d}  {p.strategy:<10} {p.samples_per_s:9.3g}  {p.efficiency:6.1%}"
                    f"  {fmt_duration(p.step_s):>7} {fmt_duration(p.exposed_comm_s):>9} "
-                   f"{fmt_duration(p.encode_s):>9}  {fmt_bytes(p.wire_bytes):>9}  "
+                   f"{fmt_duration(p.encode_s):>9}  {fmt_bytes(p.wire_bytes):>9}  {topo}"
                    f"{'yes' if p.lossless else 'no':<8}  {_opts(p.options)}")
     rec = pl.recommendation
     out.append("")
-    out.append(f"Recommendation: {rec.strategy}"
+    out.append(f"Recommendation: {rec.strategy}" + (f" [{rp.layout}]" if multi else "")
                + (f" ({_opts(rec.options)})" if rec.options else "")
                + f": {rec.prediction.samples_per_s:.3g} samples/s, "
                  f"{rec.prediction.efficiency:.0%} of the ceiling; {rec.reason}")

@@ -4,7 +4,9 @@ Predicts the time of one optimizer step under each sync strategy from a few
 numbers that can be measured by ``lorasync probe`` or calibrated from a run's
 ``metrics.jsonl`` (every one is a plain dataclass field):
 
-    Net       alpha_s (latency per message), bandwidth_Bps (1/beta), world_size
+    Net       alpha_s (latency per message), bandwidth_Bps (1/beta), world_size;
+              with several ranks per node: ranks_per_node, the intra-node link
+              (intra_alpha_s, intra_bandwidth_Bps) and the layout
     Workload  adapter_params, compute_s, batch_size, backward_share, head_share,
               bucket_bytes, encode_ns (per strategy), strategy options
 
@@ -52,6 +54,28 @@ The model
     efficiency = compute_s / step_s          (the no-sync ceiling's step is compute_s)
     samples_per_s = world_size * batch_size / step_s
 
+Several ranks per node (``Net.ranks_per_node`` G > 1, N = world_size / G
+nodes; alpha and bandwidth are the link between nodes):
+
+* flat layout: every collective runs over all N*G ranks.  A ring's steps
+  are as slow as its slowest edge, so ring all-reduce and all-gather cost
+  what they cost on N*G ranks of the slow link; an all-to-all sends G
+  ranks' off-node chunks through each node's link: G (N-1)/N of the send
+  buffer per node;
+* hierarchical layout (:mod:`lorasync.comm.hierarchy`): each bucket is
+  all-reduced inside the node first (ring over G ranks of the intra link, in
+  the hook: it holds the backward pass up), the strategy's own collectives run
+  on N ranks of the slow link (its byte formula at world size N), and after
+  the last bucket every bucket's result is broadcast inside the node as soon
+  as its cross-node sync is done.  Periodic strategies: the intra-node
+  gradient all-reduce every step, the outer sync on N ranks and a broadcast
+  of the adapter inside the node every period.
+
+``Net.allreduce_algo="auto"`` prices every all-reduce with the cheaper of
+ring and recursive doubling (what a Wire with a per-message choice does;
+:func:`allreduce_choice`).  Recursive doubling on a group that is not a
+power of two folds the extra ranks in first: floor(log2 n) + 2 exchanges.
+
 Not modelled: contention between compute and the comm threads for CPU cores,
 TCP slow start and loss, stragglers (all ranks are assumed equally fast),
 DDP's first iteration (one bucket before it rebuilds by ready order), the
@@ -70,14 +94,17 @@ from lorasync.catalog import NONE, STRATEGIES, Collective
 from lorasync.errors import ConfigError
 
 __all__ = [
-    "MiB", "ALLREDUCE_ALGOS", "Net", "Workload", "Prediction", "ModelShape", "MODELS",
-    "lora_matrices", "head_share", "encode_ns", "collective_time", "bucket_layout",
+    "MiB", "ALLREDUCE_ALGOS", "LAYOUTS", "Net", "Workload", "Prediction", "ModelShape",
+    "MODELS", "lora_matrices", "head_share", "encode_ns", "collective_time", "bucket_layout",
     "adapter_shapes", "ring_link_load", "predict", "periodic_exposed", "path_terms",
+    "allreduce_choice", "rd_exchanges",
 ]
 
 MiB = 1 << 20
 
-ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast")
+ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast", "tree", "auto")
+#: how collectives span the nodes: all ranks at once, or node, then leaders
+LAYOUTS = ("flat", "hierarchical")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -94,10 +121,21 @@ class Net:
     alpha_s: float
     bandwidth_Bps: float
     world_size: int
-    #: algorithm the backend uses for all-reduce (gloo and NCCL default to ring)
+    #: algorithm the backend uses for all-reduce (gloo and NCCL default to ring;
+    #: "auto": the cheaper of ring and recursive doubling per message)
     allreduce_algo: str = "ring"
     #: False where all-to-all is replaced by an all-gather (a backend without it)
     alltoall: bool = True
+    #: ranks on each node; alpha_s and bandwidth_Bps are then the link between
+    #: nodes, and the intra-node link is described by the two fields below
+    ranks_per_node: int = 1
+    #: latency per message between ranks of one node
+    intra_alpha_s: float = 0.0
+    #: bytes per second between ranks of one node; None = not known (needed
+    #: for the hierarchical layout)
+    intra_bandwidth_Bps: float | None = None
+    #: "flat" or "hierarchical" (see the module docstring)
+    layout: str = "flat"
 
     def __post_init__(self):
         _positive_number(self.alpha_s, "alpha_s", zero_ok=True)
@@ -108,10 +146,32 @@ class Net:
         if self.allreduce_algo not in ALLREDUCE_ALGOS:
             raise ConfigError("allreduce_algo", self.allreduce_algo,
                               "choose one of " + ", ".join(ALLREDUCE_ALGOS))
+        g = self.ranks_per_node
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1 or self.world_size % g:
+            raise ConfigError("ranks_per_node", g, f"use an integer >= 1 that divides "
+                              f"world_size {self.world_size}")
+        _positive_number(self.intra_alpha_s, "intra_alpha_s", zero_ok=True)
+        if self.intra_bandwidth_Bps is not None:
+            _positive_number(self.intra_bandwidth_Bps, "intra_bandwidth_Bps")
+        if self.layout not in LAYOUTS:
+            raise ConfigError("layout", self.layout, "choose one of " + ", ".join(LAYOUTS))
+        if self.layout == "hierarchical" and self.intra_bandwidth_Bps is None:
+            raise ConfigError("intra_bandwidth_Bps", None, "the hierarchical layout needs the "
+                              "intra-node link's bandwidth (e.g. --intra-rate)")
 
     @property
     def beta_s_per_byte(self) -> float:
         return 1.0 / self.bandwidth_Bps
+
+    @property
+    def nodes(self) -> int:
+        """N = world_size / ranks_per_node."""
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the hierarchical layout applies (several ranks per node)."""
+        return self.layout == "hierarchical" and self.ranks_per_node > 1
 
 
 @dataclass(frozen=True)
@@ -266,22 +326,58 @@ def _log2(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
 
+def rd_exchanges(n: int) -> int:
+    """Exchanges of recursive doubling on n ranks: log2 n for a power of two;
+    otherwise floor(log2 n) plus the fold in and the result back out."""
+    if n <= 1:
+        return 0
+    k = n.bit_length() - 1
+    return k if n == 1 << k else k + 2
+
+
+def _allreduce_terms(algo: str, n: int, p: float, g: int = 1) -> tuple[float, float]:
+    if algo == "ring":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n * p
+    if algo == "recursive_doubling":
+        # with g ranks per node the exchanges between nodes send g messages
+        # through each node's link at once (those inside a node are not counted)
+        return float(rd_exchanges(n)), rd_exchanges(n // g) * g * p
+    if algo == "tree":
+        # NCCL's pipelined double binary tree: log-depth latency up and down,
+        # every byte through each link about twice
+        return 2.0 * _log2(n), 2.0 * p
+    return 2.0 * _log2(n), 2.0 * _log2(n) * p  # binomial reduce, then broadcast
+
+
+def allreduce_choice(nbytes: float, n: int, alpha_s: float, bandwidth_Bps: float) -> str:
+    """``ring`` or ``recursive_doubling``, whichever the alpha-beta model says
+    all-reduces ``nbytes`` on ``n`` ranks sooner (ring on ties): recursive
+    doubling where latency binds (few bytes, many ranks, long round trips)."""
+    beta = 1.0 / bandwidth_Bps
+    times = {}
+    for algo in ("ring", "recursive_doubling"):
+        m, b = _allreduce_terms(algo, n, float(nbytes))
+        times[algo] = m * alpha_s + b * beta
+    return "recursive_doubling" if times["recursive_doubling"] < times["ring"] else "ring"
+
+
 def _terms(c: Collective, net: Net) -> tuple[float, float]:
     """(messages, bytes) on the critical path of one collective."""
     n, p = net.world_size, float(c.payload_bytes)
+    g = net.ranks_per_node
     if n <= 1 or p <= 0:
         return 0.0, 0.0
     if c.kind == "all_reduce":
-        if net.allreduce_algo == "ring":
-            return 2.0 * (n - 1), 2.0 * (n - 1) / n * p
-        if net.allreduce_algo == "recursive_doubling":
-            return float(_log2(n)), _log2(n) * p
-        return 2.0 * _log2(n), 2.0 * _log2(n) * p  # binomial reduce, then broadcast
+        algo = net.allreduce_algo
+        if algo == "auto":
+            algo = allreduce_choice(p, n, net.alpha_s, net.bandwidth_Bps)
+        return _allreduce_terms(algo, n, p, g)
     if c.kind == "all_gather":
         return float(n - 1), (n - 1) * p
     if c.kind == "all_to_all":
         if net.alltoall:
-            return float(n - 1), (n - 1) / n * p
+            # each node's link carries its g ranks' chunks for the other nodes
+            return float(n - 1), g * (n // g - 1) / (n // g) * p if g > 1 else (n - 1) / n * p
         return float(n - 1), (n - 1) * p  # all-gather of the whole buffer instead
     if c.kind == "broadcast":
         return float(_log2(n)), _log2(n) * p
@@ -404,6 +500,14 @@ class Prediction:
     buckets: int
     lossless: bool
     periodic: bool
+    #: "flat" or "hierarchical" (Net.layout)
+    layout: str = "flat"
+    ranks_per_node: int = 1
+    #: payload bytes per step that each *node's* ranks hand to collectives
+    #: spanning nodes (flat: all of them; hierarchical: the leader's)
+    inter_bytes: float = 0.0
+    #: payload bytes per step per rank handed to collectives inside a node
+    intra_bytes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -473,6 +577,8 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
     """Predicted step of ``strategy`` on ``net`` for ``workload``."""
     opts = _options(strategy, workload.options.get(strategy))
     spec = catalog.spec(strategy)
+    if net.hierarchical and strategy != NONE and net.world_size > 1:
+        return _predict_hierarchical(strategy, opts, spec, net, workload)
     n, numel = net.world_size, workload.adapter_params
     compute = workload.compute_s
     whole = _sync(strategy, opts, adapter_shapes(workload), n, numel)
@@ -525,11 +631,109 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
         exposed = max(0.0, end - backward) if comm > 0 else 0.0
         syncs, nbuckets = (0.0 if strategy == NONE else 1.0), len(layout)
     step = compute + encode + exposed
+    spans = net.nodes > 1
     return Prediction(
         strategy=strategy, options=opts.as_dict(), world_size=n, compute_s=compute, encode_s=encode,
         comm_s=comm, exposed_comm_s=exposed, step_s=step,
         samples_per_s=n * workload.batch_size / step, efficiency=compute / step,
         wire_bytes=wire, link_bytes=link, fp32_bytes=4.0 * numel, messages=msgs,
         syncs_per_step=syncs, buckets=nbuckets,
-        lossless=spec.lossless, periodic=periodic,
+        lossless=spec.lossless, periodic=periodic, layout="flat",
+        ranks_per_node=net.ranks_per_node,
+        inter_bytes=wire * net.ranks_per_node if spans else 0.0,
+        intra_bytes=0.0 if spans else wire,
+    )
+
+
+def _predict_hierarchical(strategy: str, opts: catalog.Options, spec: catalog.Spec, net: Net,
+                          workload: Workload) -> Prediction:
+    """The hierarchical layout (module docstring): exact all-reduce inside
+    the node in every bucket's hook, the strategy across the N leaders, a
+    broadcast inside the node."""
+    g, nn, numel = net.ranks_per_node, net.nodes, workload.adapter_params
+    inter = Net(alpha_s=net.alpha_s, bandwidth_Bps=net.bandwidth_Bps, world_size=nn,
+                allreduce_algo=net.allreduce_algo, alltoall=net.alltoall)
+    intra = Net(alpha_s=net.intra_alpha_s, bandwidth_Bps=net.intra_bandwidth_Bps,
+                world_size=g)
+    compute = workload.compute_s
+    whole = _sync(strategy, opts, adapter_shapes(workload), nn, numel)
+    encode = _encode_ns(strategy, opts, workload) * numel * 1e-9
+
+    def reduce_t(b: int) -> float:    # exact node mean of a bucket, in its hook
+        return collective_time(Collective("all_reduce", 4.0 * b), intra)
+
+    def bcast_t(b: int) -> float:     # the result to the node's other ranks
+        return collective_time(Collective("broadcast", 4.0 * b), intra)
+
+    layout = bucket_layout(numel, workload.bucket_bytes, workload.first_bucket_bytes)
+    wire = link = msgs = comm = 0.0
+    intra_bytes = 0.0
+    blocked = 0.0   # what the intra-node reduces hold backward up by
+    if spec.periodic:
+        period = opts.period
+        outer = 0.0
+        for c in whole:
+            m, b = _terms(c, inter)
+            msgs, link, wire = msgs + m, link + b, wire + c.payload_bytes
+            outer += collective_time(c, inter)
+        share = bcast_t(numel)
+        exposed_outer = max(0.0, outer - opts.delay * compute) if opts.streaming else outer
+        per_step_reduce = sum(reduce_t(b) for b in layout)
+        intra_bytes = 4.0 * numel + 4.0 * numel / period
+        comm = (outer + share) / period + per_step_reduce
+        exposed = (exposed_outer + share) / period + per_step_reduce
+        wire, link, msgs, encode = (x / period for x in (wire, link, msgs, encode))
+        syncs, nbuckets = 1.0 / period, len(layout)
+    else:
+        backward = compute * workload.backward_share
+        head = backward * workload.head_share
+        spread = backward - head
+        end = 0.0         # the link between nodes: when it is free again
+        clock = head      # the training thread: backward progress, held up by the hooks
+        p1_end = p2_prev = 0.0
+        done_at: list[float] = []
+        for b in layout:
+            times = []
+            for w in whole:
+                c = Collective(w.kind, w.payload_bytes * b / numel)
+                m, nb = _terms(c, inter)
+                msgs, link, wire = msgs + m, link + nb, wire + c.payload_bytes
+                times.append(collective_time(c, inter))
+            comm += sum(times)
+            clock += spread * b / numel              # compute that fills this bucket
+            r = reduce_t(b)
+            clock += r                               # the hook's intra-node all-reduce
+            blocked += r
+            comm += r
+            if spec.holds_backward:
+                clock = max(clock, p1_end)
+                if done_at or p2_prev:               # the previous bucket's phase 2
+                    end = max(clock, end) + p2_prev
+                    done_at.append(end)
+                end = max(clock, end) + times[0]
+                p1_end, p2_prev = end, times[1]
+            else:
+                end = max(clock, end) + sum(times)
+                done_at.append(end)
+        if spec.holds_backward and whole:
+            clock = max(clock, p1_end)
+            end = max(clock, end) + p2_prev
+            done_at.append(end)
+        # after the last hook: each bucket broadcast once its sync is done
+        t = clock
+        for b, d in zip(layout, done_at):
+            t = max(t, d) + bcast_t(b)
+            comm += bcast_t(b)
+        exposed = max(0.0, t - backward)
+        intra_bytes = 2 * 4.0 * numel
+        syncs, nbuckets = 1.0, len(layout)
+    step = compute + encode + exposed
+    return Prediction(
+        strategy=strategy, options=opts.as_dict(), world_size=net.world_size, compute_s=compute,
+        encode_s=encode, comm_s=comm, exposed_comm_s=exposed, step_s=step,
+        samples_per_s=net.world_size * workload.batch_size / step, efficiency=compute / step,
+        wire_bytes=wire + intra_bytes, link_bytes=link, fp32_bytes=4.0 * numel,
+        messages=msgs, syncs_per_step=syncs, buckets=nbuckets, lossless=spec.lossless,
+        periodic=spec.periodic, layout="hierarchical", ranks_per_node=g,
+        inter_bytes=wire, intra_bytes=intra_bytes,
     )

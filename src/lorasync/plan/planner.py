@@ -13,7 +13,10 @@ link), ranked predictions, a recommendation and ordered advice out.
   than ``switch_margin`` (no flapping on noisy measurements).
 * ``plan(net, workload, link)``: the above plus the steps an expert would
   take on this network, in order, each with its predicted gain: TCP tuning,
-  compression, overlap, periodic sync, RDMA.
+  hierarchical sync (several ranks per node), compression, overlap, periodic
+  sync, RDMA, and on NCCL the NCCL_ALGO advice where the model predicts a
+  gain.  With several ranks per node both layouts (flat, hierarchical) are
+  ranked and the recommendation is the faster of the two.
 * ``what_if_net`` / ``net_from_probe``: a ``Net`` from a link description or
   from ``lorasync probe --json``.
 * ``hide_sync`` / ``tune_periodic``: the streaming delay and fragment count
@@ -39,8 +42,8 @@ from lorasync.units import fmt_bytes, fmt_duration, fmt_rate
 __all__ = [
     "DEFAULT_TCP_WINDOW", "ALPHA_PER_RTT", "ALPHA_OVERHEAD_S", "LINK_EFFICIENCY", "RDMA_ALPHA_S",
     "Link", "Measurements", "Recommendation", "Step", "Plan",
-    "what_if_net", "net_from_probe", "rank", "choose", "plan", "options_text",
-    "hide_sync", "tune_periodic", "FRAGMENT_CHOICES",
+    "what_if_net", "net_from_probe", "rank", "choose", "plan", "options_text", "layouts_of",
+    "nccl_advice", "hide_sync", "tune_periodic", "FRAGMENT_CHOICES",
 ]
 
 #: Linux's default tcp_rmem max is 6 MiB and about half of a receive buffer is
@@ -385,6 +388,11 @@ def _tcp_step(net: Net, link: Link, wl: Workload, cur: Prediction) -> tuple[Step
 
 
 def _describe(p: Prediction) -> str:
+    if p.layout == "hierarchical":
+        # what matters is what crosses nodes: the leader's bytes against fp32
+        ratio = p.fp32_bytes / p.inter_bytes if p.inter_bytes else float("inf")
+        return (f"{fmt_bytes(p.inter_bytes)} per node per step across nodes instead of "
+                f"{fmt_bytes(p.fp32_bytes)} ({ratio:.3g}x less)")
     ratio = p.fp32_bytes / p.wire_bytes if p.wire_bytes else float("inf")
     return (f"{fmt_bytes(p.wire_bytes)} per step instead of {fmt_bytes(p.fp32_bytes)} "
             f"({ratio:.3g}x less)")
@@ -530,13 +538,75 @@ def _periodic_choice(p: Prediction, net: Net, wl: Workload, given: Mapping[str, 
     return chosen, why
 
 
+def layouts_of(net: Net) -> tuple[str, ...]:
+    """The layouts worth comparing on ``net``: both where several nodes hold
+    several ranks each (and the intra-node link is known), else its own."""
+    if net.ranks_per_node > 1 and net.nodes > 1 and net.intra_bandwidth_Bps:
+        return ("flat", "hierarchical")
+    return (net.layout,)
+
+
+def nccl_advice(net: Net, workload: Workload, strategy: str) -> Step | None:
+    """NCCL_ALGO for ``strategy``'s all-reduces: Tree where the model predicts
+    it beats the ring by at least MIN_GAIN of the throughput (latency-bound
+    messages across many ranks), with the numbers; None when the strategy
+    makes no all-reduce.  NCCL_PROTO is not advised: the alpha-beta model has
+    no protocol term (NCCL's tuner picks LL/LL128 for small messages itself)."""
+    opts = workload.options.get(strategy)
+    if not any(c.kind == "all_reduce" for c in catalog.collectives(
+            strategy, workload.matrices or workload.adapter_params, max(2, net.world_size),
+            opts)):
+        return None
+    ring = predict(strategy, dataclasses.replace(net, allreduce_algo="ring"), workload)
+    tree = predict(strategy, dataclasses.replace(net, allreduce_algo="tree"), workload)
+    worth = tree.samples_per_s >= (1 + MIN_GAIN) * ring.samples_per_s
+    detail = (f"{strategy}'s all-reduces: ring {fmt_duration(ring.exposed_comm_s)} exposed per "
+              f"step ({ring.messages:.3g} messages), tree {fmt_duration(tree.exposed_comm_s)} "
+              f"({tree.messages:.3g})")
+    if worth:
+        detail += ("; export NCCL_ALGO=Tree on every node (NCCL_PROTO: leave NCCL's choice; "
+                   "check with NCCL_DEBUG=INFO)")
+    else:
+        detail += "; leave NCCL_ALGO unset (NCCL's default)"
+    return _step("nccl_algo", "Set NCCL_ALGO=Tree" if worth else "NCCL_ALGO", detail, ring,
+                 tree, strategy, ring.options, None)
+
+
 def plan(net: Net, workload: Workload, link: Link = Link(),
-         candidates: Sequence[str] = STRATEGIES) -> Plan:
-    """Ranking, recommendation and the expert's ordered steps for this network."""
+         candidates: Sequence[str] = STRATEGIES, backend: str = "gloo",
+         layouts: Sequence[str] | None = None) -> Plan:
+    """Ranking, recommendation and the expert's ordered steps for this network
+    (``layouts``: those to rank, default :func:`layouts_of`; ``backend``
+    "nccl" adds the NCCL_ALGO advice)."""
     candidates = tuple(candidates)
     for c in candidates:
         catalog.spec(c)  # validates the name
-    rec = choose(Measurements(net, workload, candidates=candidates))
+    layouts = tuple(layouts) if layouts else layouts_of(net)
+    if len(layouts) == 1 and net.layout != layouts[0]:
+        net = dataclasses.replace(net, layout=layouts[0])
+    given = candidates
+
+    def runs(lay: str) -> tuple[str, ...]:
+        if lay == "flat":
+            return given
+        return tuple(c for c in given
+                     if catalog.flat_only(c, workload.options.get(c)) is None)
+
+    def recommend(wl: Workload) -> Recommendation:
+        """Every layout's ranking merged, the fastest layout's recommendation."""
+        recs = [choose(Measurements(dataclasses.replace(net, layout=lay), wl,
+                                    candidates=runs(lay))) for lay in layouts if runs(lay)]
+        best = max(recs, key=lambda r: r.prediction.samples_per_s)
+        if len(recs) > 1:
+            order = {name: i for i, name in enumerate(STRATEGIES)}
+            merged = sorted((p for r in recs for p in r.ranking),
+                            key=lambda p: (-round(p.samples_per_s, 9), not p.lossless,
+                                           order.get(p.strategy, 99), p.layout))
+            best = dataclasses.replace(best, ranking=tuple(merged))
+        return best
+
+    rec = recommend(workload)
+    net = dataclasses.replace(net, layout="flat") if len(layouts) > 1 else net
     ceiling = predict(NONE, net, workload)
     steps: list[Step] = []
     notes: list[str] = []
@@ -554,6 +624,23 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
         steps.append(step)
         if step.samples_per_s_after is not None:
             cur = predict(cur.strategy, cur_net, wl)
+
+    # 1b. several ranks per node: exact inside the node, across nodes once per node
+    if len(layouts) > 1:
+        hnet = dataclasses.replace(cur_net, layout="hierarchical")
+        after = predict(cur.strategy, hnet, wl)
+        detail = (f"{net.nodes} nodes x {net.ranks_per_node} ranks: all-reduce inside each "
+                  f"node ({fmt_rate(net.intra_bandwidth_Bps)}), {cur.strategy} across the "
+                  f"{net.nodes} node leaders, broadcast inside the node: "
+                  f"{fmt_bytes(after.inter_bytes)} per node per step cross nodes instead of "
+                  f"{fmt_bytes(cur.inter_bytes)}, {after.messages:.0f} slow-link messages "
+                  f"instead of {cur.messages:.0f} (--hierarchy node; auto picks it)")
+        st = _step("hierarchy", "Sync hierarchically (node groups)", detail, cur, after,
+                   cur.strategy, cur.options, None)
+        steps.append(st)
+        if st.worthwhile:
+            cur, cur_net = after, hnet
+            candidates = runs("hierarchical")
 
     # 2. compression: the best per-step strategy (lossless preferred within 5%)
     per_step = tuple(c for c in candidates if c not in PERIODIC)
@@ -614,8 +701,7 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
             cur = p
             wl = _with(wl, p.strategy, **p.options)
             # the ranking and the recommendation with the periodic strategy as tuned
-            rec = choose(Measurements(net, _with(workload, p.strategy, **p.options),
-                                      candidates=candidates))
+            rec = recommend(_with(workload, p.strategy, **p.options))
         else:
             best_p = p
             steps.append(_step("periodic_sync", "Sync periodically",
@@ -643,6 +729,13 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
         steps.append(_step("rdma", "Use RDMA transport", detail, cur, p, p.strategy,
                            p.options, bucket_mb))
         cur = p
+        cur_net = rnet
+
+    # 6. NCCL: its all-reduce algorithm, where the model predicts a gain
+    if backend == "nccl":
+        adv = nccl_advice(cur_net, wl, cur.strategy)
+        if adv is not None:
+            steps.append(adv)
 
     if workload.matrices is None and "powersgd" in candidates:
         notes.append("PowerSGD bytes assume LoRA matrices r x 1024 (give --model for shapes)")

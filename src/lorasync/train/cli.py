@@ -74,9 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --output-dir from its latest checkpoint")
     p.add_argument("--emulate", metavar="SPEC",
-                   help="run on an emulated cluster, e.g. nodes=2,rate=10mbit[,delay=40ms]: one "
-                        "worker per network namespace, torchrun c10d rendezvous across them "
-                        "(needs root)")
+                   help="run on an emulated cluster, e.g. nodes=2,rate=10mbit[,delay=40ms]"
+                        "[,nproc_per_node=2]: one network namespace per node (its workers "
+                        "share it), torchrun c10d rendezvous across them (needs root)")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, f in iter_fields():
         flag = f.metadata.get("flag")
@@ -132,7 +132,7 @@ def _resolve(args):
     return load_config(args.config, overrides)
 
 
-def _preflight(cfg) -> None:
+def _preflight(cfg, world: int | None = None) -> None:
     """Check everything a user can get wrong before any worker starts or any file is written."""
     from lorasync.comm import strategy_names
     from lorasync.train.data import load_datasets
@@ -154,7 +154,7 @@ def _preflight(cfg) -> None:
         ensure_embedded(log=lambda m: print(m, file=sys.stderr))
     _, tok = _load_tokenizer(cfg.model.name, load_base)
     train, _ = load_datasets(cfg.data, tok)
-    world = cfg.run.nproc
+    world = world or cfg.run.nproc
     g = world * cfg.train.batch_size * cfg.train.grad_accum
     if len(train) < g:
         raise LorasyncError(
@@ -225,24 +225,29 @@ def run(args) -> int:
         raise ConfigError("--output-dir", cfg.run.output_dir,
                           "already holds a run; pass --resume to continue it or choose another "
                           "directory")
-    _preflight(cfg)
+    spec = None
+    if args.emulate:
+        from lorasync.net.cluster import parse_emulate
+
+        spec = parse_emulate(args.emulate)
+    _preflight(cfg, spec.nodes * spec.nproc_per_node if spec else None)
     raw = args._argv
     argv = _worker_argv(raw[raw.index("train") + 1:] if "train" in raw else [], out)
     restarts = cfg.run.max_restarts
-    if args.emulate:
-        from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
+    if spec is not None:
+        from lorasync.net.cluster import emulated, launch_on_cluster
 
-        spec = parse_emulate(args.emulate)
         lo, hi = parse_nnodes(cfg.run.nnodes) if cfg.run.nnodes else (spec.nodes, spec.nodes)
         if hi != spec.nodes:
             raise ConfigError("--nnodes", cfg.run.nnodes, f"with --emulate give MIN:{spec.nodes} "
                               f"(the emulated cluster has {spec.nodes} nodes)")
-        print(f"lorasync train: emulated cluster {spec.describe()}, one worker per node"
+        print(f"lorasync train: emulated cluster {spec.describe()}, "
+              f"{spec.nproc_per_node} worker(s) per node"
               + (f", elastic {lo}:{hi} nodes" if lo < hi else "")
               + f", up to {restarts} restart(s), run directory {out}", file=sys.stderr)
         with emulated(spec) as cluster:
-            code = launch_on_cluster(cluster, argv, max_restarts=restarts,
-                                     min_nodes=lo if lo < hi else None)
+            code = launch_on_cluster(cluster, argv, nproc_per_node=spec.nproc_per_node,
+                                     max_restarts=restarts, min_nodes=lo if lo < hi else None)
         return _after(code, out, restarts)
     if cfg.run.nnodes and cfg.run.nnodes != "1" and not cfg.run.rdzv_endpoint:
         raise ConfigError("--nnodes", cfg.run.nnodes, "several nodes need --rdzv-endpoint "

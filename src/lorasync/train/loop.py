@@ -307,7 +307,9 @@ class Trainer:
                        find_unused_parameters=False,
                        **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
         try:
-            self.sync = attach(self.ddp, cfg.comm.strategy, **cfg.comm.options)
+            self.sync = attach(self.ddp, cfg.comm.strategy, hierarchy=cfg.comm.hierarchy,
+                               ranks_per_node=cfg.comm.ranks_per_node or None,
+                               allreduce_algo=cfg.comm.allreduce_algo, **cfg.comm.options)
         except ValueError as exc:
             raise LorasyncError(f"comm: {exc}") from None
         # Everything the user could get wrong has been checked: only now write.

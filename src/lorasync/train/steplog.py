@@ -61,6 +61,8 @@ class StepLog:
                "compute_s": max(0.0, step_s - exposed - data_s), "comm_s": exposed,
                "step_s": step_s,
                "wire_bytes": stats["wire_bytes"] - last["wire_bytes"],
+               "intra_bytes": stats["intra_bytes"] - last["intra_bytes"],
+               "inter_bytes": stats["inter_bytes"] - last["inter_bytes"],
                "fp32_bytes": stats["fp32_bytes"] - last["fp32_bytes"],
                "encode_s": stats["encode_s"] - last["encode_s"],
                "time": time.time()}

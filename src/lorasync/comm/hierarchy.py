@@ -1,0 +1,296 @@
+"""Hierarchical sync: exact inside a node, any strategy across nodes.
+
+With G ranks on each of N nodes, a flat strategy runs on N*G ranks over the
+slow link: top-k all-gathers G*N payloads where N would do, the two-phase
+all-to-all of int8/onebit sends G times what a node-level exchange needs,
+and a ring all-reduce of a small message waits on 2(NG-1) round trips of the
+slow link instead of 2(N-1).  :class:`Hierarchical` wraps a strategy so that
+
+1. every bucket is first all-reduced exactly inside the node (fast link;
+   the node's mean gradient), in the bucket's own hook;
+2. the node's leader (its lowest rank) runs the strategy's own hook on that
+   mean, over a group of the N leaders: the strategy sees a world of N ranks,
+   each holding its node's exact mean, and keeps its state (error feedback,
+   warm-start Q, the outer optimizer) per cross-node shard, on the leader;
+3. the result is broadcast inside the node.  Broadcasts are issued in bucket
+   order on every rank of the node, in the last bucket's hook (never from a
+   future callback): the leader waits there for each bucket's cross-node
+   result in turn and broadcasts it while the next one may still travel.
+
+Periodic strategies (local SGD, DiLoCo) all-reduce gradients inside the node
+every step (the node's ranks stay identical: DDP within the node) and run
+their outer sync across the leaders only; on the steps where the outer sync
+lands, the leader broadcasts the synced adapter inside the node.  Which
+steps those are follows from the options alone (period, streaming, delay),
+so the other ranks know without being told.
+
+Accounting: ``intra_bytes`` is what this rank handed to collectives of its
+node's group (reduce, broadcast), ``inter_bytes`` what it handed to the
+leaders' group (the strategy's own collectives; zero on other ranks);
+``wire_bytes`` is their sum.  The intra-node reduce of a bucket before the
+last one counts as ``comm_s`` (the hook waited on it and on the node's
+slowest rank before backward went on).
+
+Resume: a checkpoint holds the strategy's state on the leaders only (every
+rank writes its own file), so it resumes on the same nodes x ranks layout,
+with the same ranks as leaders (torchrun numbers ranks node by node);
+``load_state_dict`` refuses another layout, and a flat state.
+
+Not hierarchical: ``none`` (nothing to sync), ``auto`` (it builds
+hierarchical candidates itself), torch's own hooks (baselines, flat by
+definition), and 1-bit Adam (onebit with ``momentum=true``, which needs the
+optimizer step on every rank; ``momentum=false`` sends signed gradients and
+is hierarchical like the others).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from lorasync import catalog
+from lorasync.comm.base import HookSync, completed, get_strategy
+from lorasync.comm.topology import Topology
+from lorasync.comm.wire import Wire
+
+__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK"]
+
+#: strategies that are never wrapped, whatever their options (catalog.flat_only)
+NOT_HIERARCHICAL = frozenset(n for n in catalog.names() if catalog.flat_only(n) is not None
+                             and n != "onebit")
+#: strategies that keep a residual (what ``auto`` carries over a switch)
+ERROR_FEEDBACK = frozenset({"int8", "onebit", "topk", "powersgd"})
+
+
+class Hierarchical(HookSync):
+    """``strategy`` across the nodes of ``topology``, exact inside each node.
+
+    ``allreduce_algo`` (a Wire algorithm or a function of the payload bytes)
+    applies to the strategy's all-reduces across nodes.  Build it on every
+    rank; only leaders build the strategy itself.
+    """
+
+    two_phase = False
+    layout = "hierarchical"
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
+                 topology: Topology, *, allreduce_algo: str | Callable[[int], str] | None = None,
+                 _register_hook: bool = True, **options: Any):
+        if strategy in NOT_HIERARCHICAL:
+            raise ValueError(f"hierarchy: {strategy} runs flat only "
+                             f"({catalog.flat_only(strategy)})")
+        self.name = strategy
+        self.spec = catalog.spec(strategy)
+        self._cls = get_strategy(strategy)
+        self.communicates = self._cls.communicates
+        self.topo = topology.build_groups()
+        self._algo = allreduce_algo
+        self._raw_options = dict(options)
+        super().__init__(ddp, None, _register_hook=_register_hook,
+                         _wire=Wire(self.topo.local_group, self._count), **options)
+
+    # -- set-up ---------------------------------------------------------------
+    def _setup(self) -> None:
+        t = self.topo
+        if not t.uniform:
+            raise ValueError(f"hierarchy: nodes have different rank counts ({t.describe()}); "
+                             "use the flat layout")
+        why = catalog.flat_only(self.name, self.options)
+        if why is not None:
+            raise ValueError(f"{self.name}: runs flat only: {why}; pass onebit option "
+                             "momentum=false (signed gradients) or the flat layout")
+        self.world_size, self.rank = t.world_size, t.rank
+        self._G, self._N = t.local_size, t.num_nodes
+        self.leader = t.is_leader
+        self._outs: list[tuple[torch.Tensor, torch.futures.Future | None,
+                               torch.futures.Future]] = []
+        self.inner = None
+        if self.leader:
+            self.inner = self._cls(self.ddp, process_group=t.leader_group, _register_hook=False,
+                                   **self._raw_options)
+            algo = self._algo
+            if algo == "auto":  # measured on the leaders' link, where it applies
+                from lorasync.comm.linkprobe import algo_chooser
+                algo = algo_chooser(self.inner.wire, self.inner._probe_device())
+            if algo is not None:
+                self.inner.wire.set_algo(algo)
+
+    # -- per step: the bucket hook -------------------------------------------
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._ready()
+        lay = self._layout(bucket)
+        self._would_send_fp32(lay.numel)
+        last = bucket.is_last()
+        if bucket.index() == 0 and self._outs:
+            self._abandon("backward pass was abandoned")
+        if last and self.communicates:
+            with self._lock:
+                self._syncs += 1
+        buf = bucket.buffer()
+        if self._G > 1:
+            t0 = time.perf_counter()
+            buf.mul_(1.0 / self._G)
+            self.wire.all_reduce(buf)          # the node's exact mean, on the fast link
+            if not last:
+                self._add_comm(time.perf_counter() - t0)
+        if not self.per_step:
+            return completed(buf)              # periodic: local (node-mean) gradients
+        fut = self.inner._on_bucket(bucket) if self.leader else None
+        if self._G == 1:
+            return fut
+        out: torch.futures.Future = torch.futures.Future()
+        self._outs.append((buf, fut, out))
+        if last:
+            self._deliver()
+        return out
+
+    def _deliver(self) -> None:
+        """Broadcast every bucket's result inside the node, in bucket order
+        (the leader waits for each bucket's cross-node result first)."""
+        pending, self._outs = self._outs, []
+        for k, (buf, fut, out) in enumerate(pending):
+            try:
+                if self.leader:
+                    v = fut.wait()
+                    if isinstance(v, (list, tuple)):
+                        v = v[0]
+                    if v is not buf:
+                        buf.copy_(v)
+                work = self.wire.broadcast(buf, 0, async_op=True)
+            except Exception as e:  # never leave DDP waiting on a future nobody completes
+                for _, _, o in pending[k:]:
+                    o.set_exception(e)
+                raise
+            work.get_future().then(functools.partial(_resolve, out, buf))
+
+    def _abandon(self, why: str) -> None:
+        for _, _, out in self._outs:
+            out.set_exception(RuntimeError(why))
+        self._outs = []
+
+    # -- periodic: the outer sync on the leaders ---------------------------------
+    def _applies(self, step: int) -> bool:
+        """Whether an outer sync (of any fragment) lands in ``after_step`` of ``step``."""
+        o = self.options
+        launched = step - o.delay if o.streaming else step
+        return launched >= 1 and bool(
+            catalog.fragments_due(launched, o.period, getattr(o, "fragments", 1)))
+
+    @property
+    def in_flight(self) -> bool:
+        """A streamed outer sync launched and not yet applied (every rank agrees)."""
+        if self.per_step or not self.options.streaming:
+            return False
+        s, o = self._steps, self.options
+        frags = getattr(o, "fragments", 1)
+        # launched after one of the last `delay` steps: applied after a later one
+        return any(catalog.fragments_due(t, o.period, frags)
+                   for t in range(max(1, s - o.delay + 1), s + 1))
+
+    def after_step(self) -> None:
+        super().after_step()
+        before = None
+        if self.leader:
+            before = self.inner.stats()["syncs"]
+            self.inner.after_step()
+        if self.per_step:
+            return
+        lands = self._applies(self._steps)
+        if self.leader and (self.inner.stats()["syncs"] > before) != lands:
+            raise RuntimeError(f"hierarchy: {self.name}'s outer sync did not follow its "
+                               f"schedule at step {self._steps}")
+        if lands:
+            with self._lock:
+                self._syncs += 1
+            self._share_adapter()
+
+    def settle(self) -> None:
+        if self.leader and self.inner is not None:
+            self.inner.settle()
+
+    def _share_adapter(self) -> None:
+        """The leader's adapter to every rank of its node."""
+        if self._G == 1:
+            return
+        flat = self._flat_params()
+        t0 = time.perf_counter()
+        self.wire.broadcast(flat, 0)
+        self._add_comm(time.perf_counter() - t0)
+        if not self.leader:
+            self._set_flat_params(flat)
+
+    def finish(self) -> None:
+        self._abandon("sync finished")
+        super().finish()
+        if self.leader:
+            self.inner.finish()
+        if not self.per_step:
+            self._share_adapter()
+
+    # -- what auto needs ----------------------------------------------------------
+    def residual_carry(self, residual: Callable[[Any], torch.Tensor | None]
+                       ) -> torch.Tensor | None:
+        """What this rank adds to its gradient so that the next sync delivers
+        what this strategy still owes (``residual``: auto's reading of a flat
+        strategy).  The leader's residual is in node-mean units: G times it
+        on the leader and nothing on the others gives the node mean it owes.
+        The same kind of answer (a tensor or None) on every rank."""
+        if self.name not in ERROR_FEEDBACK:
+            return None
+        if not self.leader:
+            return torch.zeros(self.numel, device="cpu")
+        r = residual(self.inner)
+        return torch.zeros(self.numel, device="cpu") if r is None else r * self._G
+
+    # -- accounting and state ----------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            own = {"wire_bytes": self._wire_bytes, "fp32_bytes": self._fp32_bytes,
+                   "comm_s": self._comm_s, "encode_s": self._encode_s, "syncs": self._syncs}
+        inner = self.inner.stats() if self.inner is not None else {}
+        inter = inner.get("wire_bytes", 0)
+        return {
+            "strategy": self.name,
+            "wire_bytes": own["wire_bytes"] + inter,
+            "intra_bytes": own["wire_bytes"], "inter_bytes": inter,
+            "fp32_bytes": own["fp32_bytes"],
+            "comm_s": own["comm_s"] + inner.get("comm_s", 0.0),
+            "encode_s": own["encode_s"] + inner.get("encode_s", 0.0),
+            "steps": self._steps, "syncs": own["syncs"],
+            "layout": "hierarchical", "nodes": self._N, "ranks_per_node": self._G,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(),
+                "hierarchy": {"nodes": self._N, "ranks_per_node": self._G,
+                              "leader": self.leader},
+                "inner": self.inner.state_dict() if self.inner is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        h = state.get("hierarchy")
+        if h is None:
+            raise ValueError(f"state_dict: saved by flat {self.name}; resume with the flat "
+                             "layout (--hierarchy flat)")
+        if (h["nodes"], h["ranks_per_node"]) != (self._N, self._G):
+            raise ValueError(f"state_dict: saved on {h['nodes']} nodes x {h['ranks_per_node']} "
+                             f"ranks, this run has {self._N} x {self._G}; the strategy's "
+                             "state lives on the node leaders: resume on the same layout")
+        if bool(h["leader"]) != self.leader:
+            raise ValueError("state_dict: saved by a rank that was "
+                             f"{'' if h['leader'] else 'not '}a node leader; ranks must keep "
+                             "their nodes (torchrun numbers ranks node by node)")
+        if self.leader:
+            self.inner.load_state_dict(state["inner"])
+
+
+def _resolve(out: torch.futures.Future, buf: torch.Tensor, f: torch.futures.Future) -> None:
+    try:
+        f.value()
+        out.set_result(buf)
+    except Exception as e:  # noqa: BLE001 - forwarded to DDP
+        out.set_exception(e)

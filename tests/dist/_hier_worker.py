@@ -1,0 +1,377 @@
+"""Worker for tests/dist/test_hierarchy.py: 4 gloo ranks on loopback taken as
+2 nodes x 2 ranks (``ranks_per_node=2``), every strategy flat and
+hierarchical; and lorasync's recursive-doubling all-reduce against gloo's
+ring on groups of 2 to 5 ranks.
+
+    python tests/dist/_hier_worker.py hier OUT_DIR      # 4 ranks
+    python tests/dist/_hier_worker.py rd OUT_DIR        # 5 ranks
+
+Each rank writes OUT_DIR/rank<rank>.json (and progress<rank>.log as it goes).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _strat_model as M  # noqa: E402
+
+G = 2            # ranks per "node"
+STEPS = 24
+LR = 1e-2
+BUCKET_MB = 0.001
+#: (label, strategy, options)
+CONFIGS = [
+    ("allreduce", "allreduce", {}),
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("int8", "int8", {}),
+    ("onebit", "onebit", {"block": 32, "warmup_steps": 0, "momentum": False}),
+    ("topk", "topk", {"ratio": 0.1}),
+    ("powersgd", "powersgd", {"rank": 1}),
+    ("local", "local", {"period": 4}),
+    ("diloco", "diloco", {"period": 4}),
+    ("diloco_streaming", "diloco", {"period": 4, "streaming": True, "delta_dtype": "fp16"}),
+]
+RESUME = ["int8", "topk", "diloco_streaming", "powersgd"]
+RESUME_AT, RESUME_END = 6, 14
+
+
+def _ddp(model):
+    return torch.nn.parallel.DistributedDataParallel(
+        model, init_sync=False, broadcast_buffers=False, bucket_cap_mb=BUCKET_MB)
+
+
+def _opt(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+def _spread(flat):
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return max(float((o - out[0]).abs().max()) for o in out)
+
+
+def _attach(model, name, opts, hierarchy):
+    import lorasync
+    ddp = _ddp(model)
+    return ddp, lorasync.attach(ddp, name, hierarchy=hierarchy, ranks_per_node=G, **opts)
+
+
+def _step(ddp, opt, sync, s, rank, teach, variable=True):
+    x, y = M.batch(s, rank, variable, teach)
+    ddp.module.jitter_s = M.jitter(s, rank) if variable else None
+    ((ddp(x) - y) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync.after_step()
+
+
+def scenario_train(rank, name, opts, hierarchy, teach, ev):
+    model = M.build(0)
+    ddp, sync = _attach(model, name, opts, hierarchy)
+    opt = _opt(model)
+    keys = ("wire_bytes", "intra_bytes", "inter_bytes")
+    per_step = {k: [] for k in keys}
+    spreads = []
+    last = sync.stats()
+    for s in range(1, STEPS + 1):
+        _step(ddp, opt, sync, s, rank, teach)
+        st = sync.stats()
+        for k in keys:
+            per_step[k].append(st[k] - last[k])
+        last = st
+        spreads.append(_spread(_flat(model)))
+    sync.finish()
+    with torch.no_grad():
+        loss = float(((model(ev[0]) - ev[1]) ** 2).mean())
+    return {"params": _flat(model).tolist(), "eval_loss": loss, "bytes": per_step,
+            "spreads": spreads, "spread_after_finish": _spread(_flat(model)),
+            "layout": st.get("layout", "flat"), "syncs": st["syncs"],
+            "shapes": [list(p.shape) for p in model.parameters() if p.requires_grad]}
+
+
+def scenario_first_gradient(rank, name, opts, teach):
+    """The averaged gradient of one step: hierarchical, flat and exact (fp64)."""
+    out = {}
+    for hierarchy in ("flat", "node"):
+        model = M.build(0)
+        ddp, sync = _attach(model, name, opts, hierarchy)
+        x, y = M.batch(1, rank, False, teach)
+        ((ddp(x) - y) ** 2).mean().backward()
+        out[hierarchy] = torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                                    if p.requires_grad]).double()
+        sync.finish()
+    ref = M.build(0)
+    x, y = M.batch(1, rank, False, teach)
+    ((ref(x) - y) ** 2).mean().backward()
+    g = torch.cat([p.grad.reshape(-1) for p in ref.parameters() if p.requires_grad]).double()
+    dist.all_reduce(g)
+    g /= dist.get_world_size()
+    scale = float(g.abs().max())
+    # relative L2 error of the averaged gradient (max-norm is the one dropped
+    # entry for top-k, the same whatever the layout)
+    return {k: float((v - g).norm() / g.norm()) for k, v in out.items()}
+
+
+def scenario_mass(rank, name, opts, teach, steps=8):
+    """Error feedback across nodes loses nothing: the applied (synced)
+    gradients plus what the strategy still owes (auto's carry: the leaders'
+    residuals in node units) sum to the true mean gradients."""
+    from lorasync.comm.auto import _residual
+
+    n = dist.get_world_size()
+    model, ref = M.build(0), M.build(0)
+    ddp, sync = _attach(model, name, opts, "node")
+    applied = torch.zeros(sync.numel, dtype=torch.float64)
+    true = torch.zeros_like(applied)
+    for s in range(1, steps + 1):
+        x, y = M.batch(s, rank, True, teach)
+        ((ddp(x) - y) ** 2).mean().backward()
+        applied += torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                              if p.requires_grad]).double()
+        model.zero_grad(set_to_none=True)
+        ((ref(x) - y) ** 2).mean().backward()
+        g = torch.cat([p.grad.reshape(-1) for p in ref.parameters() if p.requires_grad]).double()
+        ref.zero_grad(set_to_none=True)
+        dist.all_reduce(g)
+        true += g / n
+        sync.after_step()
+    carry = _residual(sync).double()
+    dist.all_reduce(carry)
+    carry /= n
+    return {"max_err": float((applied + carry - true).abs().max()),
+            "scale": float(true.abs().max()), "carry_max": float(carry.abs().max())}
+
+
+def scenario_resume(rank, name, opts, teach):
+    model = M.build(0)
+    ddp, sync = _attach(model, name, opts, "node")
+    opt = _opt(model)
+    for s in range(1, RESUME_AT + 1):
+        _step(ddp, opt, sync, s, rank, teach)
+    ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+            copy.deepcopy(sync.state_dict()))
+    for s in range(RESUME_AT + 1, RESUME_END + 1):
+        _step(ddp, opt, sync, s, rank, teach)
+    uninterrupted = _flat(model)
+    model2 = M.build(0)
+    model2.load_state_dict(ckpt[0])
+    ddp2, sync2 = _attach(model2, name, opts, "node")
+    opt2 = _opt(model2)
+    opt2.load_state_dict(ckpt[1])
+    sync2.load_state_dict(ckpt[2])
+    for s in range(RESUME_AT + 1, RESUME_END + 1):
+        _step(ddp2, opt2, sync2, s, rank, teach)
+    return {"max_diff": float((uninterrupted - _flat(model2)).abs().max())}
+
+
+def scenario_auto(rank, teach):
+    """auto on 2 x 2: both layouts measured, hierarchical children switched
+    between (forced) without a hang; replicas identical at the end."""
+    import lorasync
+
+    model = M.build(0)
+    ddp = _ddp(model)
+    opt = _opt(model)
+    sync = lorasync.attach(ddp, "auto", hierarchy="node", ranks_per_node=G, probe="live",
+                           measure_steps=2, interval=4, log=False, encode_probe=False,
+                           force_switch_at="5:int8,9:diloco,13:topk")
+    sync.set_optimizer(opt)
+    seen = []
+    for s in range(1, 17):
+        _step(ddp, opt, sync, s, rank, teach)
+        st = sync.stats()
+        seen.append([st["strategy"], st["layout"]])
+    sync.finish()
+    st = sync.stats()
+    return {"seen": seen, "spread": _spread(_flat(model)), "inter": st["inter_bytes"],
+            "intra": st["intra_bytes"], "wire": st["wire_bytes"]}
+
+
+def scenario_algo(rank, teach):
+    """The strategy's all-reduces with lorasync's recursive doubling (and the
+    per-message choice) give what the ring gives, flat and across leaders."""
+    import lorasync
+
+    out = {}
+    for label, name, opts, hierarchy in (("allreduce_flat", "allreduce", {}, "flat"),
+                                         ("diloco_node", "diloco", {"period": 2}, "node"),
+                                         ("fp16_node", "fp16", {}, "node")):
+        params = {}
+        for algo in ("ring", "recursive_doubling", "auto"):
+            model = M.build(0)
+            ddp = _ddp(model)
+            opt = _opt(model)
+            sync = lorasync.attach(ddp, name, hierarchy=hierarchy, ranks_per_node=G,
+                                   allreduce_algo=algo, **opts)
+            for s in range(1, 7):
+                _step(ddp, opt, sync, s, rank, teach)
+            sync.finish()
+            wire = sync.inner.wire if getattr(sync, "inner", None) is not None else sync.wire
+            params[algo] = _flat(model)
+            out[f"{label}/{algo}/counts"] = dict(wire.algo_counts)
+        out[f"{label}/rd_vs_ring"] = float((params["recursive_doubling"] - params["ring"])
+                                           .abs().max())
+        out[f"{label}/auto_vs_ring"] = float((params["auto"] - params["ring"]).abs().max())
+    return out
+
+
+def scenario_errors(rank):
+    import lorasync
+
+    out = {}
+
+    def attempt(fn):
+        try:
+            fn()
+            return None
+        except ValueError as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - a wrong error type
+            return f"NOT A ValueError: {type(e).__name__}: {e}"
+
+    def make(name, hierarchy="node", **opts):
+        return lorasync.attach(_ddp(M.build(0)), name, hierarchy=hierarchy, ranks_per_node=G,
+                               **opts)
+
+    out["torch_hook"] = attempt(lambda: make("torch_powersgd"))
+    out["none"] = attempt(lambda: make("none"))
+    out["onebit_adam"] = attempt(lambda: make("onebit"))
+    out["bad_hierarchy"] = attempt(lambda: make("allreduce", hierarchy="tree"))
+    out["bad_rpn"] = attempt(lambda: lorasync.attach(_ddp(M.build(0)), "allreduce",
+                                                     ranks_per_node=3))
+    flat_sd = make("int8", hierarchy="flat").state_dict()
+    out["flat_state"] = attempt(lambda: make("int8").load_state_dict(flat_sd))
+    hier_sd = make("int8").state_dict()
+    out["hier_state_ok"] = attempt(lambda: make("int8").load_state_dict(hier_sd))
+    # auto hierarchy leaves 1-bit Adam flat, and picks the layout for the others
+    out["auto_layout_onebit"] = make("onebit", hierarchy="auto").layout
+    out["auto_layout_int8"] = make("int8", hierarchy="auto").layout
+    return out
+
+
+def run_hier(rank, world, out_dir, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    log = open(os.path.join(out_dir, f"progress{rank}.log"), "a", buffering=1)
+    teach = M.teacher(0)
+    ev = M.eval_set(teach)
+    res: dict = {"train": {}, "first": {}, "mass": {}, "resume": {}}
+    with torch.no_grad():
+        res["eval_before"] = float(((M.build(0)(ev[0]) - ev[1]) ** 2).mean())
+    try:
+        log.write("errors\n")
+        res["errors"] = scenario_errors(rank)
+        for label, name, opts in CONFIGS:
+            for hierarchy in ("flat", "node"):
+                log.write(f"train {label} {hierarchy}\n")
+                res["train"][f"{label}/{hierarchy}"] = scenario_train(rank, name, opts,
+                                                                     hierarchy, teach, ev)
+            if name not in ("local", "diloco"):
+                log.write(f"first {label}\n")
+                res["first"][label] = scenario_first_gradient(rank, name, opts, teach)
+        for label, name, opts in CONFIGS:
+            if name in ("int8", "onebit", "topk", "powersgd"):
+                log.write(f"mass {label}\n")
+                res["mass"][label] = scenario_mass(rank, name, opts, teach)
+        for label, name, opts in CONFIGS:
+            if label in RESUME:
+                log.write(f"resume {label}\n")
+                res["resume"][label] = scenario_resume(rank, name, opts, teach)
+        log.write("auto\n")
+        res["auto"] = scenario_auto(rank, teach)
+        log.write("algo\n")
+        res["algo"] = scenario_algo(rank, teach)
+        log.write("done\n")
+    except Exception:
+        res["error"] = traceback.format_exc()
+        log.write("error\n" + res["error"])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    log.close()
+    dist.destroy_process_group()
+
+
+def run_rd(rank, world, out_dir, port):
+    """lorasync's recursive doubling against gloo's ring on ranks 0..k-1, k = 2..5."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    from lorasync.comm.wire import Wire, recursive_doubling
+
+    res: dict = {}
+    try:
+        groups = {k: dist.new_group(list(range(k))) for k in range(2, world + 1)}
+        for k, grp in groups.items():
+            if rank >= k:
+                continue
+            g = torch.Generator().manual_seed(100 * k + rank)
+            r: dict = {}
+            ints = torch.randint(-1000, 1000, (1003,), generator=g).float()
+            floats = torch.randn(4099, generator=g)
+            halves = torch.randn(257, generator=g).half()
+            for label, t in (("ints", ints), ("floats", floats), ("fp16", halves)):
+                ring, rd = t.clone(), t.clone()
+                dist.all_reduce(ring, group=grp)
+                recursive_doubling(rd, group=grp)
+                every = [torch.empty_like(rd) for _ in range(k)]
+                dist.all_gather(every, rd, group=grp)
+                r[label] = {"exact": bool(torch.equal(ring, rd)),
+                            "max_rel": float((ring.double() - rd.double()).abs().max()
+                                             / ring.double().abs().max()),
+                            "same_on_every_rank": all(torch.equal(e, rd) for e in every)}
+            mx = floats.clone()
+            recursive_doubling(mx, op=dist.ReduceOp.MAX, group=grp)
+            ref = floats.clone()
+            dist.all_reduce(ref, op=dist.ReduceOp.MAX, group=grp)
+            r["max_op"] = bool(torch.equal(mx, ref))
+            # through a Wire: several in flight at once, issued in order, and a
+            # native all-reduce between them on the same group
+            wire = Wire(grp, lambda n: None, algo="recursive_doubling")
+            ts = [torch.full((64 * (i + 1),), float(rank + i), device="cpu") for i in range(5)]
+            works = [wire.all_reduce(t, async_op=True) for t in ts[:3]]
+            native = torch.ones(16)
+            dist.all_reduce(native, group=grp)
+            works += [wire.all_reduce(t, async_op=True) for t in ts[3:]]
+            vals = [w.get_future().wait()[0] for w in works]
+            r["wire_async"] = all(float(v[0]) == sum(q + i for q in range(k)) and v is t
+                                  for i, (v, t) in enumerate(zip(vals, ts)))
+            r["wire_counts"] = dict(wire.algo_counts)
+            res[str(k)] = r
+    except Exception:
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    kind, out_dir = sys.argv[1], sys.argv[2]
+    os.makedirs(out_dir, exist_ok=True)
+    world = {"hier": 4, "rd": 5}[kind]
+    fn = {"hier": run_hier, "rd": run_rd}[kind]
+    mp.spawn(fn, args=(world, out_dir, _free_port()), nprocs=world, join=True)
