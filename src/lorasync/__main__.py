@@ -1,5 +1,3 @@
-import sys
+from lorasync.cli import entry
 
-from lorasync.cli import main
-
-sys.exit(main())
+entry()

@@ -64,6 +64,20 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def entry() -> None:
+    """``lorasync`` and ``python -m lorasync``: :func:`main`, then
+    :func:`lorasync.launch.exit_now` (no interpreter teardown)."""
+    from lorasync.launch import exit_now
+
+    try:
+        code = main()
+    except SystemExit as exc:   # argparse (--help, bad usage), a worker's user error
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    exit_now(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()

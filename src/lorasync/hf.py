@@ -135,19 +135,31 @@ def _raw_optimizer(opt):
 
 
 def _check_strategy(strategy: str, options: dict[str, Any]) -> None:
-    """What can be checked before DDP exists: the name and the option names."""
-    from lorasync.comm import get_strategy, strategy_names
+    """What can be checked before DDP exists: the name, the option names and
+    their values (the catalog's ranges; auto's ``NAME.OPTION`` ones too)."""
+    from lorasync import catalog
+    from lorasync.comm import strategy_names
+    from lorasync.errors import LorasyncError
 
     if not isinstance(strategy, str) or strategy not in strategy_names():
         raise AttachError(f"strategy: unknown name {strategy!r}; choose one of "
                           f"{', '.join(strategy_names())}")
-    known = getattr(get_strategy(strategy), "options", None)
-    if isinstance(known, dict):
-        plain = [k for k in options if "." not in k] if strategy == "auto" else list(options)
-        bad = sorted(set(plain) - set(known))
-        if bad:
-            raise AttachError(f"{strategy}: option {bad[0]!r} does not apply to this strategy "
-                              f"(it takes: {', '.join(sorted(known)) or 'none'})")
+    plain, nested = dict(options), {}
+    if strategy == "auto":
+        plain = {k: v for k, v in options.items() if "." not in k}
+        for key, value in options.items():
+            name, dot, opt = key.partition(".")
+            if dot:
+                nested.setdefault(name, {})[opt] = value
+    for name, opts in [(strategy, plain), *nested.items()]:
+        if name not in catalog.SPECS:
+            raise AttachError(f"auto: option {name}.*: {name!r} is not a strategy; choose "
+                              f"one of {', '.join(catalog.STRATEGIES)}")
+        try:
+            catalog.parse_options(name, opts)
+        except LorasyncError as exc:
+            known = ", ".join(k for k, _, _ in catalog.option_help(name)) or "none"
+            raise AttachError(f"{exc} ({name} takes: {known})") from None
 
 
 def _ddp_kwargs(*, bucket_mb: float, find_unused: bool, buffers: bool,

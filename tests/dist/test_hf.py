@@ -219,7 +219,7 @@ def test_no_startup_broadcast_of_frozen_weights(trainer):
 def test_bad_option_value_fails_before_the_first_step(trainer):
     r0, r1 = ranks(trainer, "badopt")
     for r in (r0, r1):
-        assert r["error"].startswith("AttachError") and "block=0" in r["error"]
+        assert r["error"].startswith("AttachError") and "int8.block: invalid value 0" in r["error"]
 
 
 # --------------------------------------------------------------------------- resume
@@ -296,7 +296,7 @@ def test_bad_inputs_raise_value_errors_naming_the_fix(tmp_path):
         got = json.load(fh)
     expected = {
         "unknown_strategy": ["unknown name 'fastest'", "choose one of", "int8"],
-        "unknown_option": ["'blocks'", "it takes: block"],
+        "unknown_option": ["'blocks'", "did you mean 'block'", "int8 takes: warmup_steps, block"],
         "no_peft": ["without a PEFT adapter", "get_peft_model", "peft_config="],
         "fsdp": ["FSDP is on", "remove the fsdp settings"],
         "deepspeed": ["DeepSpeed is on", "remove the deepspeed settings"],

@@ -340,7 +340,11 @@ class Auto(Sync):
             next((c for c in self._candidates if c not in PERIODIC), self._candidates[0]))
         measuring = self._measure > 0
         opts = self._child_opts.get(start, {})
-        if start not in self._layout_candidates[self._layout]:
+        if start not in self._layout_candidates[self._layout] and (
+                start in self._candidates or self._layout == "hierarchical"
+                and catalog.flat_only(start, opts) is not None):
+            # a candidate this layout cannot run (auto.start may name a
+            # strategy outside the candidates: it runs as given where it can)
             start = self._layout_candidates[self._layout][0]
             opts = self._child_opts.get(start, {})
         self._child = self._build(start, opts)

@@ -282,5 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from lorasync.launch import exit_now
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    exit_now(main())

@@ -134,7 +134,7 @@ def _resolve(args):
 
 def _preflight(cfg, world: int | None = None) -> None:
     """Check everything a user can get wrong before any worker starts or any file is written."""
-    from lorasync.comm import strategy_names
+    from lorasync import catalog   # torch-free: this process never trains
     from lorasync.train.data import load_datasets
     from lorasync.train.model import EMBEDDED, ensure_embedded, load_base
 
@@ -147,7 +147,7 @@ def _preflight(cfg, world: int | None = None) -> None:
                 raise ConfigError("run.metrics_port", cfg.run.metrics_port,
                                   f"cannot bind {cfg.run.metrics_host}:{cfg.run.metrics_port} "
                                   f"({exc.strerror}); choose a free port") from None
-    names = strategy_names()
+    names = sorted(catalog.SPECS)
     if cfg.comm.strategy not in names:
         raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")
     if cfg.model.name == EMBEDDED:
@@ -164,8 +164,10 @@ def _preflight(cfg, world: int | None = None) -> None:
 
 
 def _load_tokenizer(name, load_base):
-    if name in ("tiny",):
-        return load_base(name)
+    if name == "tiny":   # the tokenizer alone: building the model imports the modeling stack
+        from lorasync.train.model import _tiny_tokenizer
+
+        return None, _tiny_tokenizer()
     from lorasync.train.model import EMBEDDED, _embedded_dir
 
     path = _embedded_dir() if name == EMBEDDED else os.path.expanduser(name)
