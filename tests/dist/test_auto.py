@@ -736,7 +736,11 @@ def test_netns_rate_cut_makes_auto_switch(tmp_path):
     assert after, [(r["step"], r.get("switch")) for r in recs if "switch" in r]
     sw = after[0]
     assert "bandwidth" in sw["switch"]["reason"] and "->" in sw["switch"]["reason"]
-    assert sw["step"] - cut_at["step"] <= 3 * 10 + 3   # within a few K-step windows
+    # within a few K-step windows: a cut the step time alone does not show
+    # (0.06 s steps: inside the drift tolerance once the corrections are
+    # fitted) waits for the next budgeted probe, due every ceil(probe cost /
+    # (PROBE_BUDGET x window)) windows: 5 here
+    assert sw["step"] - cut_at["step"] <= 5 * 10 + 3
     assert sw["switch"]["to"] != "allreduce"
 
 
