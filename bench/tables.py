@@ -34,11 +34,14 @@ MARK = re.compile(r"(<!-- BEGIN table:(?P<name>[\w.+-]+) -->\n)(?P<body>.*?)(<!-
 sys.path.insert(0, str(ROOT / "src"))
 
 
+class Missing(Exception):
+    """A table's result file is not committed (yet)."""
+
+
 def _load(*parts: str):
     path = REF.joinpath(*parts)
     if not path.is_file():
-        raise FileNotFoundError(f"bench/reference/{'/'.join(parts)} is missing: run the bench "
-                                "and keep its results with bench/reference.py")
+        raise Missing(f"bench/reference/{'/'.join(parts)}")
     return json.loads(path.read_text())
 
 
@@ -106,7 +109,10 @@ def bench_profile(prof: str) -> str:
     """One profile's progressive-optimization table with its verdicts."""
     from lorasync.bench_cli import format_table, verdicts
 
-    cells = _bench()[prof]
+    res = _bench()
+    if prof not in res:
+        raise Missing(f"bench/reference/bench/results.json (profile {prof})")
+    cells = res[prof]
     table = format_table(prof, cells).split("\n", 3)[3]  # without the heading
     return table + "\n\n" + "\n".join(f"- {v}" for v in verdicts(cells))
 
@@ -114,6 +120,8 @@ def bench_profile(prof: str) -> str:
 def plan_accuracy() -> str:
     """Measured / predicted step time - 1, every strategy on every link (bench/plan_accuracy.py)."""
     base = REF / "plan-accuracy"
+    if not base.is_dir():
+        raise Missing("bench/reference/plan-accuracy")
     profiles = sorted((p for p in base.iterdir() if (p / "rows.json").is_file()),
                       key=lambda p: _rate_key(p.name))
     names: list[str] = []
@@ -257,7 +265,14 @@ def render(text: str, path: Path) -> str:
         if fn is None:
             raise SystemExit(f"{path.relative_to(ROOT)}: no renderer for table {name!r} "
                              f"(known: {', '.join(sorted(RENDERERS))}, bench-PROFILE)")
-        return m.group(1) + fn().rstrip("\n") + "\n" + m.group(4)
+        try:
+            body = fn()
+        except Missing as exc:
+            # no figures without their data: say so, and how the table gets filled
+            body = (f"*No committed result yet: `{exc}` is missing. Run the command above, "
+                    "keep its output with `python bench/reference.py DIR NAME`, then "
+                    "`python bench/tables.py`.*")
+        return m.group(1) + body.rstrip("\n") + "\n" + m.group(4)
     return MARK.sub(sub, text)
 
 

@@ -963,7 +963,7 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
                       port: int = 29400, env: dict | None = None, log_dir: str | Path | None = None,
                       fail_grace: float = 10.0, overlay: bool | None = None,
                       reach_timeout: float = 5.0, max_restarts: int = 0,
-                      min_nodes: int | None = None) -> int:
+                      min_nodes: int | None = None, last_call_s: float | None = None) -> int:
     """Run one torchrun agent per node, each in its namespace; return an exit code.
 
     ``nproc_per_node`` workers per agent (default: the spec's); the workers of
@@ -995,6 +995,9 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     ``min_nodes`` (elastic, ``--nnodes MIN:N``): an agent that dies is not a
     failure while at least ``min_nodes`` agents still run; the run succeeds
     when those do.
+    ``last_call_s``: how long a rendezvous that has ``min_nodes`` waits for
+    the others (torch's ``last_call_timeout``, 30 s by default): the time
+    the survivors give a lost node to come back before going on without it.
     """
     nn = len(cluster.nodes)
     if nproc_per_node is None:
@@ -1021,7 +1024,8 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
                     # HOST hosts the rendezvous store; torch's own guess compares
                     # hostnames, which are the same in every namespace
-                    "--rdzv-conf", f"is_host={1 if n.index == host.index else 0}",
+                    "--rdzv-conf", f"is_host={1 if n.index == host.index else 0}"
+                    + (f",last_call_timeout={last_call_s:g}" if last_call_s else ""),
                     "--local-addr", addr, "--max-restarts", str(max_restarts)]
             cmd += ["-m", module, *argv] if module else list(argv)
             e = dict(base_env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname,

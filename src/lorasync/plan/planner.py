@@ -50,12 +50,12 @@ __all__ = [
 #: offered as window, so one connection keeps ~3 MiB in flight untuned.
 DEFAULT_TCP_WINDOW = 3 * MiB
 #: gloo over TCP pays about one round trip per step of a collective algorithm:
-#: the DESIGN.md measurements (100 Mbit/s + 40 ms RTT: PowerSGD 82%, fp32 80%)
+#: the first bench measurements (100 Mbit/s + 40 ms RTT: PowerSGD 82%, fp32 80%)
 #: fit alpha = 1.0 x RTT, not the one-way 0.5 x RTT.
 ALPHA_PER_RTT = 1.0
 #: per-message software cost (gloo on CPU: enqueue, copy, wake-ups)
 ALPHA_OVERHEAD_S = 50e-6
-#: share of the line rate a collective achieves over TCP (DESIGN.md: gloo on
+#: share of the line rate a collective achieves over TCP (measured: gloo on
 #: veth + tbf reaches ~92% of 100 Mbit/s and ~95% of 1 Gbit/s)
 LINK_EFFICIENCY = 0.93
 #: per-message latency with RDMA verbs (NCCL over InfiniBand/RoCE)
