@@ -83,6 +83,15 @@ def _eff(cells: list[dict], key: str) -> dict | None:
     return next((c for c in cells if c.get("key") == key and c.get("samples_per_s")), None)
 
 
+def _last_strategy(prof: str, row: str) -> str | None:
+    """The strategy of a row's last step, from its committed metrics."""
+    path = REF / "bench" / prof / row / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return max(recs, key=lambda r: r["step"]).get("strategy") if recs else None
+
+
 def headline() -> str:
     """Scaling efficiency on each link (samples/s against the no-sync ceiling):
     plain DDP, torch's hooks, lorasync auto (lorasync bench)."""
@@ -96,7 +105,7 @@ def headline() -> str:
             c = _eff(cells, key)
             row.append(f"{100 * c['efficiency']:.0f}%" if c else "-")
         if auto:
-            pick = auto.get("final_strategy") or auto.get("strategy")
+            pick = auto.get("final_strategy") or _last_strategy(prof, "auto") or "auto"
             row.append(f"**{100 * auto['efficiency']:.0f}%** ({pick})")
             row.append(f"{auto['samples_per_s'] / ddp['samples_per_s']:.2f}x" if ddp else "-")
         else:

@@ -188,8 +188,10 @@ def after_last_switch(metrics_path: str) -> dict:
     except (OSError, ValueError):
         return {}
     switched = [r["step"] for r in recs if r.get("switch")]
-    if not switched:
+    if not recs:
         return {}
+    if not switched:   # auto kept its first pick (or what it measured with) throughout
+        return {"final_strategy": max(recs, key=lambda r: r["step"]).get("strategy")}
     last = max(switched)
     after = {}
     for r in recs:

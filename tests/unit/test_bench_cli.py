@@ -110,5 +110,5 @@ def test_auto_steady_state_after_its_last_switch(tmp_path):
     assert got == {"last_switch_step": 4, "final_strategy": "diloco", "steps_after_switch": 3,
                    "samples_per_s_after_switch": pytest.approx(24 / 4.5)}
     path.write_text("".join(json.dumps({**r, "switch": None}) + "\n" for r in recs))
-    assert after_last_switch(str(path)) == {}
+    assert after_last_switch(str(path)) == {"final_strategy": "diloco"}   # no switch: its pick
     assert after_last_switch(str(tmp_path / "missing.jsonl")) == {}
