@@ -354,7 +354,7 @@ def run_topology(args) -> int:
         cells = []
         with emulated(parse_emulate(espec)) as c:
             inter = _probe(c, pdir, "inter", timeout)
-            log(f"   probe between nodes: "
+            log("   probe between nodes: "
                 + (f"{inter[1] / 1e6:.3f} MB/s, alpha {inter[0] * 1e3:.2f} ms" if inter else
                    "failed"))
             base = _train(c, ceiling_row, common, os.path.join(pdir, "baseline"), timeout)

@@ -122,7 +122,6 @@ def scenario_first_gradient(rank, name, opts, teach):
     g = torch.cat([p.grad.reshape(-1) for p in ref.parameters() if p.requires_grad]).double()
     dist.all_reduce(g)
     g /= dist.get_world_size()
-    scale = float(g.abs().max())
     # relative L2 error of the averaged gradient (max-norm is the one dropped
     # entry for top-k, the same whatever the layout)
     return {k: float((v - g).norm() / g.norm()) for k, v in out.items()}
