@@ -54,9 +54,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def _records(run: str) -> list[dict]:
     path = Path(run) / "ranks" / "rank0.jsonl"
     try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     except (OSError, ValueError):
         return []
+    return [r for r in recs if "event" not in r]   # step records, not start/end events
 
 
 def run_one(cluster, label: str, comm: list[str], args, out: str) -> dict:

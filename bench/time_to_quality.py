@@ -141,8 +141,10 @@ def _jsonl(path: str) -> list[dict]:
 def read_progress(run_dir: str, world: int) -> tuple[list[dict], list[dict]]:
     """(steps every rank finished: step, max step_s, samples, comm_s, encode_s,
     compute_s; evaluations) of a run, finished or not."""
-    per = [{r["step"]: r for r in _jsonl(os.path.join(run_dir, "ranks", f"rank{i}.jsonl"))}
-           for i in range(world)]
+    # step records only (the streams also hold start/end events); a step run
+    # again after a restart: its latest record
+    per = [{r["step"]: r for r in _jsonl(os.path.join(run_dir, "ranks", f"rank{i}.jsonl"))
+            if "event" not in r} for i in range(world)]
     steps = []
     for s in sorted(set.intersection(*(set(p) for p in per)) if per else []):
         rs = [p[s] for p in per]
