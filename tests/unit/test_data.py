@@ -100,3 +100,14 @@ def test_collate_pads_right_and_masks(tok):
     short = 0 if len(exs[0].input_ids) < len(exs[1].input_ids) else 1
     k = len(exs[short].input_ids)
     assert (b["labels"][short, k:] == IGNORE).all() and (b["attention_mask"][short, k:] == 0).all()
+
+
+def test_batched_tokenization_equals_one_row_at_a_time(tok):
+    """encode_rows tokenizes all texts in one call; the examples are the ones a
+    row-by-row encode gives (demo rows and text rows, truncation included)."""
+    from lorasync.train.data import _Formatter
+
+    rows = demo_rows(300, 0)[0] + [{"text": "hello world " * 40}, {"text": "hi"}]
+    fmt = _Formatter(tok, 48)
+    one_by_one = [e for e in map(fmt.encode, rows) if any(t != IGNORE for t in e.labels)]
+    assert len(one_by_one) > 250 and encode_rows(rows, tok, 48) == one_by_one
