@@ -26,6 +26,9 @@ after the other in this invocation (compare ratios, not absolute times):
 
 samples/s = samples of all ranks in steps 2..N / rank 0's wall time from the
 end of step 1 to the end of step N (the first step pays DDP's bucket rebuild).
+Neither path counts the sync after step N that leaves the replicas identical
+(DiLoCo's last average): ``lorasync train`` runs it after its last step record,
+and the Trainer rows report it apart (``final_sync_s``, ``final_sync_bytes``).
 Start-up = ``trainer.train()`` called -> first step about to run (DDP built,
 start-up sync, strategy attached: auto's probe included).
 
@@ -136,11 +139,16 @@ def worker(a) -> None:
     if handle is not None:
         st = handle.stats()
         recs = handle.records
+        # the same figures as lorasync train's summary: steps after the first (DDP's
+        # bucket rebuild), the final sync after the last step reported on its own
+        steady = recs[1:] or recs
         res.update(startup_bytes=handle.startup_bytes, lorasync_startup_s=handle.startup_s,
                    final_strategy=st["strategy"], switches=st.get("switches", 0),
-                   wire_bytes_per_step=st["wire_bytes"] / max(1, len(recs)),
-                   sync_share=(sum(r["comm_s"] for r in recs[1:]) /
-                               max(1e-9, sum(r["step_s"] for r in recs[1:]))))
+                   wire_bytes_per_step=sum(r["wire_bytes"] for r in steady) / max(1, len(steady)),
+                   sync_share=(sum(r["comm_s"] for r in steady) /
+                               max(1e-9, sum(r["step_s"] for r in steady))),
+                   final_sync_bytes=handle.final_sync["wire_bytes"],
+                   final_sync_s=handle.final_sync["comm_s"])
     else:
         res["startup_bytes"] = state_bytes   # DDP's start-up broadcast: every param and buffer
     with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as fh:
@@ -194,7 +202,7 @@ def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool
         r0 = json.load(fh)
     res.update({k: r0[k] for k in ("startup_s", "startup_bytes", "base_state_bytes", "losses")})
     for k in ("final_strategy", "switches", "wire_bytes_per_step", "sync_share",
-              "lorasync_startup_s"):
+              "lorasync_startup_s", "final_sync_bytes", "final_sync_s"):
         if k in r0:
             res[k] = r0[k]
     if gate:

@@ -222,6 +222,10 @@ class HFSync:
         self.startup_s = 0.0
         #: one record per optimizer step (Trainer path), fields as in metrics.jsonl
         self.records: list[dict[str, Any]] = []
+        #: the sync that makes the replicas identical after the last step (DiLoCo's and
+        #: local SGD's last average, a streamed sync settled): bytes sent and seconds;
+        #: not part of any step record
+        self.final_sync: dict[str, float] = {"wire_bytes": 0, "comm_s": 0.0}
         self.finished = False
         self._accelerator = accelerator
         self._optimizer_given = False
@@ -371,9 +375,6 @@ class _Callback(TrainerCallback):
         if sync is None or h.finished:
             return
         sync.after_step()
-        if state.max_steps and state.global_step >= state.max_steps:
-            # last step: replicas identical before the final checkpoint and save_model
-            h.finish()
         now = time.perf_counter()
         st = sync.stats()
         last = self._last or st
@@ -399,6 +400,16 @@ class _Callback(TrainerCallback):
         h.records.append(rec)
         self._last = st
         self._t_prev = now
+        if state.max_steps and state.global_step >= state.max_steps:
+            # last step: replicas identical before the final checkpoint and save_model.
+            # Timed apart from the step, as `lorasync train` does: the step records
+            # compare like for like, and the final sync is reported on its own.
+            t0 = time.perf_counter()
+            h.finish()
+            end = sync.stats()
+            h.final_sync = {"wire_bytes": end["wire_bytes"] - st["wire_bytes"],
+                            "comm_s": time.perf_counter() - t0}
+            self._last = end
 
     def on_train_end(self, args, state, control, **kw):
         # stopped before max_steps (early stopping, should_training_stop)
@@ -441,7 +452,9 @@ class _Callback(TrainerCallback):
                      "lorasync/wire_bytes_total": st["wire_bytes"],
                      "lorasync/syncs": st.get("syncs", 0),
                      "lorasync/startup_bytes": h.startup_bytes,
-                     "lorasync/startup_s": h.startup_s}
+                     "lorasync/startup_s": h.startup_s,
+                     "lorasync/final_sync_bytes": h.final_sync["wire_bytes"],
+                     "lorasync/final_sync_s": h.final_sync["comm_s"]}
             if st.get("switches"):
                 extra["lorasync/switches"] = st["switches"]
         if not extra:

@@ -160,6 +160,11 @@ def test_trainer_periodic_and_auto_end_identical(trainer, name, strategy):
     logs = train_logs(r0["log_history"])
     assert logs[-1]["loss"] < logs[0]["loss"] - 0.05
     assert r0["stats"]["steps"] == 16
+    # the step records and the final sync (timed apart) account for every byte sent
+    final = r0["log_history"][-1]
+    assert final["lorasync/final_sync_s"] >= 0
+    assert sum(r["wire_bytes"] for r in r0["records"]) + final["lorasync/final_sync_bytes"] \
+        == r0["stats"]["wire_bytes"]
     if strategy == "diloco":
         # outer steps on the Trainer's optimizer steps 4, 8, 12, 16; nothing sent between
         assert r0["stats"]["syncs"] == 4
