@@ -394,6 +394,46 @@ def test_nodes_behind_nat_share_the_hubs_link(capsys):
     assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--behind-nat", "3"]) == 2
 
 
+def _plan_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+REGIONS = ["--nodes", "16", "--ranks-per-node", "8", "--rate", "10gbit", "--rtt", "40ms",
+           "--intra-rate", "1200gbit", "--intra-latency", "5us", "--compute-s", "0.52",
+           "--model", "llama-3-8b", "--lora-r", "16", "--lora-targets", "q,k,v,o,gate,up,down",
+           "--batch-size", "4", "--backend", "nccl"]
+
+
+def test_recommendation_ends_where_the_steps_end(capsys):
+    """16 x 8 GPUs across regions: plain DDP is latency-bound (TCP tuning gains
+    it 0.2%), the periodic sync the steps end on is bandwidth-bound (it gains
+    85%): TCP tuning is judged for the latter, and the ranking and the
+    recommendation assume the worthwhile steps, so they match the last step."""
+    pl = _plan_json(capsys, *REGIONS)
+    todo = [s for s in pl["steps"] if s["worthwhile"]]
+    assert todo[0]["action"] == "tcp_tuning" and todo[0]["gain"] > 0.5
+    assert "where the steps end" in todo[0]["detail"]
+    rec = pl["recommendation"]["prediction"]
+    assert rec["samples_per_s"] == pytest.approx(todo[-1]["samples_per_s_after"], rel=1e-6)
+    assert any(w.startswith("TCP buffers raised") for w in pl["ranked_with"])
+
+
+def test_a_step_not_worth_it_is_not_taken(capsys):
+    """4 x 8 V100 on InfiniBand: allreduce reaches 99.7% of the ceiling; local
+    SGD would gain nothing and is listed as not worth it, so the ranking keeps
+    every strategy's defaults and the recommendation stays allreduce."""
+    pl = _plan_json(capsys, "--nodes", "4", "--ranks-per-node", "8", "--rate", "100gbit",
+                    "--rtt", "10us", "--rdma", *REGIONS[8:12], "--compute-s", "1.5",
+                    *REGIONS[14:])
+    assert not any(s["worthwhile"] for s in pl["steps"])
+    per = next(s for s in pl["steps"] if s["action"] == "periodic_sync")
+    assert "beat allreduce" in per["detail"]
+    assert pl["ranked_with"] == [] and pl["recommendation"]["strategy"] == "allreduce"
+    local = next(p for p in pl["ranking"] if p["strategy"] == "local")
+    assert local["options"]["period"] == 8   # the default, not the untaken step's 32
+
+
 # --------------------------------------------------------------------------- hiding outer syncs
 
 from lorasync.plan.planner import hide_sync, tune_periodic  # noqa: E402

@@ -397,6 +397,8 @@ def format_plan(pl: Plan, notes: list[str] = ()) -> str:
         out.append(f"inside each node: {fmt_rate(net.intra_bandwidth_Bps)}, alpha "
                    f"{fmt_duration(net.intra_alpha_s)} per message")
     out.append(f"ceiling (no sync): {ceil.samples_per_s:.3g} samples/s")
+    if pl.ranked_with:
+        out.append(f"ranked with the steps below applied: {'; '.join(pl.ranked_with)}")
     out.append("")
     multi = net.ranks_per_node > 1
     head = ("  #  strategy    samples/s    eff     step   exposed    encode  wire/step  "

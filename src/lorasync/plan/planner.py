@@ -146,6 +146,9 @@ class Plan:
     recommendation: Recommendation
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = ()
+    #: what the ranking and the recommendation assume of the steps (the worthwhile
+    #: ones that change the network or the options), so they end where the steps end
+    ranked_with: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         wl = asdict(self.workload)
@@ -160,6 +163,7 @@ class Plan:
             "recommendation": self.recommendation.to_dict(),
             "steps": [s.to_dict() for s in self.steps],
             "notes": list(self.notes),
+            "ranked_with": list(self.ranked_with),
         }
 
 
@@ -513,7 +517,8 @@ def _periodic_choice(p: Prediction, net: Net, wl: Workload, given: Mapping[str, 
         for h in PERIOD_CHOICES:
             _, q = hide_sync(net, _with(base, name, period=h), name, fixed | {"period"})
             if q.efficiency >= TARGET_EFFICIENCY and q.samples_per_s > cur.samples_per_s:
-                chosen, why = q, f"the fewest that reach {TARGET_EFFICIENCY:.0%} of the ceiling"
+                chosen, why = q, (f"the fewest local steps that reach {TARGET_EFFICIENCY:.0%} "
+                                  f"of the ceiling and beat {cur.strategy}")
                 break
     if name == "diloco" and not fixed & {"delta_dtype", "delta_topk", "delta_block"} \
             and (chosen is None or chosen.options["period"] > default_period):
@@ -592,9 +597,10 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
         return tuple(c for c in given
                      if catalog.flat_only(c, workload.options.get(c)) is None)
 
-    def recommend(wl: Workload) -> Recommendation:
+    def recommend(wl: Workload, base: Net | None = None) -> Recommendation:
         """Every layout's ranking merged, the fastest layout's recommendation."""
-        recs = [choose(Measurements(dataclasses.replace(net, layout=lay), wl,
+        base = base or net
+        recs = [choose(Measurements(dataclasses.replace(base, layout=lay), wl,
                                     candidates=runs(lay))) for lay in layouts if runs(lay)]
         best = max(recs, key=lambda r: r.prediction.samples_per_s)
         if len(recs) > 1:
@@ -616,11 +622,16 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
     cur = predict("allreduce", net, workload)
     cur_net, wl = net, workload
 
-    # 1. TCP tuning: free, lossless, fixes the transport for every strategy
+    # 1. TCP tuning: free, lossless, fixes the transport for every strategy.  The
+    # steps after it assume it; whether it is worth it is judged again for the
+    # strategy they end on (below): plain DDP may be latency-bound where the
+    # periodic sync it ends on is not.
     step, cur_net = _tcp_step(cur_net, link, wl, cur)
+    tcp_at = None
     if step is None:
         notes.append("RTT unknown: the TCP window check was skipped (give --rtt)")
     else:
+        tcp_at = len(steps)
         steps.append(step)
         if step.samples_per_s_after is not None:
             cur = predict(cur.strategy, cur_net, wl)
@@ -672,9 +683,11 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
                       f"{fmt_duration(after.exposed_comm_s)} per step (only the last bucket's "
                       "sync must wait for the end of backward; each bucket costs its own "
                       "round trips)")
-            steps.append(_step("overlap", f"Overlap sync with backward: bucket_mb {mb:g}",
-                               detail, cur, after, cur.strategy, cur.options, mb))
-            cur, wl, bucket_mb = after, w, mb
+            st = _step("overlap", f"Overlap sync with backward: bucket_mb {mb:g}",
+                       detail, cur, after, cur.strategy, cur.options, mb)
+            steps.append(st)
+            if st.worthwhile:
+                cur, wl, bucket_mb = after, w, mb
         else:
             steps.append(_step("overlap", "Overlap sync with backward",
                                f"bucket_mb {bucket_mb:g} is already the best size tried "
@@ -696,12 +709,11 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
             detail = (f"one outer sync every {p.options['period']} steps ({why}); "
                       f"{_describe(p)}; replicas drift between syncs: compare eval quality "
                       "with a per-step run")
-            steps.append(_step("periodic_sync", title, detail, cur, p, p.strategy, p.options,
-                               None))
-            cur = p
-            wl = _with(wl, p.strategy, **p.options)
-            # the ranking and the recommendation with the periodic strategy as tuned
-            rec = recommend(_with(workload, p.strategy, **p.options))
+            st = _step("periodic_sync", title, detail, cur, p, p.strategy, p.options, None)
+            steps.append(st)
+            if st.worthwhile:   # else listed as not worth it, and not taken
+                cur = p
+                wl = _with(wl, p.strategy, **p.options)
         else:
             best_p = p
             steps.append(_step("periodic_sync", "Sync periodically",
@@ -710,6 +722,19 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
                                f"({best_p.strategy} would reach {_pct(best_p.efficiency)} "
                                "with a quality risk)", cur, cur, cur.strategy, cur.options,
                                None))
+
+    # 1, judged again: TCP tuning for the strategy the steps end on
+    tcp_bw = None
+    if tcp_at is not None and cur_net.bandwidth_Bps != net.bandwidth_Bps:
+        untuned = dataclasses.replace(cur_net, bandwidth_Bps=net.bandwidth_Bps)
+        again, _ = _tcp_step(untuned, link, wl, predict(cur.strategy, untuned, wl))
+        first = steps[tcp_at]
+        if (again.gain or 0) > (first.gain or 0):
+            steps[tcp_at] = dataclasses.replace(
+                again, detail=again.detail + f" (for {cur.strategy}, where the steps end; "
+                f"{first.strategy} at the start would gain {first.gain:+.1%})")
+        if steps[tcp_at].worthwhile:
+            tcp_bw = cur_net.bandwidth_Bps
 
     # 5. RDMA where the hardware has it: latency drops, TCP's window goes away
     if link.rdma:
@@ -737,7 +762,25 @@ def plan(net: Net, workload: Workload, link: Link = Link(),
         if adv is not None:
             steps.append(adv)
 
+    # the ranking and the recommendation with what the steps tuned: the bucket size
+    # and the periodic strategy's options (the network as measured: RDMA and TCP
+    # tuning stay steps), so that the recommendation is where the steps end
+    applied: list[str] = []
+    if tcp_bw is not None:
+        applied.append(f"TCP buffers raised ({fmt_rate(tcp_bw)} between nodes)")
+    if wl.bucket_bytes != workload.bucket_bytes:
+        applied.append(f"bucket_mb {bucket_mb:g}")
+    if wl.options != workload.options:
+        applied.append(f"{cur.strategy} as tuned")
+    if applied:
+        tuned = dataclasses.replace(workload, bucket_bytes=wl.bucket_bytes,
+                                    first_bucket_bytes=wl.first_bucket_bytes,
+                                    options=wl.options)
+        rec = recommend(tuned, dataclasses.replace(net, bandwidth_Bps=tcp_bw)
+                        if tcp_bw is not None else None)
+
     if workload.matrices is None and "powersgd" in candidates:
         notes.append("PowerSGD bytes assume LoRA matrices r x 1024 (give --model for shapes)")
     return Plan(net=net, link=link, workload=workload, ceiling=ceiling, ranking=rec.ranking,
-                recommendation=rec, steps=tuple(steps), notes=tuple(notes))
+                recommendation=rec, steps=tuple(steps), notes=tuple(notes),
+                ranked_with=tuple(applied))
