@@ -117,6 +117,18 @@ def _profiles(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def profile_rows(wanted: str, steps: int, index: int, profiles: int) -> list[Row]:
+    """The rows of profile ``index`` of ``profiles``.  The no-sync ceiling does
+    not depend on the link (nothing is sent): it runs at the start of the first
+    profile and at the very end of the last one."""
+    rows = _rows(wanted, steps)
+    if index > 0:
+        rows = [r for r in rows if r.key != "ceiling"]
+    if index < profiles - 1:
+        rows = [r for r in rows if r.key != "ceiling_end"]
+    return rows
+
+
 def _rows(wanted: str, steps: int = 9) -> list[Row]:
     ddp = ["--comm", "allreduce", "--bucket-mb", "25", "--broadcast-buffers"]
     # one full period inside the measured steps (all but the first)
@@ -481,13 +493,7 @@ def run(args) -> int:
         delay = label.partition("+")[2]
         pdir = os.path.join(out, label.replace("+", "_"))
         os.makedirs(pdir, exist_ok=True)
-        rows = _rows(args.rows, args.steps)
-        # the no-sync ceiling does not depend on the link (nothing is sent):
-        # it runs at the start of the first profile and at the very end
-        if i > 0:
-            rows = [r for r in rows if r.key != "ceiling"]
-        if i < len(specs) - 1:
-            rows = [r for r in rows if r.key != "ceiling_end"]
+        rows = profile_rows(args.rows, args.steps, i, len(specs))
         print(f"\n== {label}: {spec.describe()}", file=sys.stderr, flush=True)
         with emulated(spec) as cluster:
             status = cluster.status(measure=True, seconds=1.0)

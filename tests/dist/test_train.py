@@ -19,11 +19,15 @@ def read_metrics(run):
         return [json.loads(line) for line in fh]
 
 
+# dropout on: an exact resume must restore the RNG too (test_resume_...)
+FINISHED = [*TINY, "--max-steps", "6", "--ckpt-interval", "3", "--tensorboard",
+            "--lora-dropout", "0.1"]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = str(tmp_path_factory.mktemp("runs") / "r")
-    p = run_cli("train", *TINY, "--max-steps", "6", "--ckpt-interval", "3", "--tensorboard",
-                "--output-dir", run)
+    p = run_cli("train", *FINISHED, "--output-dir", run)
     assert p.returncode == 0, p.stderr[-3000:]
     return run, p
 
@@ -79,19 +83,23 @@ def test_adapter_loads_in_peft(finished_run):
         assert torch.equal(params[k].detach(), v), k
 
 
-def test_resume_equals_uninterrupted(tmp_path):
-    common = [*TINY, "--max-steps", "8", "--ckpt-interval", "4", "--lora-dropout", "0.1",
-              "--eval-size", "0"]
-    full = str(tmp_path / "full")
-    p = run_cli("train", *common, "--output-dir", full)
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_resume_equals_uninterrupted_and_skips_a_damaged_checkpoint(finished_run, tmp_path):
+    """The same run stopped after step 5 (checkpoints at 3 and 5), rank 1's newest
+    checkpoint file damaged (same size, bytes flipped), then resumed: the damaged
+    checkpoint is never loaded, the run goes on from step 3, and every step's
+    loss equals the uninterrupted run's (data order, adapter, optimizer, RNG)."""
+    full, _ = finished_run
     part = str(tmp_path / "part")
-    p = run_cli("train", *common, "--stop-after", "5", "--output-dir", part)
+    p = run_cli("train", *FINISHED, "--stop-after", "5", "--output-dir", part)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not os.path.exists(os.path.join(part, "metrics.jsonl"))
+    path = os.path.join(part, "checkpoints", "step-000005", "rank1.pt")
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) // 2)
+        fh.write(b"\0\0\0\0\0\0\0\0")
     p = run_cli("train", "--resume", "--output-dir", part, "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "resumed from" in p.stderr
+    assert "resumed from" in p.stderr and "step-000003 at step 3" in p.stderr
     a, b = read_metrics(full), read_metrics(part)
     assert [(r["step"], r["rank"]) for r in a] == [(r["step"], r["rank"]) for r in b]
     for x, y in zip(a, b):

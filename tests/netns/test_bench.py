@@ -24,18 +24,20 @@ def _bench_namespaces() -> list[str]:
 def test_bench_rows_predictions_and_cleanup(tmp_path):
     before = _bench_namespaces()
     out = tmp_path / "res"
-    p = run_cli("bench", "--model", "tiny", "--profiles", "100mbit,1gbit", "--rows", "fp16",
+    # one profile (each costs a probe and a run per row; which rows run in which
+    # profile of several is tests/unit/test_bench_cli.py's)
+    p = run_cli("bench", "--model", "tiny", "--profiles", "100mbit", "--rows", "fp16",
                 "--steps", "3", "--eval-size", "0", "--output-dir", out, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     md = (out / "results.md").read_text()
     for row in ("+ fp16 compression", "RDMA"):
-        assert md.count(f"| {row}") == 2      # one table per profile
+        assert md.count(f"| {row}") == 1
     # the ceiling (link-independent) runs at the very start and at the very end
     assert md.count("| no sync (ceiling) |") == 1 and md.count("| no sync (ceiling, again)") == 1
-    assert md.count("reference ceiling: ") == 2 and "fastest of 2 no-sync runs" in md
+    assert md.count("reference ceiling: ") == 1 and "fastest of 2 no-sync runs" in md
     assert "probe: all-reduce bandwidth" in md
     res = json.loads((out / "results.json").read_text())["results"]
-    for prof in ("100mbit", "1gbit"):
+    for prof in ("100mbit",):
         fp16 = next(c for c in res[prof] if c.get("key") == "fp16")
         assert fp16["status"] == "ok" and fp16["wire_mb"] > 0 and fp16["predicted_step_s"] > 0
         assert fp16["efficiency"] > 0   # (tiny steps of ~20 ms: noise can put it above 1)

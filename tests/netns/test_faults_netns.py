@@ -127,7 +127,7 @@ def test_node_lost_for_good_the_others_continue(tmp_path):
         t, box = _launch(c, [*TINY, "--max-steps", "120", "--ckpt-interval", "5",
                              "--fault-timeout", "8", "--max-restarts", "2", "--nnodes", "2:3",
                              "--output-dir", run], tmp_path, max_restarts=2, min_nodes=2,
-                       last_call_s=10)   # the survivors go on 10 s after reaching 2 nodes
+                       last_call_s=5)   # the survivors go on 5 s after reaching 2 nodes
         rank, _ = _wait(lambda: _rank_on(run, 2, 3), 240, "node 2's first step")
         _wait(lambda: sum("event" not in x for x in _records(run, rank)) >= 8, 200, "step 8")
         from lorasync.net.cluster import _pids_in_netns

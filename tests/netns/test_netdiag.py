@@ -187,15 +187,16 @@ def test_doctor_finds_loopback_hostname_and_mtu_mismatch(topo):
     # live, without GLOO_SOCKET_IFNAME: the failure the finding predicts
     port = 29517
     base = dict(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=port, WORLD_SIZE=2, LOCAL_WORLD_SIZE=1, LOCAL_RANK=0)
-    procs = [topo.spawn(ns, _lorasync("doctor", "--timeout", "8", "--no-probe"), _env(RANK=i, **base))
+    procs = [topo.spawn(ns, _lorasync("doctor", "--timeout", "5", "--no-probe"), _env(RANK=i, **base))
              for i, ns in enumerate((n0, n1))]
     results = topo.wait_all(procs, 90)
     assert all(code == 1 for code, _, _ in results), results
     text = "".join(o for _, o, _ in results)
     assert "could not join" in text and "hostname-loopback" in text
 
-    # live, with it: reachable, and the MTU difference is named
-    procs = [topo.spawn(ns, _lorasync("doctor", "--timeout", "60", "--json"),
+    # live, with it: reachable, and the MTU difference is named (the live probe's
+    # findings: tests/dist/test_probe.py::test_cli_doctor_live_two_ranks)
+    procs = [topo.spawn(ns, _lorasync("doctor", "--timeout", "60", "--json", "--no-probe"),
                         _env(RANK=i, GLOO_SOCKET_IFNAME="eth0", **dict(base, MASTER_PORT=port + 1)))
              for i, ns in enumerate((n0, n1))]
     results = topo.wait_all(procs, 120)

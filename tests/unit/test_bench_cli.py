@@ -6,7 +6,7 @@ import pytest
 
 from lorasync.bench_cli import (
     Row, _cells, _profiles, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
-    verdicts,
+    profile_rows, verdicts,
 )
 from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import Net
@@ -29,6 +29,12 @@ def test_periodic_row_syncs_inside_the_measured_steps():
     assert [r.key for r in _rows("ddp", 9)] == ["ceiling", "ddp", "ceiling_end"]
     with pytest.raises(ConfigError, match="--rows"):
         _rows("ddp,nope")
+
+
+def test_the_ceiling_runs_first_and_last_across_profiles():
+    keys = [[r.key for r in profile_rows("fp16", 3, i, 3)] for i in range(3)]
+    assert keys == [["ceiling", "fp16"], ["fp16"], ["fp16", "ceiling_end"]]
+    assert [r.key for r in profile_rows("fp16", 3, 0, 1)] == ["ceiling", "fp16", "ceiling_end"]
 
 
 def test_profiles_parse_rate_and_delay():
