@@ -111,3 +111,29 @@ def test_batched_tokenization_equals_one_row_at_a_time(tok):
     fmt = _Formatter(tok, 48)
     one_by_one = [e for e in map(fmt.encode, rows) if any(t != IGNORE for t in e.labels)]
     assert len(one_by_one) > 250 and encode_rows(rows, tok, 48) == one_by_one
+
+
+def test_the_launchers_bare_tiny_tokenizer_encodes_the_same(tok):
+    """The launcher checks the data with the tiny tokenizer without transformers;
+    it must find the very examples the workers' tokenizer makes."""
+    from lorasync.train.model import _tiny_tokenizer
+
+    rows = demo_rows(200, 0)[0] + [{"text": "hello world " * 40}, {"prompt": "", "completion": ""}]
+    bare = _tiny_tokenizer(bare=True)
+    assert bare.eos_token == tok.eos_token and bare.pad_token_id == tok.pad_token_id
+    assert encode_rows(rows, bare, 48) == encode_rows(rows, tok, 48)
+
+
+def test_the_launchers_check_encodes_only_what_it_needs(tok, tmp_path):
+    from lorasync.config import DataConfig
+    from lorasync.train.data import load_datasets
+
+    cfg = DataConfig(demo_size=4000, eval_size=8)
+    train, ev = load_datasets(cfg, tok, need=16)
+    full, _ = load_datasets(cfg, tok)
+    assert 16 <= len(train) < len(full) and ev == [] and train == full[:len(train)]
+    # every row of a file is still read and validated, the last one too
+    bad = tmp_path / "d.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(30)) + "{oops\n")
+    with pytest.raises(DataError, match="d.jsonl:31"):
+        load_datasets(DataConfig(path=str(bad), eval_size=0), tok, need=2)

@@ -153,9 +153,9 @@ def _preflight(cfg, world: int | None = None) -> None:
     if cfg.model.name == EMBEDDED:
         ensure_embedded(log=lambda m: print(m, file=sys.stderr))
     _, tok = _load_tokenizer(cfg.model.name, load_base)
-    train, _ = load_datasets(cfg.data, tok)
     world = world or cfg.run.nproc
     g = world * cfg.train.batch_size * cfg.train.grad_accum
+    train, _ = load_datasets(cfg.data, tok, need=g)   # every row checked, g encoded
     if len(train) < g:
         raise LorasyncError(
             f"data.path: {len(train)} training examples is fewer than one global batch "
@@ -167,7 +167,7 @@ def _load_tokenizer(name, load_base):
     if name == "tiny":   # the tokenizer alone: building the model imports the modeling stack
         from lorasync.train.model import _tiny_tokenizer
 
-        return None, _tiny_tokenizer()
+        return None, _tiny_tokenizer(bare=True)
     from lorasync.train.model import EMBEDDED, _embedded_dir
 
     path = _embedded_dir() if name == EMBEDDED else os.path.expanduser(name)

@@ -216,8 +216,25 @@ def encode_rows(rows: list[dict], tok, seq_len: int) -> list[Example]:
     return [e for e in out if any(t != IGNORE for t in e.labels)]
 
 
-def load_datasets(data_cfg, tok) -> tuple[list[Example], list[Example]]:
-    """(train, eval) examples for a DataConfig; DataError on bad input."""
+def _first_examples(rows: list[dict], tok, seq_len: int, need: int) -> list[Example]:
+    """At least ``need`` examples of ``rows`` (all of them, if fewer), encoding
+    only as many rows as that takes."""
+    out: list[Example] = []
+    chunk = max(64, need)
+    for i in range(0, len(rows), chunk):
+        out += encode_rows(rows[i:i + chunk], tok, seq_len)
+        if len(out) >= need:
+            break
+    return out
+
+
+def load_datasets(data_cfg, tok, need: int | None = None
+                  ) -> tuple[list[Example], list[Example]]:
+    """(train, eval) examples for a DataConfig; DataError on bad input.
+
+    ``need``: encode only until that many training examples are found (the
+    launcher's check that the data fills a global batch; every row is still
+    read and validated), and no eval examples."""
     if data_cfg.path == "demo":
         train_rows, eval_rows = demo_rows(data_cfg.demo_size, data_cfg.eval_size)
     else:
@@ -228,10 +245,15 @@ def load_datasets(data_cfg, tok) -> tuple[list[Example], list[Example]]:
             # hold out the last rows, at most a fifth of the file
             n_eval = min(data_cfg.eval_size, len(rows) // 5)
             train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
-    train = encode_rows(train_rows, tok, data_cfg.seq_len)
+    if need is not None:
+        train = _first_examples(train_rows, tok, data_cfg.seq_len, max(1, need))
+    else:
+        train = encode_rows(train_rows, tok, data_cfg.seq_len)
     if not train:
         raise DataError(f"data.path: no example of {data_cfg.path!r} keeps a trainable token "
                         f"within seq_len={data_cfg.seq_len}; raise --seq-len")
+    if need is not None:
+        return train, []
     return train, encode_rows(eval_rows, tok, data_cfg.seq_len)
 
 

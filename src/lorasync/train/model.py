@@ -112,9 +112,29 @@ def ensure_embedded(log=print) -> str:
     return target
 
 
-def _tiny_tokenizer():
+class _BareTokenizer:
+    """The tiny tokenizer's ``tokenizers.Tokenizer`` with the slice of the
+    transformers tokenizer API that ``train.data`` uses to encode rows: what the
+    launcher needs to check the data before any worker starts, without
+    importing transformers (1.5 s, on the path of every run's start)."""
+
+    chat_template = None
+
+    def __init__(self, tk, eos_token: str, pad_token: str):
+        self._tk, self.eos_token, self.pad_token = tk, eos_token, pad_token
+        self.pad_token_id = tk.token_to_id(pad_token)
+
+    def __call__(self, text, add_special_tokens: bool = True):
+        if isinstance(text, str):
+            return {"input_ids": self._tk.encode(text, add_special_tokens=add_special_tokens).ids}
+        return {"input_ids": [e.ids for e in self._tk.encode_batch(
+            list(text), add_special_tokens=add_special_tokens)]}
+
+
+def _tiny_tokenizer(bare: bool = False):
+    """The tiny model's character-level tokenizer; ``bare``: without transformers
+    (:class:`_BareTokenizer`, the same ids)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<unk>"]
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
@@ -122,6 +142,11 @@ def _tiny_tokenizer():
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
+    if bare:   # what PreTrainedTokenizerFast does with its special tokens
+        tk.add_special_tokens(specials)
+        return _BareTokenizer(tk, eos_token="<eos>", pad_token="<pad>")
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>")
 
