@@ -63,18 +63,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 KINDS = ("kill", "stop", "link", "node", "rate")
 
 
-def _read(path):
-    out = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    break
-    except OSError:
-        pass
-    return out
+from lorasync.monitor.metrics import read_jsonl_records as _read  # noqa: E402
 
 
 def _streams(run):

@@ -124,18 +124,7 @@ def label_of(key: str, opts: dict) -> str:
 
 # ----------------------------------------------------------------------------- reading runs
 
-def _jsonl(path: str) -> list[dict]:
-    out = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    break   # a line being written
-    except OSError:
-        pass
-    return out
+from lorasync.monitor.metrics import read_jsonl_records as _jsonl  # noqa: E402
 
 
 def read_progress(run_dir: str, world: int) -> tuple[list[dict], list[dict]]:

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from lorasync.monitor.metrics import read_jsonl_records
+
 from conftest import cli_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -25,18 +27,7 @@ TINY = ["--model", "tiny", "--batch-size", "2", "--eval-size", "0", "--no-progre
 
 
 def _records(run, rank):
-    path = os.path.join(run, "ranks", f"rank{rank}.jsonl")
-    out = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    break
-    except OSError:
-        pass
-    return out
+    return read_jsonl_records(os.path.join(run, "ranks", f"rank{rank}.jsonl"))
 
 
 def _metrics(run):

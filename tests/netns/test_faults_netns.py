@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from lorasync.monitor.metrics import read_jsonl_records
 from lorasync.net.cluster import Cluster, ClusterSpec, down, launch_on_cluster
 
 _why = ("needs root" if os.geteuid() != 0 else
@@ -39,17 +40,7 @@ def _sweep():
 
 
 def _records(run, rank):
-    out = []
-    try:
-        with open(os.path.join(run, "ranks", f"rank{rank}.jsonl")) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    break
-    except OSError:
-        pass
-    return out
+    return read_jsonl_records(os.path.join(run, "ranks", f"rank{rank}.jsonl"))
 
 
 def _rank_on(run, node, world):
