@@ -86,8 +86,12 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.update(restart_env(max_restarts, nnodes))
     # a worker's user error is the same on every try: restarted workers stop at once
-    with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal:
+    # torchrun's own per-run folder (error files) goes when the run ends, not a
+    # torchelastic_* folder left in /tmp by every run
+    with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal, \
+            tempfile.TemporaryDirectory(prefix="lorasync-torchrun-") as logs:
         os.environ["LORASYNC_FATAL_DIR"] = fatal
+        parsed.log_dir = parsed.log_dir or logs
         try:
             run(parsed)
         except ChildFailedError as exc:

@@ -33,6 +33,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -261,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
         if opts.rdzv_wait > 0 and conf.get("is_host") != "1" and args.rdzv_endpoint:
             wait_rendezvous(args.rdzv_endpoint, opts.rdzv_wait, label)
-        run(args)
+        # torchrun's per-run folder goes with the run (else a torchelastic_* in /tmp)
+        with tempfile.TemporaryDirectory(prefix="lorasync-torchrun-") as logs:
+            args.log_dir = args.log_dir or logs
+            run(args)
     except ChildFailedError as exc:
         return exit_code([f.exitcode for f in exc.failures.values()])
     except SignalException as exc:  # stopped by launch_on_cluster; the agent has stopped its workers
