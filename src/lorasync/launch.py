@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["in_worker", "run_torchrun", "worker_env", "restart_env", "EXIT_FAULT"]
+__all__ = ["in_worker", "run_torchrun", "run_agent", "worker_env", "restart_env", "EXIT_FAULT"]
 
 #: exit code of a worker that stopped because a peer failed (train/watchdog.py; EX_TEMPFAIL)
 EXIT_FAULT = 75
@@ -68,7 +68,7 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     args = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     if str(nnodes) == "1" and rdzv_endpoint is None:
@@ -86,20 +86,29 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.update(restart_env(max_restarts, nnodes))
     # a worker's user error is the same on every try: restarted workers stop at once
-    # torchrun's own per-run folder (error files) goes when the run ends, not a
-    # torchelastic_* folder left in /tmp by every run
-    with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal, \
-            tempfile.TemporaryDirectory(prefix="lorasync-torchrun-") as logs:
+    with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal:
         os.environ["LORASYNC_FATAL_DIR"] = fatal
-        parsed.log_dir = parsed.log_dir or logs
         try:
-            run(parsed)
+            run_agent(parsed)
         except ChildFailedError as exc:
             codes = [f.exitcode for f in exc.failures.values()]
             return next((c for c in codes if c == 2), codes[0] if codes else 1) or 1
         finally:
             os.environ.pop("LORASYNC_FATAL_DIR", None)
     return 0
+
+
+def run_agent(args) -> None:
+    """torchrun's ``run(args)``, with its per-run folder (error files) in a
+    temporary directory that goes when the run ends: else every run leaves a
+    ``torchelastic_*`` folder in /tmp."""
+    import tempfile
+
+    from torch.distributed.run import run
+
+    with tempfile.TemporaryDirectory(prefix="lorasync-torchrun-") as logs:
+        args.log_dir = args.log_dir or logs
+        run(args)
 
 
 def exit_now(code: int) -> None:

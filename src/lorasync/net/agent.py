@@ -33,7 +33,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -249,7 +248,9 @@ def wait_rendezvous(endpoint: str, seconds: float, label: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
+
+    from lorasync.launch import run_agent
 
     opts, rest = split_argv(sys.argv[1:] if argv is None else argv)
     args = get_args_parser().parse_args(rest)
@@ -262,10 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
         if opts.rdzv_wait > 0 and conf.get("is_host") != "1" and args.rdzv_endpoint:
             wait_rendezvous(args.rdzv_endpoint, opts.rdzv_wait, label)
-        # torchrun's per-run folder goes with the run (else a torchelastic_* in /tmp)
-        with tempfile.TemporaryDirectory(prefix="lorasync-torchrun-") as logs:
-            args.log_dir = args.log_dir or logs
-            run(args)
+        run_agent(args)
     except ChildFailedError as exc:
         return exit_code([f.exitcode for f in exc.failures.values()])
     except SignalException as exc:  # stopped by launch_on_cluster; the agent has stopped its workers

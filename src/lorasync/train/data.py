@@ -245,16 +245,13 @@ def load_datasets(data_cfg, tok, need: int | None = None
             # hold out the last rows, at most a fifth of the file
             n_eval = min(data_cfg.eval_size, len(rows) // 5)
             train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
-    if need is not None:
-        train = _first_examples(train_rows, tok, data_cfg.seq_len, max(1, need))
-    else:
-        train = encode_rows(train_rows, tok, data_cfg.seq_len)
+    check_only = need is not None
+    train = _first_examples(train_rows, tok, data_cfg.seq_len, max(1, need)) if check_only \
+        else encode_rows(train_rows, tok, data_cfg.seq_len)
     if not train:
         raise DataError(f"data.path: no example of {data_cfg.path!r} keeps a trainable token "
                         f"within seq_len={data_cfg.seq_len}; raise --seq-len")
-    if need is not None:
-        return train, []
-    return train, encode_rows(eval_rows, tok, data_cfg.seq_len)
+    return train, [] if check_only else encode_rows(eval_rows, tok, data_cfg.seq_len)
 
 
 def steps_per_epoch(n: int, global_batch: int) -> int:
