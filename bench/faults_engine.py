@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -103,6 +104,15 @@ def worker_torchft(a) -> None:
 
     import torch.distributed as dist
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        """torchft's checkpoint server, advertised on this node's address: its
+        default is the host name, which resolves to loopback here (the emulated
+        nodes share /etc/hosts), so a healing peer would connect to itself."""
+
+        def address(self) -> str:
+            return f"http://{a.addr}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     model, opt, x = _toy()
     store = dist.TCPStore(a.addr, 0, is_master=True, wait_for_workers=False)
@@ -120,16 +130,26 @@ def worker_torchft(a) -> None:
                       store_addr=a.addr, store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=a.lighthouse, hostname=a.addr,
                       timeout=timedelta(seconds=a.timeout),
-                      quorum_timeout=timedelta(seconds=60))
-    ddp = DistributedDataParallel(manager, model)
+                      quorum_timeout=timedelta(seconds=60),
+                      checkpoint_transport=Transport(timeout=timedelta(seconds=a.timeout),
+                                                     num_chunks=0))
     optim = Optimizer(manager, opt)
+    if a.ft_sync == "ddp":
+        forward = DistributedDataParallel(manager, model)
+    else:
+        forward = model
     with open(os.path.join(a.dir, f"steps{a.replica}.jsonl"), "a") as out:
         _emit(out, event="start", pid=os.getpid(), step=manager.current_step())
         while manager.current_step() < a.steps:
             t0 = time.perf_counter()
-            optim.zero_grad()
+            optim.zero_grad()   # starts this step's quorum (asynchronously)
             time.sleep(a.compute)
-            ddp(x).pow(2).mean().backward()
+            forward(x).pow(2).mean().backward()
+            if a.ft_sync == "allreduce":
+                # the gradient averaged over the quorum's replicas; a failed
+                # collective makes should_commit (in optim.step) discard the step
+                for p in model.parameters():
+                    manager.allreduce(p.grad).wait()
             optim.step()
             _emit(out, step=manager.current_step(), dt=time.perf_counter() - t0,
                   n=manager.num_participants())
@@ -218,12 +238,15 @@ def run_torchft(cluster, a, work, kill: bool) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
                                                        env.get("PYTHONPATH", "")]))
-    import torchft
-    lh_bin = os.path.join(os.path.dirname(os.path.dirname(torchft.__file__)), "bin",
-                          "torchft_lighthouse")
-    lh_cmd = ([sys.executable, lh_bin] if os.path.exists(lh_bin)
-              else [sys.executable, "-c", "import sys; from torchft._torchft import "
-                    "lighthouse_main; sys.argv[0] = 'torchft_lighthouse'; lighthouse_main()"])
+    # torchft's lighthouse is a console script next to this interpreter (its Rust
+    # entry point reads the process's own argv, so it cannot run under ``python -c``)
+    lh_bin = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    if not os.path.exists(lh_bin):
+        lh_bin = shutil.which("torchft_lighthouse") or ""
+    if not lh_bin:
+        raise SystemExit("torchft_lighthouse not found next to this python or on PATH: "
+                         "pip install torchft==0.2.0 into the environment that runs the bench")
+    lh_cmd = [sys.executable, lh_bin]
     logs = [open(os.path.join(work, f"{k}.log"), "w") for k in ("lighthouse", "r0", "r1", "r1b")]
     procs = []
     try:
@@ -240,7 +263,7 @@ def run_torchft(cluster, a, work, kill: bool) -> dict:
                 sys.executable, os.path.abspath(__file__), "--worker", "torchft", "--dir", work,
                 "--steps", str(a.steps), "--compute", str(a.compute), "--replica", str(i),
                 "--addr", n.address, "--lighthouse", f"http://{light_addr}:29510",
-                "--timeout", str(a.ft_timeout)]),
+                "--timeout", str(a.ft_timeout), "--ft-sync", a.ft_sync]),
                 env=dict(env, GLOO_SOCKET_IFNAME=n.ifname), stdout=log, stderr=subprocess.STDOUT)
 
         r0, r1 = replica(0, logs[1]), replica(1, logs[2])
@@ -280,9 +303,19 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--ft-timeout", type=float, default=10.0,
                     help="torchft's collective/RPC timeout (s)")
+    ap.add_argument("--ft-sync", choices=["allreduce", "ddp"], default="allreduce",
+                    help="torchft's gradient sync: Manager.allreduce on each gradient "
+                         "(default), or its DistributedDataParallel wrapper, whose comm hook "
+                         "in torchft 0.2.0 raises AssertionError on the survivor when a peer is "
+                         "killed (measured here on gloo)")
     ap.add_argument("--ft-heartbeat", type=float, default=5.0,
                     help="torchft lighthouse heartbeat timeout (s)")
     ap.add_argument("--timeout-run", type=float, default=900)
+    ap.add_argument("--engines", default="torchrun,torchft",
+                    help="which engines to run (comma-separated)")
+    ap.add_argument("--work", metavar="DIR",
+                    help="keep every run's step records and logs here (default: a temporary "
+                         "directory, removed at the end)")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
     if a.worker == "plain":
@@ -303,11 +336,14 @@ def main() -> None:
               file=sys.stderr)
     spec = parse_emulate(a.link + ",name=ftengine")
     res: dict = {"link": spec.describe(), "steps": a.steps, "compute_s": a.compute,
+                 "ft_sync": a.ft_sync,
                  "kill_at": a.kill_at, "ft_timeout_s": a.ft_timeout,
                  "ft_heartbeat_s": a.ft_heartbeat}
-    with tempfile.TemporaryDirectory() as work, emulated(spec) as cluster:
+    engines = {e.strip() for e in a.engines.split(",") if e.strip()}
+    with tempfile.TemporaryDirectory() as tmp, emulated(spec) as cluster:
+        work = a.work or tmp
         for name, fn in (("torchrun", run_plain), ("torchft", run_torchft)):
-            if name == "torchft" and not have_ft:
+            if name not in engines or (name == "torchft" and not have_ft):
                 continue
             for kill in (False, True):
                 key = f"{name} {'kill -9' if kill else 'fault-free'}"
@@ -328,7 +364,7 @@ def main() -> None:
         def f(v, unit=" s"):
             return "n/a" if v is None else f"{v:.2f}{unit}"
         print(f"| {name} | {ff['step_s_median'] * 1000:.0f} ms | "
-              f"{ff['step_s_median'] / base:.2f}x | {f(k and k.get('stall_s'))} | "
+              f"{f(base and ff['step_s_median'] / base, 'x')} | {f(k and k.get('stall_s'))} | "
               f"{f(k and k.get('together_after_s'))} | "
               f"{k.get('steps_lost') if k else 'n/a'} |")
     if a.json:
