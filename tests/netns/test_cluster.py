@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,7 @@ _why = ("needs root" if os.geteuid() != 0 else
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=_why or "")]
 
 TAG = f"t{os.getpid() % 100000}"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _name(kind: str) -> str:
@@ -47,7 +49,7 @@ def _sweep():
     try:
         yield
     finally:
-        for kind in ("two", "pair", "dly", "rate", "crash", "cli", "lch"):
+        for kind in ("two", "pair", "dly", "rate", "crash", "cli", "lch", "term"):
             down(_name(kind))
 
 
@@ -251,3 +253,28 @@ def test_launch_on_cluster_timeout_kills_everything(tmp_path):
         assert left == [], left
     for f in tmp_path.glob("pid*"):  # workers that had started are gone too
         assert not os.path.exists(f"/proc/{f.name[3:]}")
+
+
+def test_a_bench_killed_with_sigterm_takes_its_cluster_down(tmp_path):
+    """A script that holds ``emulated(...)`` and is ended with SIGTERM (kill, a CI
+    timeout) still removes its namespaces: the default SIGTERM would not unwind."""
+    name = _name("term")
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'src')!r})\n"
+        "from lorasync.net.cluster import emulated\n"
+        f"with emulated('nodes=2,rate=100mbit,name={name}'):\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        assert _namespaces(name)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+        down(name)
+    assert not _namespaces(name)

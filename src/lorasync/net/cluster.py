@@ -61,7 +61,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.net.agent import agent_argv
@@ -922,11 +922,34 @@ def emulated(spec: ClusterSpec | str) -> Iterator[Cluster]:
     """``with emulated(parse_emulate("nodes=2,rate=10mbit")) as c:`` -- always taken down."""
     if isinstance(spec, str):
         spec = parse_emulate(spec)
-    cluster = Cluster.up(spec)
+    restore = _unwind_on_sigterm()
     try:
-        yield cluster
+        cluster = Cluster.up(spec)
+        try:
+            yield cluster
+        finally:
+            cluster.down()
     finally:
-        cluster.down()
+        restore()
+
+
+def _unwind_on_sigterm() -> Callable[[], None]:
+    """In a program that left SIGTERM at its default (the bench scripts), make
+    it unwind while a cluster is up (``SystemExit(143)``, as the CLI does), so
+    ``finally`` takes the cluster down; the default would end the process with
+    namespaces, shapers and forwarders left behind.  Returns what restores
+    the old handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def _term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _term)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---------------------------------------------------------------- launching
