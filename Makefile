@@ -24,8 +24,14 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/lorasync train
 
+# Two pytest workers, one test file each at a time (--dist loadfile keeps a file's
+# shared runs in one process): the multi-process and namespace tests wait on
+# rendezvous, detection bounds and shaped links as much as they compute, so a
+# second worker fills those waits (16 -> 13 minutes on 2 cores).
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs
