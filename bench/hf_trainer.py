@@ -108,7 +108,8 @@ def worker(a) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate_fn)
     handle = None
     if a.mode == "lorasync":
-        handle = lorasync.hf.attach(trainer, a.strategy, **parse_options(a.option))
+        handle = lorasync.hf.attach(trainer, a.strategy, keep_token_average=a.keep_token_average,
+                                    **parse_options(a.option))
     times: dict = {"records": []}
 
     class Clock(TrainerCallback):
@@ -165,15 +166,19 @@ def samples_per_s(times_r0: list[tuple[int, float]], samples_per_step: int) -> f
     return samples_per_step * (last - 1) / (t[last] - t[1])
 
 
-def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool = False) -> dict:
+def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool = False,
+                keep_avg: bool = False) -> dict:
     from lorasync.net.cluster import launch_on_cluster
 
-    label = f"trainer-{mode}" + (f"-{strategy}" if strategy else "")
+    label = f"trainer-{mode}" + (f"-{strategy}" if strategy else "") + (
+        "-token_average" if keep_avg else "")
     out = os.path.join(work, label)
     os.makedirs(out, exist_ok=True)
     argv = [os.path.abspath(__file__), "--worker", "--mode", mode, "--strategy",
             strategy or "none", "--steps", str(a.steps), "--batch-size", str(a.batch_size),
             "--seq-len", str(a.seq_len), "--model", a.model, "--out", out]
+    if keep_avg:
+        argv.append("--keep-token-average")
     gate_dir = None
     if gate:
         gate_dir = os.path.join(out, "gate")
@@ -291,6 +296,12 @@ def report(rows: list[dict], a, load: tuple[float, float]) -> dict:
                                 f"{t.get('final_strategy')}, lorasync train {l.get('final_strategy')})")
         print(f"  {s}: Trainer {t['samples_per_s']:.2f} vs lorasync train {l['samples_per_s']:.2f} "
               f"samples/s = {ratio:.3f} -> {'met' if parity[s]['met'] else 'NOT met'}{note}")
+        k = by.get(f"trainer-lorasync-{s}-token_average")
+        if k and "error" not in k and k.get("samples_per_s"):
+            parity[s]["token_average_ratio"] = k["samples_per_s"] / l["samples_per_s"]
+            print(f"  {s}, keep_token_average=True (the Trainer's token-count all-gather every "
+                  f"step): {k['samples_per_s']:.2f} samples/s = "
+                  f"{parity[s]['token_average_ratio']:.3f} of lorasync train")
     saved = None
     p, lo = by.get("trainer-plain"), next((by[f"trainer-lorasync-{s}"] for s in a.pairs
                                            if f"trainer-lorasync-{s}" in by
@@ -326,6 +337,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every lorasync pair N times, alternating; keep each row's best "
                          "samples/s (a shared host's load comes and goes)")
+    ap.add_argument("--token-average-rows", action="store_true",
+                    help="also run each Trainer + lorasync pair with keep_token_average=True "
+                         "(the Trainer's per-step token-count all-gather kept)")
     ap.add_argument("--skip-plain", action="store_true",
                     help="leave out the two plain Trainer rows (saves ~10 minutes)")
     ap.add_argument("--run-timeout", type=float, default=1800)
@@ -335,6 +349,7 @@ def main() -> None:
     ap.add_argument("--mode", default="lorasync", help=argparse.SUPPRESS)
     ap.add_argument("--strategy", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--option", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--keep-token-average", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--gate", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -358,6 +373,8 @@ def main() -> None:
         for _ in range(max(1, a.rounds)):
             for s in a.pairs:
                 plan += [("train", s), ("trainer-lorasync", s)]
+                if a.token_average_rows:
+                    plan.append(("trainer-lorasync-keepavg", s))
         if not a.skip_plain:
             plan += [("trainer-torch_fp16", ""), ("trainer-plain", "")]
         for kind, s in plan:
@@ -365,8 +382,9 @@ def main() -> None:
             if kind == "train":
                 r = run_lorasync_train(cluster, a, work, s)
             else:
-                mode = kind.split("-", 1)[1]
-                r = run_trainer(cluster, a, work, mode, s, gate=(mode == "torch_fp16"))
+                mode = kind.split("-")[1]
+                r = run_trainer(cluster, a, work, mode, s, gate=(mode == "torch_fp16"),
+                                keep_avg=kind.endswith("-keepavg"))
             print(f"   {r['label']}: {r.get('error') or _fmt(r.get('samples_per_s')) + ' samples/s'}"
                   f" ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
             rows.append(r)

@@ -56,6 +56,17 @@ A ``TrainerCallback``, first in the Trainer's callback list, does the rest:
   strategies whose replicas differ between syncs also this rank's adapter
   and optimizer moments) and ``lorasync/meta.json`` into the checkpoint.
 
+One Trainer setting changes: ``average_tokens_across_devices`` (True by
+default in transformers) all-gathers every micro-batch's token count across
+ranks before its forward, to divide the loss by the global count.  That is a
+collective per step on the slow link and a barrier that holds every rank to
+the slowest one, which is what local SGD and DiLoCo exist to avoid: measured
+on 2 ranks with DiLoCo, it cost the Trainer 7-9% of its samples/s against
+``lorasync train`` (0.92 and 0.93 of it; 0.99-1.00 without).  ``attach`` turns
+it off, as ``lorasync train`` and plain DDP have it: every rank divides its
+loss by its own tokens and the ranks' gradients are averaged.
+``keep_token_average=True`` keeps the Trainer's global token average.
+
 Resume: ``trainer.train(resume_from_checkpoint=...)`` restores the adapter,
 optimizer and schedule itself, but callbacks are not told which checkpoint it
 read.  lorasync looks in ``args.resume_from_checkpoint`` when set (TRL's
@@ -227,6 +238,8 @@ class HFSync:
         #: not part of any step record
         self.final_sync: dict[str, float] = {"wire_bytes": 0, "comm_s": 0.0}
         self.finished = False
+        #: what attach changed in the Trainer's settings, said once at train begin
+        self.notes: list[str] = []
         self._accelerator = accelerator
         self._optimizer_given = False
 
@@ -348,7 +361,8 @@ class _Callback(TrainerCallback):
         self._t_prev = time.perf_counter()
         _say(f"{world} ranks, strategy {h.strategy}, adapter made identical with "
              f"{h.startup_bytes:,} bytes ({'hash check only' if h.startup_bytes <= 16 else 'broadcast from rank 0'}), "
-             f"no start-up broadcast of the base model")
+             f"no start-up broadcast of the base model"
+             + "".join(f"; {n}" for n in h.notes))
 
     # -- per step ---------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kw):
@@ -567,7 +581,8 @@ class _Callback(TrainerCallback):
 
 # --------------------------------------------------------------------------- attach
 
-def attach(target, strategy: str = "auto", **options: Any) -> HFSync:
+def attach(target, strategy: str = "auto", *, keep_token_average: bool = False,
+           **options: Any) -> HFSync:
     """Run a lorasync strategy inside a ``transformers.Trainer`` (TRL's
     ``SFTTrainer`` included) or an ``accelerate.Accelerator``.
 
@@ -583,13 +598,18 @@ def attach(target, strategy: str = "auto", **options: Any) -> HFSync:
     ``topk.ratio=0.001`` ...; auto's nested ``NAME.OPTION`` keys can be
     passed with ``**{"diloco.period": 4}``).
 
+    ``keep_token_average``: keep the Trainer's ``average_tokens_across_devices``
+    (a token-count all-gather across ranks every step, on the slow link); by
+    default ``attach`` turns it off and every rank averages its own tokens,
+    as ``lorasync train`` does (module docstring).
+
     Raises :class:`AttachError` (a ValueError) naming the fix for an unknown
     strategy or option, a Trainer that is already training (or has trained),
     DeepSpeed, FSDP or tensor parallelism, several GPUs in one process, and
     (when DDP is built) a model without a PEFT adapter or a bad option value.
     """
     if isinstance(target, Trainer):
-        return _attach_trainer(target, strategy, options)
+        return _attach_trainer(target, strategy, options, keep_token_average=keep_token_average)
     if isinstance(target, Accelerator):
         return _attach_accelerator(target, strategy, options)
     raise AttachError(f"target: expected a transformers.Trainer (or trl.SFTTrainer) or an "
@@ -612,7 +632,8 @@ def _sharded(acc) -> str | None:
     return None
 
 
-def _attach_trainer(trainer, strategy: str, options: dict[str, Any]) -> HFSync:
+def _attach_trainer(trainer, strategy: str, options: dict[str, Any], *,
+                    keep_token_average: bool = False) -> HFSync:
     args = trainer.args
     _check_strategy(strategy, options)
     if trainer.is_in_train:
@@ -680,6 +701,13 @@ def _attach_trainer(trainer, strategy: str, options: dict[str, Any]) -> HFSync:
         raise AttachError("trainer: its accelerator already has a DDP comm hook "
                           f"({old.comm_hook.value}); lorasync's strategy replaces it: remove it")
     trainer.accelerator.ddp_handler = _LorasyncDDPKwargs(handle, ddp)
+    if getattr(args, "average_tokens_across_devices", False) and args.world_size > 1 \
+            and not keep_token_average:
+        # a token-count all-gather before every forward: a round trip on the slow
+        # link and a barrier every step (module docstring)
+        args.average_tokens_across_devices = False
+        handle.notes.append("average_tokens_across_devices turned off (a token-count "
+                            "all-gather every step); keep it with keep_token_average=True")
     # first, so that the metrics it adds in on_log reach the report_to callbacks
     trainer.callback_handler.callbacks.insert(0, _Callback(handle, trainer))
     return handle

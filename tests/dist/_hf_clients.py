@@ -105,7 +105,8 @@ def job_trainer(dump_dir, specs):
     """Options of a spec besides the strategy's: ga (micro-batches per step),
     steps, save (checkpoint every N steps; with env HF_RESUME=DIR resume from
     DIR/NAME/out/checkpoint-N), perturb (rank 1 changes one frozen base weight first: a start-up
-    broadcast would undo it), attach (false: plain Trainer DDP, no lorasync);
+    broadcast would undo it), attach (false: plain Trainer DDP, no lorasync),
+    keep_token_average (attach's);
     a NAME starting with "bad" expects attach/train to fail (message dumped)."""
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
@@ -122,6 +123,7 @@ def job_trainer(dump_dir, specs):
         max_steps = int(opts.pop("steps", 16))
         perturb = bool(opts.pop("perturb", False))
         use_lorasync = bool(opts.pop("attach", True))
+        keep_avg = bool(opts.pop("keep_token_average", False))
         base, tok = load_base("tiny")
         frozen = base.model.layers[0].mlp.up_proj.weight
         if perturb and rank() == 1:
@@ -147,7 +149,8 @@ def job_trainer(dump_dir, specs):
         handle, grab = None, None
         try:
             if use_lorasync:
-                handle = lorasync.hf.attach(trainer, strategy, **opts)
+                handle = lorasync.hf.attach(trainer, strategy, keep_token_average=keep_avg,
+                                            **opts)
                 grab = _grab_state_after_resume(handle)
                 trainer.add_callback(grab)
             ckpt = os.path.join(resume, name, "out", f"checkpoint-{save_steps}") if resume \
@@ -162,6 +165,7 @@ def job_trainer(dump_dir, specs):
              frozen=frozen.detach().clone(), log_history=trainer.state.log_history,
              stats=handle.stats() if handle else None, records=handle.records if handle else [],
              startup_bytes=handle.startup_bytes if handle else None,
+             token_average=trainer.args.average_tokens_across_devices,
              resumed_state=grab.state if grab else None,
              state_keys=sorted(handle.state_dict()) if handle and handle.sync else None)
 

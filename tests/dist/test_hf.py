@@ -147,7 +147,7 @@ def trainer(tmp_path_factory):
     dump = tmp_path_factory.mktemp("trainer")
     launch("trainer", dump, "dl:diloco:period=4,perturb=true",
            "au:auto:probe=live,measure_steps=2,interval=4,force_switch_at=10:int8",
-           "ga1:allreduce:steps=16", "ga2:allreduce:steps=8,ga=2",
+           "ga1:allreduce:steps=16", "ga2:allreduce:steps=8,ga=2,keep_token_average=true",
            "plain:allreduce:attach=false,perturb=true,steps=2", "badopt:int8:block=0",
            *EVERY, *(f"first-{s}" for s in RESUME_SPECS))
     return dump
@@ -211,6 +211,14 @@ def test_grad_accum_2_halves_the_sync_count(trainer):
     assert two["stats"]["wire_bytes"] * 2 == one["stats"]["wire_bytes"]
     assert {r["grad_accum"] for r in two["records"]} == {2}
     assert same_tensors(*(r["adapter"] for r in ranks(trainer, "ga2")))
+
+
+def test_attach_turns_off_the_per_step_token_count_gather(trainer):
+    """average_tokens_across_devices all-gathers token counts before every forward;
+    attach turns it off unless told to keep it, and plain Trainer DDP keeps it."""
+    assert [r["token_average"] for r in ranks(trainer, "ga1")] == [False, False]
+    assert [r["token_average"] for r in ranks(trainer, "ga2")] == [True, True]
+    assert [r["token_average"] for r in ranks(trainer, "plain")] == [True, True]
 
 
 def test_no_startup_broadcast_of_frozen_weights(trainer):
