@@ -123,6 +123,7 @@ class Options:
         elif isinstance(default, int):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(name, v, f"use an integer {_range_text(m)}")
+            v = int(v)   # a plain int (an IntEnum would not load from a safe checkpoint)
         elif isinstance(default, float):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise ConfigError(name, v, f"use a number {_range_text(m)}"
@@ -133,6 +134,7 @@ class Options:
                 v = ",".join(v)  # a YAML list where a comma list is meant
             if not isinstance(v, str):
                 raise ConfigError(name, v, "use a string")
+            v = str.__str__(v)   # a plain str, also for a str subclass (an Enum member)
         if m["choices"] is not None and v not in m["choices"]:
             raise ConfigError(name, v, "use one of " + ", ".join(map(str, m["choices"])))
         lo, hi = m["lo"], m["hi"]

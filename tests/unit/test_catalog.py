@@ -83,6 +83,26 @@ def test_options_coerce_what_yaml_gives():
         catalog.parse_options("zip")
 
 
+def test_options_hold_plain_python_values_that_load_safely():
+    """Values that pass the checks as subclasses (a numpy float, an IntEnum, a str
+    Enum) are stored as plain float/int/str: options reach checkpoints (auto's
+    state), which load with torch.load(weights_only=True)."""
+    import enum
+
+    import numpy as np
+
+    class Dtype(str, enum.Enum):
+        INT8 = "int8"
+
+    class Period(enum.IntEnum):
+        FOUR = 4
+
+    o = catalog.parse_options("diloco", {"outer_lr": np.float64(0.7), "period": Period.FOUR,
+                                         "delta_dtype": Dtype.INT8})
+    assert type(o.outer_lr) is float and type(o.period) is int and type(o.delta_dtype) is str
+    assert (o.outer_lr, o.period, o.delta_dtype) == (0.7, 4, "int8")
+
+
 def test_catalog_does_not_import_torch():
     code = "import sys, lorasync.catalog; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

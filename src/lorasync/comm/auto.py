@@ -228,9 +228,12 @@ class Auto(Sync):
                 raise ValueError(f"auto: option {name}.{next(iter(opts))}: {name!r} is not a "
                                  f"strategy auto can use ({', '.join(STRATEGIES)})")
             try:
-                catalog.parse_options(name, opts)
+                parsed = catalog.parse_options(name, opts)
             except LorasyncError as e:
                 raise ValueError(f"auto: option {e}") from None
+            # the checked values, plain Python types (a numpy float or an Enum given
+            # here would otherwise reach state_dict() and not load with weights_only)
+            self._nested[name] = {k: getattr(parsed, k) for k in opts}
 
     def _install(self) -> None:
         self._child_opts: dict[str, dict] = {k: dict(v) for k, v in self._nested.items()}
