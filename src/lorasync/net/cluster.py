@@ -945,11 +945,23 @@ def _unwind_on_sigterm() -> Callable[[], None]:
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return lambda: None
 
+    def _later(signum, frame):
+        pass
+
     def _term(signum, frame):
+        # once: a second SIGTERM must not interrupt the teardown this one starts
+        # (processes killed, namespaces not yet deleted).  Not SIG_IGN, which
+        # the commands run during teardown would inherit.
+        signal.signal(signal.SIGTERM, _later)
         raise SystemExit(128 + signum)
 
+    def restore() -> None:
+        # only our own handler: one the body installed meanwhile stays
+        if signal.getsignal(signal.SIGTERM) in (_term, _later):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     signal.signal(signal.SIGTERM, _term)
-    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return restore
 
 
 # ---------------------------------------------------------------- launching
