@@ -6,7 +6,7 @@ groups that each own 1/G of the message.
     sudo .venv/bin/python bench/topology_groups.py --nodes 4 --nproc-per-node 2 \\
         --profiles 10mbit,100mbit+20ms --output bench/results/topology-groups.json
     sudo .venv/bin/python bench/topology_groups.py --profiles 100mbit+20ms --dilation 5.13 \\
-        --sizes 1843200 --dtype fp16 --repeats 9 --output bench/reference/topology-4x2/outer-sync.json
+        --sizes 65536,1843200 --dtype fp16 --repeats 7 --output /tmp/outer-sync.json
 
 On an emulated cluster (N namespaces, G workers each), every worker times,
 for each size, these ways of all-reducing one buffer over all N*G ranks:
@@ -25,8 +25,9 @@ for each size, these ways of all-reducing one buffer over all N*G ranks:
               inside the node every step).  Compare with flat: the outer
               sync of flat DiLoCo is one all-reduce over every rank.
 
-The cross-node part of each is reported apart (``*_inter``) and the whole
-(median of the repeats, the slowest rank's).  The collectives run alone (no
+The cross-node part of each is reported apart (``*_inter``) and the whole,
+each from the last rank to enter it to the last to leave it, median of the
+repeats.  The collectives run alone (no
 training: no compute skew between ranks), on links of the nominal rate, or
 dilated like ``lorasync bench --nodes`` (``--dilation S``: rate / S, delay x
 S) to reproduce the links of a dilated bench table.  An
@@ -47,6 +48,24 @@ import time
 SIZES = (64 << 10, 1 << 20, 4 << 20)
 REPEATS = 5
 KINDS = ("flat", "leaders", "leaders_rd", "shards", "outer", "outer_rd")
+
+
+def _record(times: dict, kind: str, stamps: tuple[float, float, float, float]) -> None:
+    """One repeat of ``kind``, timed on the host's clock across every rank: the
+    emulated nodes are processes of one host, and ``time.perf_counter`` is its
+    CLOCK_MONOTONIC, so the ranks' stamps compare.  A part starts when the
+    last rank enters it and ends when the last rank leaves it: each rank's own
+    start would count the others' late exit from the barrier (up to a round
+    trip) as collective time."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(stamps, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    t = torch.stack(every).max(dim=0).values.tolist()
+    times[kind].append(t[3] - t[0])
+    times[kind + "_inter"].append(t[2] - t[1])
 
 
 def worker(out: str, sizes: list[int], dtype: str, repeats: int) -> None:
@@ -74,8 +93,7 @@ def worker(out: str, sizes: list[int], dtype: str, repeats: int) -> None:
                     t1 = t0
                     t2 = t3 = time.perf_counter()
                     if rep:
-                        times[kind].append(t3 - t0)
-                        times[kind + "_inter"].append(t2 - t1)
+                        _record(times, kind, (t0, t1, t2, t3))
                     continue
                 if not kind.startswith("outer"):
                     dist.all_reduce(buf, group=local)
@@ -95,12 +113,8 @@ def worker(out: str, sizes: list[int], dtype: str, repeats: int) -> None:
                     _all_gather(buf, chunk, group=local)
                 t3 = time.perf_counter()
                 if rep:  # the first round opens the connections
-                    times[kind].append(t3 - t0)
-                    times[kind + "_inter"].append(t2 - t1)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        t = torch.tensor([med[k] for k in sorted(med)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        res[size] = dict(zip(sorted(med), t.tolist()))
+                    _record(times, kind, (t0, t1, t2, t3))
+        res[size] = {k: statistics.median(v) for k, v in times.items()}
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump({"topology": topo.describe(), "dtype": dtype, "sizes": res}, fh, indent=1)
@@ -120,6 +134,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--output", default="bench/results/topology-groups.json")
     a = p.parse_args()
+    step = a.nproc_per_node * (2 if a.dtype == "fp16" else 4)
+    sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    if not sizes or any(x <= 0 or x % step for x in sizes):
+        p.error(f"--sizes: every size must be a positive multiple of {step} bytes (the "
+                f"shards split a message into {a.nproc_per_node} equal {a.dtype} chunks)")
     from lorasync.bench_topology import dilate
     from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
 
@@ -141,8 +160,8 @@ def main() -> int:
         os.unlink(tmp)
         results[prof]["link"] = spec.describe()
         print(f"\n{prof}, emulated as {spec.describe()} (dilation x{a.dilation:g}; "
-              f"{results[prof]['topology']}): seconds, slowest rank, median of {a.repeats}, "
-              f"{a.dtype}")
+              f"{results[prof]['topology']}): seconds from the last rank's entry to the last "
+              f"rank's exit, median of {a.repeats}, {a.dtype}")
         print(f"{'size':>10} {'flat':>7} {'leaders':>8} {'leaders_rd':>10} {'shards':>7} "
               f"{'outer':>7} {'outer_rd':>8}  flat/outer  flat/outer_rd  leaders x-node  "
               f"shards x-node")
