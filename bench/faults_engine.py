@@ -14,16 +14,21 @@ LoRA adapter: 3.7 MB of fp32 gradients), AdamW, and ``--compute`` seconds of
 sleep per step standing in for forward and backward (so the 2 shared cores
 are not what is measured).  Per engine:
 
-* fault-free: the median step time.  torchrun + DDP is one all-reduce per
-  step; torchft adds its per-step quorum (an RPC to the lighthouse, async)
-  and ``should_commit`` (an RPC to the replica group's manager) and runs the
-  all-reduce through its managed process group.
+* fault-free: the median step time, compute and sync (torchrun's
+  per-step checkpoint is written outside it).  torchrun + DDP is one
+  all-reduce per step; torchft adds its per-step quorum (an RPC to the
+  lighthouse, async) and ``should_commit`` (an RPC to the replica group's
+  manager) and runs the all-reduce through its managed process group
+  (``Manager.allreduce`` on the gradient; ``--ft-sync ddp``: torchft's DDP
+  wrapper).
 * ``kill -9`` of the worker on node 1 at step ``--kill-at``: for torchrun the
   agents restart both workers, which reload a checkpoint written every step
-  (the best case for restart + resume); for torchft the survivor waits for
-  the collective's timeout, forms a new quorum alone and goes on, and the
-  killed replica is started again by this script, like a node's supervisor
-  would, and heals from its peer.  Reported: the survivor's stall (time
+  (the best case for restart + resume); under torchft the survivor's
+  collective fails (the peer's connection closes), the step is discarded,
+  and once the lighthouse drops the dead replica (``--ft-heartbeat``) the
+  survivor forms a quorum alone and goes on; the killed replica is started
+  again by this script, like a node's supervisor would, and heals from its
+  peer.  Reported: the survivor's stall (time
   between the two steps around the kill), the time until both replicas
   train together again, and the steps lost.
 
@@ -91,10 +96,11 @@ def worker_plain(a) -> None:
             opt.step()
             opt.zero_grad()
             step += 1
+            dt = time.perf_counter() - t0   # like torchft's: compute and sync, no checkpoint
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
                        ck + ".part")
             os.replace(ck + ".part", ck)
-            _emit(out, step=step, dt=time.perf_counter() - t0, n=dist.get_world_size())
+            _emit(out, step=step, dt=dt, n=dist.get_world_size())
     dist.destroy_process_group()
 
 
@@ -180,31 +186,37 @@ def _wait_step(path, step, timeout):
 def _summ(dirpath, n, kill_at):
     """Steady step time, and around a kill: the survivor's stall, the time until
     the two train together again, the steps lost."""
-    rows = {r: [x for x in _read(os.path.join(dirpath, f"steps{r}.jsonl")) if "event" not in x]
-            for r in range(n)}
-    surv = rows[0]
+    every = _read(os.path.join(dirpath, "steps0.jsonl"))   # the survivor's, start events too
+    surv = [x for x in every if "event" not in x]
     steady = [x["dt"] for x in surv[3:kill_at] if x.get("n", 2) == 2] or \
         [x["dt"] for x in surv[3:]]
-    out = {"step_s_median": statistics.median(steady), "steps": len(surv)}
+    out = {"step_s_median": statistics.median(steady), "records": len(surv),
+           "last_step": surv[-1]["step"] if surv else 0}
     kill = _read(os.path.join(dirpath, "kill.json"))
     if kill:
         t_kill = kill[0]["t"]
+        # Where the survivor's training broke off.  A step in flight at the kill may
+        # still complete (its collective was done) and is not the recovery:
+        # torchrun restarts the survivor too (a start event after the kill);
+        # torchft's survivor goes on alone (its first step with one participant).
+        restart = next((x["t"] for x in every if x.get("event") == "start"
+                        and x["t"] > t_kill), None)
+        alone = next((x["t"] for x in surv if x["t"] > t_kill and x.get("n", 2) < 2), None)
+        t_break = restart if restart is not None else alone
         before = [x for x in surv if x["t"] <= t_kill]
         at_kill = before[-1]["step"] if before else 0
-        # committed steps after the kill: the step counter moved (torchft repeats the
-        # number of a step it could not commit)
-        commits, prev = [], at_kill
-        for x in surv:
-            if x["t"] > t_kill and x["step"] > prev:
-                commits.append(x)
-            if x["t"] > t_kill:
-                prev = x["step"]
-        first = commits[0] if commits else None
-        # torchrun: the restarted group's first step; torchft: back to 2 participants
-        together = next((x for x in commits if x.get("n", 2) == 2), None)
-        out["stall_s"] = (first["t"] - before[-1]["t"]) if first and before else None
-        out["together_after_s"] = (together["t"] - t_kill) if together else None
-        out["steps_lost"] = max(0, at_kill - (first["step"] - 1)) if first else None
+        if t_break is not None:
+            last = [x for x in surv if x["t"] < t_break]
+            nxt = [x for x in surv if x["t"] >= t_break]
+            first = nxt[0] if nxt else None
+            together = next((x for x in nxt if x.get("n", 2) == 2), None)
+            out["stall_s"] = (first["t"] - last[-1]["t"]) if first and last else None
+            out["together_after_s"] = (together["t"] - t_kill) if together else None
+            # steps the survivor trained before the break that the group trains again
+            done = last[-1]["step"] if last else at_kill
+            out["steps_lost"] = max(0, done - (first["step"] - 1)) if first else None
+        else:
+            out.update(stall_s=None, together_after_s=None, steps_lost=None)
         out["killed_at_step"] = at_kill
     return out
 
@@ -363,10 +375,14 @@ def main() -> None:
 
         def f(v, unit=" s"):
             return "n/a" if v is None else f"{v:.2f}{unit}"
+        if k and k.get("rc") not in (0, None):
+            after = (f"the survivor exited with code {k['rc']} after step {k.get('last_step')} "
+                     f"of {a.steps} (see its log) | - | -")
+        else:
+            after = (f"{f(k and k.get('stall_s'))} | {f(k and k.get('together_after_s'))} | "
+                     f"{k.get('steps_lost') if k else 'n/a'}")
         print(f"| {name} | {ff['step_s_median'] * 1000:.0f} ms | "
-              f"{f(base and ff['step_s_median'] / base, 'x')} | {f(k and k.get('stall_s'))} | "
-              f"{f(k and k.get('together_after_s'))} | "
-              f"{k.get('steps_lost') if k else 'n/a'} |")
+              f"{f(base and ff['step_s_median'] / base, 'x')} | {after} |")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:
