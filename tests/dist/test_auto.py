@@ -736,11 +736,16 @@ def test_netns_rate_cut_makes_auto_switch(tmp_path):
     assert after, [(r["step"], r.get("switch")) for r in recs if "switch" in r]
     sw = after[0]
     assert "bandwidth" in sw["switch"]["reason"] and "->" in sw["switch"]["reason"]
-    # within a few K-step windows: a cut the step time alone does not show
-    # (0.06 s steps: inside the drift tolerance once the corrections are
-    # fitted) waits for the next budgeted probe, due every ceil(probe cost /
-    # (PROBE_BUDGET x window)) windows: 5 here
-    assert sw["step"] - cut_at["step"] <= 5 * 10 + 3
+    # a cut the step time alone does not show (0.06 s steps: inside the drift
+    # tolerance once the corrections are fitted) waits for the next budgeted
+    # probe, due every ceil(probe cost / (PROBE_BUDGET x window)) windows: about
+    # 5 on a quiet host, more when other tests load it (the probe takes longer).
+    # The switch comes with the first probe after the cut, or one window later
+    # when the cut landed during that probe; never later
+    probed = [r["step"] for r in recs if "probes" in r and r["step"] > cut_at["step"]]
+    assert probed or sw["step"] - cut_at["step"] <= 2 * 10 + 3, (cut_at, sw["step"])
+    if probed:
+        assert sw["step"] <= probed[0] + 10, (cut_at, probed, sw["step"])
     assert sw["switch"]["to"] != "allreduce"
 
 

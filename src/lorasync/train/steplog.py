@@ -68,6 +68,8 @@ class StepLog:
                "time": time.time()}
         if stats.get("switches", 0) != last.get("switches", 0):
             rec["switch"] = stats.get("last_switch")  # {"from", "to", "reason"} (auto)
+        if stats.get("probes", 0) != last.get("probes", 0):
+            rec["probes"] = stats["probes"]   # auto timed the link during this step
         self._last = stats
         return rec
 
