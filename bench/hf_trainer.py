@@ -255,6 +255,18 @@ def _fmt(v, spec=".2f", none="-"):
     return none if v is None else format(v, spec)
 
 
+def _rounds(r: dict) -> str:
+    return ", ".join(_fmt(x) for x in r.get("rounds") or [r.get("samples_per_s")])
+
+
+def _mean_ratio(a: dict, b: dict) -> float | None:
+    ra = [x for x in a.get("rounds") or [] if x]
+    rb = [x for x in b.get("rounds") or [] if x]
+    if not ra or not rb:
+        return None
+    return (sum(ra) / len(ra)) / (sum(rb) / len(rb))
+
+
 def report(rows: list[dict], a, load: tuple[float, float]) -> dict:
     by = {r["label"]: r for r in rows}
     print(f"\nTrainer vs lorasync train, model {a.model}, {a.steps} steps x 2 ranks, "
@@ -296,12 +308,20 @@ def report(rows: list[dict], a, load: tuple[float, float]) -> dict:
                                 f"{t.get('final_strategy')}, lorasync train {l.get('final_strategy')})")
         print(f"  {s}: Trainer {t['samples_per_s']:.2f} vs lorasync train {l['samples_per_s']:.2f} "
               f"samples/s = {ratio:.3f} -> {'met' if parity[s]['met'] else 'NOT met'}{note}")
+        mean = _mean_ratio(t, l)
+        if mean is not None:
+            parity[s]["mean_ratio"] = mean
+            print(f"  {s}: by the mean of the rounds {mean:.3f} (rounds: Trainer "
+                  f"{_rounds(t)}, lorasync train {_rounds(l)})")
         k = by.get(f"trainer-lorasync-{s}-token_average")
         if k and "error" not in k and k.get("samples_per_s"):
             parity[s]["token_average_ratio"] = k["samples_per_s"] / l["samples_per_s"]
+            parity[s]["token_average_mean_ratio"] = _mean_ratio(k, l)
             print(f"  {s}, keep_token_average=True (the Trainer's token-count all-gather every "
                   f"step): {k['samples_per_s']:.2f} samples/s = "
-                  f"{parity[s]['token_average_ratio']:.3f} of lorasync train")
+                  f"{parity[s]['token_average_ratio']:.3f} of lorasync train (best rounds), "
+                  f"{_fmt(parity[s]['token_average_mean_ratio'], '.3f')} by the means "
+                  f"(rounds: {_rounds(k)})")
     saved = None
     p, lo = by.get("trainer-plain"), next((by[f"trainer-lorasync-{s}"] for s in a.pairs
                                            if f"trainer-lorasync-{s}" in by
@@ -335,8 +355,9 @@ def main() -> None:
     ap.add_argument("--pairs", default="int8,diloco,auto",
                     help="strategies run both as lorasync train and through the Trainer")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run every lorasync pair N times, alternating; keep each row's best "
-                         "samples/s (a shared host's load comes and goes)")
+                    help="run every lorasync pair N times, each round starting with another "
+                         "row; keep each row's best samples/s (a shared host's load comes and "
+                         "goes) and report the mean too")
     ap.add_argument("--token-average-rows", action="store_true",
                     help="also run each Trainer + lorasync pair with keep_token_average=True "
                          "(the Trainer's per-step token-count all-gather kept)")
@@ -370,11 +391,14 @@ def main() -> None:
     spec = parse_emulate(f"nodes=2,rate={a.rate},name=hfbench")
     with tempfile.TemporaryDirectory() as work, emulated(spec) as cluster:
         plan = []
-        for _ in range(max(1, a.rounds)):
+        for k in range(max(1, a.rounds)):
             for s in a.pairs:
-                plan += [("train", s), ("trainer-lorasync", s)]
+                rows = [("train", s), ("trainer-lorasync", s)]
                 if a.token_average_rows:
-                    plan.append(("trainer-lorasync-keepavg", s))
+                    rows.append(("trainer-lorasync-keepavg", s))
+                # each round starts with another row: no row always runs first or last
+                # (a host's load drifts over an invocation)
+                plan += rows[k % len(rows):] + rows[:k % len(rows)]
         if not a.skip_plain:
             plan += [("trainer-torch_fp16", ""), ("trainer-plain", "")]
         for kind, s in plan:

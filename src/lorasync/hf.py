@@ -57,14 +57,14 @@ A ``TrainerCallback``, first in the Trainer's callback list, does the rest:
   and optimizer moments) and ``lorasync/meta.json`` into the checkpoint.
 
 One Trainer setting changes: ``average_tokens_across_devices`` (True by
-default in transformers) all-gathers every micro-batch's token count across
-ranks before its forward, to divide the loss by the global count.  That is a
-collective per step on the slow link and a barrier that holds every rank to
-the slowest one, which is what local SGD and DiLoCo exist to avoid: measured
-on 2 ranks with DiLoCo, it cost the Trainer 7-9% of its samples/s against
-``lorasync train`` (0.92 and 0.93 of it; 0.99-1.00 without).  ``attach`` turns
-it off, as ``lorasync train`` and plain DDP have it: every rank divides its
-loss by its own tokens and the ranks' gradients are averaged.
+default in transformers) all-gathers the step's label-token count across
+ranks once per optimizer step, before its first forward, to divide the loss
+by the global count.  That is a collective per step on the slow link and a
+barrier that holds every rank to the slowest one, which is what local SGD
+and DiLoCo exist to avoid (measured in docs/huggingface.md).  ``attach``
+turns it off on the Trainer's ``TrainingArguments``, as ``lorasync train``
+and plain DDP have it: every rank divides its loss by its own tokens and the
+ranks' gradients are averaged.
 ``keep_token_average=True`` keeps the Trainer's global token average.
 
 Resume: ``trainer.train(resume_from_checkpoint=...)`` restores the adapter,
@@ -540,7 +540,11 @@ class _Callback(TrainerCallback):
             "pass to trainer.train(), or resume from inside args.output_dir")
 
     def _resume(self, args, state) -> None:
+        import pickle
+
         import torch
+
+        from lorasync.train.checkpoint import load_file
 
         h = self.h
         ckpt = self._find_checkpoint(args, state)
@@ -554,7 +558,15 @@ class _Callback(TrainerCallback):
             raise AttachError(f"resume_from_checkpoint: {ckpt} has no {STATE_DIR}/rank-{rank}.pt "
                               f"(written by fewer ranks, or cut short); resume from an earlier "
                               "checkpoint or with the same number of processes")
-        st = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            st = load_file(path)   # weights_only=True: a checkpoint can run no code
+        except LorasyncError as e:
+            raise AttachError(f"resume_from_checkpoint: {e}") from None
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+            # cut short or damaged (the Trainer's checkpoints carry no checksums)
+            raise AttachError(f"resume_from_checkpoint: {path} cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); resume "
+                              "from an earlier checkpoint") from None
         if st.get("step") != state.global_step:
             raise AttachError(f"resume_from_checkpoint: {path} is of step {st.get('step')}, the "
                               f"Trainer resumed at step {state.global_step}; the checkpoint was "
@@ -703,8 +715,8 @@ def _attach_trainer(trainer, strategy: str, options: dict[str, Any], *,
     trainer.accelerator.ddp_handler = _LorasyncDDPKwargs(handle, ddp)
     if getattr(args, "average_tokens_across_devices", False) and args.world_size > 1 \
             and not keep_token_average:
-        # a token-count all-gather before every forward: a round trip on the slow
-        # link and a barrier every step (module docstring)
+        # a token-count all-gather once per optimizer step: a round trip on the
+        # slow link and a barrier every step (module docstring)
         args.average_tokens_across_devices = False
         handle.notes.append("average_tokens_across_devices turned off (a token-count "
                             "all-gather every step); keep it with keep_token_average=True")
