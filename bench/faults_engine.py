@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Which fault-tolerance engine: torchrun elastic (restart + resume) or torchft (live quorum).
 
-    flock /work/bench.lock .venv/bin/python bench/faults_engine.py [--link nodes=2,rate=100mbit,delay=20ms]
+    python3 -m venv /tmp/ftvenv && /tmp/ftvenv/bin/pip install torch==2.13.0 torchft==0.2.0 pyyaml numpy
+    /tmp/ftvenv/bin/pip install --no-deps -e .
+    sudo /tmp/ftvenv/bin/python bench/faults_engine.py [--link nodes=2,rate=100mbit,delay=20ms]
         [--steps 60] [--compute 0.5] [--json bench/reference/faults/engine.json]
 
-Needs root (an emulated 2-node cluster) and, for the torchft rows, torchft
-(``pip install torchft==0.2.0``: it needs torch>=2.7, which the installed torch
-satisfies, and the OpenTelemetry packages).
+Needs root (an emulated 2-node cluster) and, for the torchft rows, torchft in
+the interpreter that runs it (a venv of its own, as above: torchft 0.2.0 needs
+torch>=2.7, which the pinned torch satisfies, and is not a lorasync dependency).
 
 Both engines run the same toy replica on the same emulated link: one worker
 per node, a 960x960 linear layer (921,600 parameters, the size of the default
