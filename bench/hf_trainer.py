@@ -102,7 +102,8 @@ def worker(a) -> None:
     args = TrainingArguments(
         output_dir=os.path.join(a.out, "trainer"), max_steps=a.steps,
         per_device_train_batch_size=a.batch_size, learning_rate=2e-3,
-        lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.0, logging_steps=5,
+        lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.0,
+        logging_steps=a.logging_steps,
         save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=0,
         train_sampling_strategy="sequential", remove_unused_columns=False)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate_fn)
@@ -176,7 +177,8 @@ def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool
     os.makedirs(out, exist_ok=True)
     argv = [os.path.abspath(__file__), "--worker", "--mode", mode, "--strategy",
             strategy or "none", "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--model", a.model, "--out", out]
+            "--seq-len", str(a.seq_len), "--model", a.model, "--out", out,
+            "--logging-steps", str(a.logging_steps)]
     if keep_avg:
         argv.append("--keep-token-average")
     gate_dir = None
@@ -366,6 +368,10 @@ def main() -> None:
     ap.add_argument("--token-average-rows", action="store_true",
                     help="also run each Trainer + lorasync pair with keep_token_average=True "
                          "(the Trainer's per-step token-count all-gather kept)")
+    ap.add_argument("--logging-steps", type=int, default=5,
+                    help="the Trainer's logging_steps: each log all-gathers the loss and sums "
+                         "the FLOPs across ranks (transformers' _maybe_log_save_evaluate, "
+                         "store_flos), a barrier that lorasync train does not have")
     ap.add_argument("--skip-plain", action="store_true",
                     help="leave out the two plain Trainer rows (saves ~10 minutes)")
     ap.add_argument("--run-timeout", type=float, default=1800)
