@@ -368,10 +368,11 @@ def main() -> None:
     ap.add_argument("--token-average-rows", action="store_true",
                     help="also run each Trainer + lorasync pair with keep_token_average=True "
                          "(the Trainer's per-step token-count all-gather kept)")
-    ap.add_argument("--logging-steps", type=int, default=5,
-                    help="the Trainer's logging_steps: each log all-gathers the loss and sums "
-                         "the FLOPs across ranks (transformers' _maybe_log_save_evaluate, "
-                         "store_flos), a barrier that lorasync train does not have")
+    ap.add_argument("--logging-steps", type=int, default=500,
+                    help="the Trainer's logging_steps (transformers' default 500: in a short "
+                         "run, one log at the end): each log all-gathers the loss and sums the "
+                         "FLOPs across ranks (_maybe_log_save_evaluate, store_flos), a barrier "
+                         "that lorasync train does not have")
     ap.add_argument("--skip-plain", action="store_true",
                     help="leave out the two plain Trainer rows (saves ~10 minutes)")
     ap.add_argument("--run-timeout", type=float, default=1800)
