@@ -738,15 +738,12 @@ def logging_note(args) -> str | None:
     (``_maybe_log_save_evaluate``, ``store_flos``), a barrier that periodic
     strategies otherwise avoid (about 5% of samples/s at one log every 5 steps
     with DiLoCo at 10 Mbit/s, docs/huggingface.md)."""
-    strategy = getattr(getattr(args, "logging_strategy", None), "value",
-                       getattr(args, "logging_strategy", None))
-    steps = getattr(args, "logging_steps", 0) or 0
-    if strategy != "steps" or getattr(args, "world_size", 1) <= 1 \
-            or not 1 <= steps < FREQUENT_LOGGING_STEPS:
+    every = args.logging_steps or 0
+    if args.logging_strategy != "steps" or args.world_size <= 1 \
+            or not 1 <= every < FREQUENT_LOGGING_STEPS:
         return None   # a float below 1 is a share of the run: not every few steps
-    return (f"logging_steps={int(steps)}: each log all-gathers the loss and FLOP count "
-            f"across ranks (a barrier); on a slow link log every "
-            f"{FREQUENT_LOGGING_STEPS * 5} steps or more")
+    return (f"logging_steps={int(every)}: each log all-gathers the loss and FLOP count "
+            "across ranks (a barrier); on a slow link log every 50 steps or more")
 
 
 def _attach_accelerator(acc, strategy: str, options: dict[str, Any]) -> HFSync:
