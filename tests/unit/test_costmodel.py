@@ -390,6 +390,21 @@ def test_fragments_queue_on_the_link():
     assert p.exposed_comm_s > _diloco(x, **{**o, "delta_dtype": "int8"}).exposed_comm_s
 
 
+def test_a_late_update_does_not_hide_a_link_that_cannot_keep_up():
+    # int8 in 8 fragments at 0.67 Mbit/s: each fragment ~1.5 s against 1.25 s of
+    # compute a step, so the link falls behind every period; 7 steps late only
+    # postpones the wait, the steady state still waits for the link's excess
+    x = net(bw=0.67e6 / 8)
+    o = {"streaming": True, "delta_dtype": "int8", "fragments": 8}
+    per = [collective_time(c, x) for c in catalog.collectives("diloco", SMOL, 2, o)]
+    assert sum(per) > 8 * 1.25
+    for delay in (1, 4, 7):
+        p = _diloco(x, **o, delay=delay)
+        # (the encode, spent on the compute thread, gives the link that much more time)
+        assert p.exposed_comm_s >= (sum(per) - 8 * (1.25 + p.encode_s)) / 8 - 1e-9, delay
+        assert p.exposed_comm_s > 0.15
+
+
 def test_gathered_deltas_cost_n_minus_1_shares_of_the_link():
     # an all-gather of P bytes moves (n-1) P per rank: int8 stays ahead of an
     # fp16 all-reduce (2 (n-1)/n x 2N) up to 4 ranks and falls behind past them

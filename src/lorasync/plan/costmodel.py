@@ -570,7 +570,12 @@ def periodic_exposed(times: list[float], opts: catalog.Options, compute_s: float
             start = max(t, link_free)
             link_free = start + times[f]
             pending.append((s + delay, link_free))
-    return waited / (H * periods)
+    # a link busier than the compute a period leaves it falls further behind
+    # every period: in steady state each period takes the link's time, however
+    # many steps late the updates may come (a few periods played through
+    # would hide that backlog behind a long delay)
+    backlog = (sum(times) - H * (compute_s + encode_s / H)) / H
+    return max(waited / (H * periods), backlog)
 
 
 def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
