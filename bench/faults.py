@@ -23,6 +23,8 @@ Needs root.  One invocation runs, on an emulated cluster (default 2 nodes at
    node    every process of the node killed (agent and worker), started again
            ``--node-s`` (20) s later, like a machine that reboots
    rate    the link rate cut tenfold for ``--rate-s`` (30) s
+   tunnel  (with ``--overlay``: the nodes talk over the WireGuard overlay) the
+           node's wireguard-go killed; its supervisor starts it again
 
 Per fault: time to detect (injection to the first verdict of a rank, or to the
 restarted workers' start), time to recover (to the first step of the resumed
@@ -63,7 +65,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [os.path.join(ROOT, "src")] + [x for x in [os.environ.get("PYTHONPATH", "")] if x])
 
-KINDS = ("kill", "stop", "link", "node", "rate")
+KINDS = ("kill", "stop", "link", "node", "rate", "tunnel")
 
 
 from lorasync.monitor.metrics import read_jsonl_records as _read  # noqa: E402
@@ -216,6 +218,13 @@ class Injector:
                 self._later(a.node_s, lambda: self._procs.append(subprocess.Popen(
                     self.cluster.exec_argv(self.node.index, argv), env=env, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True)), rec)
+        elif kind == "tunnel":
+            from lorasync.net import tunnel
+
+            state = tunnel.STATE_DIR / f"{self.node.overlay_ifname}.json"
+            rec["pid"] = json.loads(state.read_text())["wg_pid"]
+            os.kill(rec["pid"], signal.SIGKILL)
+            rec["t_clear"] = rec["t"]   # the supervisor restarts it: nothing to undo
         elif kind == "rate":
             slow = max(8000, int(self.cluster.spec.rate_bps // 10))
             self.cluster.set_rate(slow)
@@ -341,7 +350,10 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--delay", default="", help="one-way delay, e.g. 20ms")
-    ap.add_argument("--faults", default=",".join(KINDS))
+    ap.add_argument("--faults", default=",".join(k for k in KINDS if k != "tunnel"),
+                    help=f"comma-separated, of {', '.join(KINDS)} (tunnel needs --overlay)")
+    ap.add_argument("--overlay", action="store_true",
+                    help="the nodes talk over the emulated WireGuard overlay")
     ap.add_argument("--spacing", type=float, default=300.0, help="seconds between faults")
     ap.add_argument("--target", type=int, default=-1, help="node the faults hit (-1: last)")
     ap.add_argument("--stop-s", type=float, default=30.0)
@@ -378,12 +390,15 @@ def main() -> None:
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         ap.error(f"--faults: unknown {bad}; choose from {', '.join(KINDS)}")
+    if "tunnel" in kinds and not a.overlay:
+        ap.error("--faults tunnel: the nodes have no tunnel without --overlay")
 
     from lorasync.net.cluster import emulated, parse_emulate, parse_rate
 
     a.rate_bps = parse_rate(a.rate)
     spec = parse_emulate(f"nodes={a.nodes},rate={a.rate},name=faults"
-                         + (f",delay={a.delay}" if a.delay else ""))
+                         + (f",delay={a.delay}" if a.delay else "")
+                         + (",overlay=wireguard" if a.overlay else ""))
     work = a.keep or tempfile.mkdtemp(prefix="lorasync-faults-")
     os.makedirs(work, exist_ok=True)
     res: dict = {"config": {k: v for k, v in vars(a).items() if k != "extra"},
