@@ -412,7 +412,7 @@ def main() -> None:
                 if not step_s:
                     sys.exit(f"calibration run failed; see {calib}.logs")
                 # a short calibration runs slower than a long run's steady state
-                # (3.65 s against 2.5-3.2 s a step in the 300 s reference run):
+                # (3.65 s against 2.5-3.2 s a step in the first 300 s run):
                 # plan at 0.75 of it, so that the last fault still lands in the run
                 a.steps = int(math.ceil((len(kinds) + 1) * a.spacing / (0.75 * step_s)))
                 res["calibrated_step_s"] = step_s

@@ -574,7 +574,7 @@ def periodic_exposed(times: list[float], opts: catalog.Options, compute_s: float
     # every period: in steady state each period takes the link's time, however
     # many steps late the updates may come (a few periods played through
     # would hide that backlog behind a long delay)
-    backlog = (sum(times) - H * (compute_s + encode_s / H)) / H
+    backlog = (sum(times) - H * compute_s - encode_s) / H
     return max(waited / (H * periods), backlog)
 
 

@@ -73,8 +73,8 @@ FRAGMENT_CHOICES = (1, 2, 4, 8, 16, 32)
 HIDDEN_SHARE = 0.005
 #: ... and still would on a link this many times slower than the one modelled:
 #: a streamed transfer shares the link's queue and the CPUs with training and
-#: runs slower than the idle probe measured (bench/streaming_exposure.py,
-#: docs/slow-links.md "Hidden, with a margin")
+#: runs slower than the idle probe measured (docs/slow-links.md, "Choosing
+#: delay and fragments")
 HIDE_MARGIN = 1.5
 #: variants of a periodic strategy within this share of the fastest count as
 #: equally fast; the one listed first (the least lossy) is taken
