@@ -62,8 +62,10 @@ def row_specs(steps: int, wanted: str = "all") -> list[dict]:
                      "all-reduce algorithm per message]", strategy="diloco", hierarchy="node",
                      args=opts["diloco"] + ["--allreduce-algo", "auto"]))
     rows.append(dict(key="auto", label="auto", strategy="auto", hierarchy="auto", args=[]))
+    # in one 25 MB bucket (torch DDP's default), as the 2-node bench runs it: on gloo
+    # torch's hook hangs with several buckets (lorasync.comm.torch_hooks)
     rows.append(dict(key="torch_powersgd", label="torch PowerSGD hook (rank 1) [flat]",
-                     strategy="torch_powersgd", hierarchy="flat", args=[]))
+                     strategy="torch_powersgd", hierarchy="flat", args=["--bucket-mb", "25"]))
     if wanted != "all":
         keys = {k.strip() for k in wanted.split(",") if k.strip()}
         known = {r["key"] for r in rows} | {r["strategy"] for r in rows}
@@ -198,12 +200,13 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
         matrices = None
     layout = "hierarchical" if row["hierarchy"] == "node" else "flat"
     algo = a[a.index("--allreduce-algo") + 1] if "--allreduce-algo" in a else "ring"
+    bucket_mb = float(a[a.index("--bucket-mb") + 1]) if "--bucket-mb" in a else 1.0  # run_topology's common argv
     net = Net(alpha_s=inter[0], bandwidth_Bps=inter[1], world_size=nodes * g, ranks_per_node=g,
               intra_alpha_s=intra[0], intra_bandwidth_Bps=intra[1], layout=layout,
               allreduce_algo=algo)
     wl = Workload(adapter_params=numel, compute_s=compute_s, batch_size=batch,
                   head_share=head_share(MODELS[model]) if model in MODELS else 0.0,
-                  bucket_bytes=1 * MiB, matrices=matrices,
+                  bucket_bytes=int(bucket_mb * MiB), matrices=matrices,
                   options={row["strategy"]: opts} if opts else {})
     p = predict(row["strategy"], net, wl)
     return {"predicted_step_s": p.step_s, "predicted_inter_bytes_per_node": p.inter_bytes,

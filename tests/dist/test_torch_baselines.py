@@ -28,8 +28,7 @@ def test_torch_fp16_hook(tmp_path):
 
 
 def test_torch_powersgd_hook_with_fixed_length_batches(tmp_path):
-    # torch's hook is known to hang on gloo with variable-length batches (it waits on
-    # a collective inside a future callback); with equal lengths it runs.
+    # the tiny adapter's gradients (28 KB) fit one 1 MB bucket: torch's hook runs on gloo
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"row {i:04d} of fixed size"}) + "\n"
                             for i in range(64)))
@@ -43,3 +42,15 @@ def test_torch_powersgd_hook_with_fixed_length_batches(tmp_path):
     later = [r["wire_bytes"] for r in recs if r["step"] >= 3]
     assert first == [4 * ADAPTER] * 2
     assert all(0 < w < ADAPTER for w in later)
+
+
+def test_torch_powersgd_refuses_buckets_it_would_hang_on(tmp_path):
+    # several buckets: torch's hook waits on an all-reduce inside a gloo callback and
+    # hangs at its first PowerSGD step (lorasync.comm.torch_hooks); refused at attach,
+    # exit 2 naming the field and the size that works, before the run directory exists
+    run = tmp_path / "r"
+    p = run_cli("train", *TINY, "--comm", "torch_powersgd", "--bucket-mb", "0.01",
+                "--output-dir", str(run), timeout=200)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "comm.bucket_mb" in p.stderr and "--bucket-mb 25" in p.stderr, p.stderr[-2000:]
+    assert not run.exists() or not any(run.iterdir())

@@ -8,10 +8,17 @@ moment compute ended); the collectives are torch's, issued on a process group
 of their own whose all-reduces :func:`lorasync.comm.wire.count_group`
 counts, so their wire bytes are measured, not inferred from torch's rules.
 
-Known problem kept on purpose: torch's PowerSGD hook waits on its second
-all-reduce inside a ``.then()`` callback and has hung on gloo with
-variable-length batches; the bench runs every row under a timeout and
-reports a hang.  lorasync's own ``powersgd`` does not have this problem.
+torch's PowerSGD hook waits on its second all-reduce inside the first one's
+``.then()`` callback.  On gloo that callback holds one of the process group's
+worker threads, so with the adapter's gradients in several DDP buckets the
+callbacks hold every thread and the all-reduces they wait on never run:
+measured, the tiny model in 0.01 MB buckets hung at its first PowerSGD step
+on 2 and on 4 ranks, and the embedded default in the trainer's 1 MB buckets
+on 4 x 2 emulated ranks; in one bucket (25 MB, torch DDP's own default) the
+same runs train.  ``torch_powersgd`` on gloo therefore refuses a bucket
+smaller than the adapter's gradients, naming ``comm.bucket_mb`` and the size
+that works; the bench's rows run it in 25 MB buckets, as a user of torch's
+hook would.  lorasync's own ``powersgd`` has no such limit.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from lorasync.comm.base import HookSync, _Layout, register
 from lorasync.comm.wire import count_group
+from lorasync.errors import ConfigError
 
 __all__ = ["TorchFP16", "TorchPowerSGD"]
 
@@ -59,6 +67,15 @@ class TorchPowerSGD(_TorchHook):
     name = "torch_powersgd"
 
     def _setup(self) -> None:
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        cap = getattr(self.ddp, "bucket_bytes_cap", None)
+        if dist.get_backend(self.group) == "gloo" and cap is not None and grad_bytes > cap:
+            need = -(-grad_bytes // 2 ** 20)   # whole MiB
+            raise ConfigError(
+                "comm.bucket_mb", f"{cap / 2 ** 20:.3g}",
+                f"torch's PowerSGD hook hangs on gloo when the adapter's {grad_bytes / 1e6:.2f} "
+                f"MB of gradients span several DDP buckets; use --bucket-mb {max(need, 25)} "
+                "(one bucket; 25 is torch DDP's own default) or lorasync's --comm powersgd")
         super()._setup()
         # torch requires start_powerSGD_iter > 1 with error feedback and warm start
         self.state = psgd.PowerSGDState(
