@@ -103,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds before a row is stopped and reported as hung")
     p.add_argument("--output-dir", default="",
                    help="where results go (default: bench/results/<date>-<time>)")
+    p.add_argument("--rescore", default="", metavar="DIR",
+                   help="topology bench: score a saved run (DIR/results.json) again with this "
+                        "version's cost model and ceiling rule, running nothing")
 
 
 def _profiles(text: str) -> list[tuple[str, str]]:
@@ -459,6 +462,12 @@ def _chart(results: dict, path: str) -> None:
 def run(args) -> int:
     from lorasync.net.cluster import emulated, parse_emulate
 
+    if getattr(args, "rescore", ""):
+        from lorasync.bench_topology import rescore
+        result = rescore(args.rescore)
+        print("\n".join(p["markdown"] for p in result["profiles"].values()))
+        print(f"\nrewritten: {args.rescore}/results.md, results.json", file=sys.stderr)
+        return 0
     if os.geteuid() != 0:
         raise EnvironmentProblem("lorasync bench: emulated clusters need root (network "
                                  "namespaces); run it as root")
