@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -467,7 +468,17 @@ def rescore(out: str) -> dict:
     result.setdefault("dilation_text", f"time dilation x{s:.2f} ({result['dilation_how']}): "
                       f"every link runs at rate / {s:.2f} and delay x {s:.2f}, so that "
                       "compute/communication matches the 2-rank runs")
-    result.setdefault("started", "(date not kept)")
+    if "started" not in result:   # runs saved before it was kept: from their results.md
+        try:
+            with open(os.path.join(out, "results.md")) as fh:
+                md = fh.read()
+        except OSError:
+            md = ""
+        m = re.search(r", (\d{4}-\d\d-\d\d \d\d:\d\d)\n", md)
+        result["started"] = m.group(1) if m else "(date not kept)"
+        m = re.search(r"bench wall time: ([\d.]+) min", md)
+        if m:
+            result["wall_min"] = float(m.group(1))
     for label in result["profiles"]:
         score_profile(result, label)
     result["rescored"] = time.strftime("%Y-%m-%d %H:%M")
