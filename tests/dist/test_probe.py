@@ -38,15 +38,22 @@ def _worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
     try:
+        # a budget no loaded host exhausts: the whole pair matrix, whatever the timing
         res = run_probe(quick=True, max_bytes=256 << 10, pair_max_bytes=64 << 10, repeats=2,
-                        collectives=("all_reduce", "all_gather", "broadcast"))
+                        collectives=("all_reduce", "all_gather", "broadcast"), time_budget_s=600)
         res.pop("elapsed_s")  # each rank's own clock; everything else is shared
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
+        # a budget spent at once: quick pairs stop after the first, on every rank alike
+        res = run_probe(quick=True, max_bytes=16 << 10, pair_max_bytes=16 << 10, repeats=1,
+                        time_budget_s=1e-9)
+        with open(os.path.join(out_dir, f"short{rank}.json"), "w") as f:
+            json.dump([res["pairs"], res["pairs_complete"]], f)
         # a subgroup (as a trainer's own group would be): ranks are the group's, sends go to global ranks
         sub = dist.new_group([0, 2])
         if rank in (0, 2):
-            res = run_probe(sub, quick=True, max_bytes=64 << 10, pair_max_bytes=16 << 10, repeats=2)
+            res = run_probe(sub, quick=True, max_bytes=64 << 10, pair_max_bytes=16 << 10, repeats=2,
+                            time_budget_s=600)
             with open(os.path.join(out_dir, f"sub{rank}.json"), "w") as f:
                 json.dump(res, f)
     finally:
@@ -63,7 +70,8 @@ def probe3(tmp_path_factory):
     mp.start_processes(_worker, args=(3, _free_port(), str(out)), nprocs=3, join=True,
                        start_method="spawn")
     return ([json.load(open(out / f"rank{r}.json")) for r in range(3)],
-            [json.load(open(out / f"sub{r}.json")) for r in (0, 2)])
+            [json.load(open(out / f"sub{r}.json")) for r in (0, 2)],
+            [json.load(open(out / f"short{r}.json")) for r in range(3)])
 
 
 @pytest.mark.timeout(120)
@@ -107,6 +115,14 @@ def test_pair_matrix_complete(probe3):
 
 
 @pytest.mark.timeout(120)
+def test_quick_pairs_stop_when_their_budget_is_spent(probe3):
+    full, _, short = probe3
+    assert full[0]["pairs_complete"] is True
+    assert short[0] == short[1] == short[2]
+    pairs, complete = short[0]
+    assert complete is False and [(p["src"], p["dst"]) for p in pairs] == [(0, 1)]
+
+
 def test_every_rank_gets_the_same_result(probe3):
     world = probe3[0]
     assert world[0] == world[1] == world[2]
@@ -126,7 +142,8 @@ def test_probe_on_a_subgroup(probe3):
 def test_cli_probe_two_local_ranks(tmp_path):
     out = tmp_path / "probe.json"
     p = subprocess.run([sys.executable, "-m", "lorasync", "probe", "--nproc", "2", "--quick", "--json",
-                        "--max-bytes", "256K", "--output", str(out), "--timeout", "60"],
+                        "--max-bytes", "256K", "--output", str(out), "--timeout", "60",
+                        "--time-budget", "600"],  # both pairs, however loaded the host
                        env=_env(), capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stderr[-3000:]
     printed = json.loads(p.stdout[p.stdout.index("{"):])

@@ -219,7 +219,7 @@ def test_probe_pair_matrix_names_the_shaped_node(topo):
     base = dict(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=29519, WORLD_SIZE=3, LOCAL_WORLD_SIZE=1,
                 LOCAL_RANK=0, GLOO_SOCKET_IFNAME="eth0")
     args = ("probe", "--json", "--quick", "--max-bytes", "256KiB", "--pair-max-bytes", "256KiB",
-            "--time-budget", "30", "--timeout", "60")
+            "--time-budget", "120", "--timeout", "60")  # a budget the 6 pairs never spend
     procs = [topo.spawn(ns, _lorasync(*args), _env(RANK=i, **base)) for i, ns in enumerate(nodes)]
     results = topo.wait_all(procs, 150)
     assert all(code == 0 for code, _, _ in results), [e[-2000:] for _, _, e in results]
