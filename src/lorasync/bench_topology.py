@@ -30,8 +30,9 @@ intra-node link: a quick probe of node0's G workers).
 The ceiling, of each profile's efficiency and of the cost model's compute
 time, is the faster of two no-sync runs of N x G workers: the unshaped one at
 the start and the profile's own (its only traffic is start-up).  N x G
-workers on a few cores vary by 20% and more between runs minutes apart, as
-the 2-node bench's first and last ceiling do.  ``lorasync bench --rescore
+workers on a few cores vary by 20% and more between runs minutes apart (the
+2-node bench likewise takes the faster of its first and last ceiling).
+``lorasync bench --rescore
 DIR`` scores a saved run again (predictions, ceiling, verdicts, tables) from
 its results.json, running nothing.
 """
@@ -209,7 +210,8 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
         matrices = None
     layout = "hierarchical" if row["hierarchy"] == "node" else "flat"
     algo = a[a.index("--allreduce-algo") + 1] if "--allreduce-algo" in a else "ring"
-    bucket_mb = float(a[a.index("--bucket-mb") + 1]) if "--bucket-mb" in a else 1.0  # run_topology's common argv
+    # a row's own --bucket-mb, else run_topology's common one
+    bucket_mb = float(a[a.index("--bucket-mb") + 1]) if "--bucket-mb" in a else 1.0
     net = Net(alpha_s=inter[0], bandwidth_Bps=inter[1], world_size=nodes * g, ranks_per_node=g,
               intra_alpha_s=intra[0], intra_bandwidth_Bps=intra[1], layout=layout,
               allreduce_algo=algo)
