@@ -202,6 +202,32 @@ def scenario_auto(rank, teach):
             "intra": st["intra_bytes"], "wire": st["wire_bytes"]}
 
 
+def scenario_auto_layout(rank, teach):
+    """auto moving DiLoCo from the layout it measured in (flat) to the hierarchical
+    one: the child is built anew there, not reconfigured in place (which kept it flat
+    while auto reported hierarchical)."""
+    import lorasync
+
+    model = M.build(0)
+    ddp = _ddp(model)
+    opt = _opt(model)
+    sync = lorasync.attach(ddp, "auto", hierarchy="auto", ranks_per_node=G, probe="live",
+                           measure_steps=100, log=False, encode_probe=False,
+                           candidates="diloco")
+    sync.set_optimizer(opt)
+    for s in (1, 2):
+        _step(ddp, opt, sync, s, rank, teach)
+    before = sync._child.layout
+    sync._layout = "hierarchical"    # what the first choice decides at 4 x 2
+    sync._switch("diloco", {"period": 2}, "test: the layout changed")
+    for s in (3, 4, 5, 6):
+        _step(ddp, opt, sync, s, rank, teach)
+    after, reported = sync._child.layout, sync.stats()["layout"]
+    sync.finish()
+    return {"before": before, "after": after, "reported": reported,
+            "spread": _spread(_flat(model))}
+
+
 def scenario_algo(rank, teach):
     """The strategy's all-reduces with lorasync's recursive doubling (and the
     per-message choice) give what the ring gives, flat and across leaders."""
@@ -296,6 +322,8 @@ def run_hier(rank, world, out_dir, port):
                 res["resume"][label] = scenario_resume(rank, name, opts, teach)
         log.write("auto\n")
         res["auto"] = scenario_auto(rank, teach)
+        log.write("auto layout\n")
+        res["auto_layout"] = scenario_auto_layout(rank, teach)
         log.write("algo\n")
         res["algo"] = scenario_algo(rank, teach)
         log.write("done\n")

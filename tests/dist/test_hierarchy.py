@@ -200,6 +200,15 @@ def test_auto_switches_between_hierarchical_children(hier):
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_auto_moves_diloco_into_the_layout_it_chose(hier):
+    for r in hier:
+        a = r["auto_layout"]
+        assert (a["before"], a["after"], a["reported"]) == ("flat", "hierarchical",
+                                                             "hierarchical")
+        assert a["spread"] == 0.0
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
 def test_errors_name_the_problem(hier):
     e = hier[0]["errors"]
     assert "torch_powersgd runs flat only" in e["torch_hook"]

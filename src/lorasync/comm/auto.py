@@ -806,8 +806,9 @@ class Auto(Sync):
             # a routine switch (same link) must win two windows in a row:
             # one noisy window on a busy host is not enough
             self._pending_pick, pick = pick, cur
+            now = _pred_text(d.current) if d.current is not None else f"{cur}, not predicted"
             self._log(f"auto: step {s}: {d.strategy} looks better than {cur} "
-                      f"({_pred_text(d.prediction)} vs {_pred_text(d.current)}); "
+                      f"({_pred_text(d.prediction)} vs {now}); "
                       f"switching if the next window agrees")
         else:
             self._pending_pick = None
@@ -875,9 +876,11 @@ class Auto(Sync):
     def _switch(self, to: str, options: Mapping[str, Any], reason: str) -> None:
         old = self._child
         frm = old.name
-        if to == frm and hasattr(old, "reconfigure"):
+        if to == frm and hasattr(old, "reconfigure") and old.layout == self._layout:
             # DiLoCo with another outer sync: in place, without averaging the
-            # replicas (anchor, momentum and residual carry over)
+            # replicas (anchor, momentum and residual carry over).  Not into
+            # another layout: a flat DiLoCo reconfigured stays flat (the first
+            # choice at 4 x 2 took hierarchical DiLoCo and ran it flat)
             old.reconfigure(**options)
             self._child_options = dict(options)
             self._window_syncs = old.stats()["syncs"]
