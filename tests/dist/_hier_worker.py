@@ -202,30 +202,89 @@ def scenario_auto(rank, teach):
             "intra": st["intra_bytes"], "wire": st["wire_bytes"]}
 
 
+def _mean(t):
+    t = t.detach().clone().float()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def _diloco_state(child):
+    """(anchor, outer momentum, residual) of a flat DiLoCo or a hierarchical
+    one's leader (None on the other ranks of a node)."""
+    d = getattr(child, "inner", child)
+    if d is None:
+        return None
+    return d._anchor.clone(), d._momentum.clone(), d._residual.clone()
+
+
 def scenario_auto_layout(rank, teach):
-    """auto moving DiLoCo from the layout it measured in (flat) to the hierarchical
-    one: the child is built anew there, not reconfigured in place (which kept it flat
-    while auto reported hierarchical)."""
+    """auto moving DiLoCo from the layout it measured in (flat) to the
+    hierarchical one and back: the child is built anew there (reconfigured in
+    place it stayed flat while auto reported hierarchical), and handed over
+    without averaging across nodes: anchor and outer momentum carried, the
+    mean over all ranks of the adapter and of the residual kept, every byte
+    of the move inside a node."""
     import lorasync
 
     model = M.build(0)
     ddp = _ddp(model)
     opt = _opt(model)
+    opts = {"period": 2, "delta_dtype": "int8", "streaming": False}
     sync = lorasync.attach(ddp, "auto", hierarchy="auto", ranks_per_node=G, probe="live",
                            measure_steps=100, log=False, encode_probe=False,
-                           candidates="diloco")
+                           candidates="diloco", **{f"diloco.{k}": v for k, v in opts.items()})
     sync.set_optimizer(opt)
-    for s in (1, 2):
+    out = {}
+    for s in (1, 2, 3):      # an outer sync at 2 (anchor, momentum, residual), 3 on its own
         _step(ddp, opt, sync, s, rank, teach)
-    before = sync._child.layout
-    sync._layout = "hierarchical"    # what the first choice decides at 4 x 2
-    sync._switch("diloco", {"period": 2}, "test: the layout changed")
-    for s in (3, 4, 5, 6):
-        _step(ddp, opt, sync, s, rank, teach)
-    after, reported = sync._child.layout, sync.stats()["layout"]
+    for label, layout, steps in (("to_node", "hierarchical", (4, 5, 6)),
+                                 ("to_flat", "flat", (7, 8, 9))):
+        old = sync._child
+        before_layout = old.layout
+        state = _diloco_state(old)
+        mean_params = _mean(_flat(model))
+        mean_res = _mean(getattr(old, "inner", old)._residual if state is not None
+                         else torch.zeros_like(mean_params))
+        if label == "to_flat":   # the leaders hold the node's residual, in node-mean units
+            mean_res = mean_res * G
+        st0 = sync.stats()
+        sync._layout = layout    # what the first choice decides
+        sync._switch("diloco", opts, f"test: {label}")
+        st1 = sync.stats()
+        new = sync._child
+        moved = _diloco_state(new)
+        res_now = moved[2] if moved is not None else torch.zeros_like(mean_params)
+        if label == "to_node" and moved is not None:
+            res_now = res_now * G
+        r = {"before": before_layout, "after": new.layout, "reported": st1["layout"],
+             "params_mean_diff": float((_mean(_flat(model)) - mean_params).abs().max()),
+             "residual_mean_diff": float((_mean(res_now) - mean_res).abs().max()),
+             "residual_norm": float(mean_res.abs().max()),
+             "node_spread": _node_spread(_flat(model)),
+             "moved_bytes": st1["wire_bytes"] - st0["wire_bytes"],
+             "moved_intra": st1["intra_bytes"] - st0["intra_bytes"],
+             "moved_inter": st1["inter_bytes"] - st0["inter_bytes"],
+             "switches": st1["switches"] - st0["switches"]}
+        if state is not None and moved is not None:
+            r["anchor_same"] = bool(torch.equal(state[0], moved[0]))
+            r["momentum_same"] = bool(torch.equal(state[1], moved[1]))
+            r["momentum_norm"] = float(state[1].abs().max())
+        for s in steps:
+            _step(ddp, opt, sync, s, rank, teach)
+        r["syncs_after"] = new.stats()["syncs"]
+        out[label] = r
     sync.finish()
-    return {"before": before, "after": after, "reported": reported,
-            "spread": _spread(_flat(model))}
+    out["spread"] = _spread(_flat(model))
+    return out
+
+
+def _node_spread(flat):
+    """The largest difference between two ranks of one node."""
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    node = dist.get_rank() // G
+    mine = out[node * G:(node + 1) * G]
+    return max(float((o - mine[0]).abs().max()) for o in mine)
 
 
 def scenario_algo(rank, teach):

@@ -201,10 +201,27 @@ def test_auto_switches_between_hierarchical_children(hier):
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
 def test_auto_moves_diloco_into_the_layout_it_chose(hier):
-    for r in hier:
+    """Flat -> hierarchical -> flat DiLoCo (int8 outer sync, so a residual):
+    built in the new layout, handed over without crossing nodes, every rank
+    ends identical after finish()."""
+    for rank, r in enumerate(hier):
         a = r["auto_layout"]
-        assert (a["before"], a["after"], a["reported"]) == ("flat", "hierarchical",
-                                                             "hierarchical")
+        for label, (frm, to) in (("to_node", ("flat", "hierarchical")),
+                                 ("to_flat", ("hierarchical", "flat"))):
+            m = a[label]
+            assert (m["before"], m["after"], m["reported"]) == (frm, to, to), (label, m)
+            assert m["switches"] == 1, (label, m)
+            # nothing crossed the slow link; the node's group carried the move
+            assert m["moved_inter"] == 0 and m["moved_bytes"] == m["moved_intra"] > 0, m
+            # the mean adapter and the mean debt are kept; a node's ranks agree
+            assert m["params_mean_diff"] < 1e-6, (label, m)
+            assert m["residual_norm"] > 0 and m["residual_mean_diff"] < 1e-6, (label, m)
+            assert m["node_spread"] == 0.0, (label, m)
+            # the move is not an outer sync; the new child syncs on its schedule
+            assert m["syncs_after"] >= 1, (label, m)
+            if "anchor_same" in m:   # flat ranks and leaders hold the state
+                assert m["anchor_same"] and m["momentum_same"] and m["momentum_norm"] > 0, m
+        assert "anchor_same" in a["to_node"] or rank % 2 == 1
         assert a["spread"] == 0.0
 
 

@@ -36,6 +36,18 @@ rank writes its own file), so it resumes on the same nodes x ranks layout,
 with the same ranks as leaders (torchrun numbers ranks node by node);
 ``load_state_dict`` refuses another layout, and a flat state.
 
+Changing layout (:func:`move_periodic`, what ``auto`` does when it measured
+with a flat DiLoCo and chose the hierarchical one): a periodic strategy
+moves between the layouts without averaging across the slow link.  Flat to
+hierarchical, every node averages its ranks' adapters (and DiLoCo's
+residuals) over its own fast group; DiLoCo's anchor and outer momentum are
+the same on every rank and go to the leader as they are.  The replicas of
+the nodes still differ: the next outer sync averages their deltas, as it
+would have without the move.  Hierarchical to flat, the leader broadcasts
+the adapter, anchor, momentum and residual inside its node.  Either way the
+mean over all ranks of the adapter, and of what DiLoCo still owes, is kept
+(the leader's residual is its node's mean, see :meth:`residual_carry`).
+
 Not hierarchical: ``none`` (nothing to sync), ``auto`` (it builds
 hierarchical candidates itself), torch's own hooks (baselines, flat by
 definition), and 1-bit Adam (onebit with ``momentum=true``, which needs the
@@ -57,7 +69,7 @@ from lorasync.comm.base import HookSync, completed, get_strategy
 from lorasync.comm.topology import Topology
 from lorasync.comm.wire import Wire
 
-__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK"]
+__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK", "move_periodic"]
 
 #: strategies that are never wrapped, whatever their options (catalog.flat_only)
 NOT_HIERARCHICAL = frozenset(n for n in catalog.names() if catalog.flat_only(n) is not None
@@ -294,3 +306,56 @@ def _resolve(out: torch.futures.Future, buf: torch.Tensor, f: torch.futures.Futu
         out.set_result(buf)
     except Exception as e:  # noqa: BLE001 - forwarded to DDP
         out.set_exception(e)
+
+
+def move_periodic(old: HookSync, new: HookSync) -> None:
+    """Hand periodic strategy ``old`` (local or diloco, just built ``new``
+    of the same strategy in the other layout) over without averaging across
+    the nodes (module docstring).  Every rank, at the same step; syncs still
+    in flight are applied first.  Only the node's fast group carries bytes
+    (counted as the hierarchical side's ``intra_bytes``)."""
+    flat_to_node = isinstance(new, Hierarchical)
+    if flat_to_node == isinstance(old, Hierarchical) or old.name != new.name \
+            or old.per_step or old.name not in ("local", "diloco"):
+        raise ValueError(f"move_periodic: {old.name} ({old.layout}) -> {new.name} "
+                         f"({new.layout}): only local or diloco, into the other layout")
+    h = new if flat_to_node else old
+    dil = old.name == "diloco"
+    if flat_to_node:
+        old._drain()
+        G = h._G
+        flat = old._flat_params().div_(G)
+        res = old._residual if dil else None
+        if res is not None:
+            flat = torch.cat([flat, res / G])
+        t0 = time.perf_counter()
+        h.wire.all_reduce(flat)
+        h._add_comm(time.perf_counter() - t0)
+        h._set_flat_params(flat[:h.numel])
+        if h.leader:
+            inner = h.inner
+            if dil:
+                inner._anchor = old._anchor.clone()
+                inner._momentum = old._momentum.clone()
+                if res is not None:
+                    inner._residual = flat[h.numel:].clone()
+            inner._dirty = True
+        return
+    if h.leader:
+        h.inner._drain()
+    h._share_adapter()   # the node's ranks take the same steps: one adapter per node
+    if dil:
+        n = h.numel
+        state = torch.zeros(3 * n + 1, device=new._anchor.device)
+        if h.leader:
+            inner = h.inner
+            state[:n], state[n:2 * n] = inner._anchor, inner._momentum
+            if inner._residual is not None:
+                state[2 * n:3 * n], state[3 * n] = inner._residual, 1.0
+        t0 = time.perf_counter()
+        h.wire.broadcast(state, 0)
+        h._add_comm(time.perf_counter() - t0)
+        new._anchor, new._momentum = state[:n].clone(), state[n:2 * n].clone()
+        if bool(state[3 * n] > 0):
+            new._residual = state[2 * n:3 * n].clone()
+    new._dirty = True
