@@ -414,12 +414,15 @@ def run_rd(rank, world, out_dir, port):
             ints = torch.randint(-1000, 1000, (1003,), generator=g).float()
             floats = torch.randn(4099, generator=g)
             halves = torch.randn(257, generator=g).half()
-            for label, t in (("ints", ints), ("floats", floats), ("fp16", halves)):
-                ring, rd = t.clone(), t.clone()
+            # a strided view: reduced in a contiguous copy, written back in place
+            strided = torch.randn(33, 8, generator=g)[:, ::2]
+            for label, t in (("ints", ints), ("floats", floats), ("fp16", halves),
+                             ("strided", strided)):
+                ring, rd = t.clone(), t
                 dist.all_reduce(ring, group=grp)
-                recursive_doubling(rd, group=grp)
+                assert recursive_doubling(rd, group=grp) is rd
                 every = [torch.empty_like(rd) for _ in range(k)]
-                dist.all_gather(every, rd, group=grp)
+                dist.all_gather(every, rd.contiguous(), group=grp)
                 r[label] = {"exact": bool(torch.equal(ring, rd)),
                             "max_rel": float((ring.double() - rd.double()).abs().max()
                                              / ring.double().abs().max()),

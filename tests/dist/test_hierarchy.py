@@ -262,9 +262,10 @@ def test_recursive_doubling_equals_ring(rd, n):
     for rank in range(n):
         r = rd[rank][str(n)]
         assert r["ints"]["exact"]                       # integer-valued: no rounding at all
-        assert r["floats"]["max_rel"] <= 1e-6           # another summation order
+        for kind in ("floats", "strided"):              # another summation order
+            assert r[kind]["max_rel"] <= 1e-6, (n, rank, kind)
         assert r["fp16"]["max_rel"] <= 2e-3
-        for kind in ("ints", "floats", "fp16"):
+        for kind in ("ints", "floats", "fp16", "strided"):
             assert r[kind]["same_on_every_rank"], (n, rank, kind)
         assert r["max_op"]
         assert r["wire_async"]                          # several in flight, in order

@@ -245,15 +245,18 @@ def recursive_doubling(t: torch.Tensor, *, op=dist.ReduceOp.SUM,
         return t
     p = 1 << (n.bit_length() - 1)
     rem = n - p
-    tmp = torch.empty_like(t)
+    # point-to-point sends take contiguous tensors only: a strided ``t`` is
+    # reduced in a contiguous copy and written back
+    buf = t if t.is_contiguous() else t.contiguous()
+    tmp = torch.empty_like(buf)
     kw = dict(group=group, tag=_P2P_TAG)
     if r < 2 * rem:
         if r % 2 == 0:  # folded: hand over, get the result back at the end
-            dist.send(t, group_dst=r + 1, **kw)
-            dist.recv(t, group_src=r + 1, **kw)
-            return t
+            dist.send(buf, group_dst=r + 1, **kw)
+            dist.recv(buf, group_src=r + 1, **kw)
+            return t if buf is t else t.copy_(buf)
         dist.recv(tmp, group_src=r - 1, **kw)
-        combine(t, tmp)
+        combine(buf, tmp)
         v = r // 2
     else:
         v = r - rem
@@ -261,14 +264,14 @@ def recursive_doubling(t: torch.Tensor, *, op=dist.ReduceOp.SUM,
     while mask < p:
         pv = v ^ mask
         peer = 2 * pv + 1 if pv < rem else pv + rem
-        work = dist.isend(t, group_dst=peer, **kw)
+        work = dist.isend(buf, group_dst=peer, **kw)
         dist.recv(tmp, group_src=peer, **kw)
         work.wait()
-        combine(t, tmp)
+        combine(buf, tmp)
         mask <<= 1
     if r < 2 * rem:
-        dist.send(t, group_dst=r - 1, **kw)
-    return t
+        dist.send(buf, group_dst=r - 1, **kw)
+    return t if buf is t else t.copy_(buf)
 
 
 class _ThreadWork:
