@@ -31,8 +31,9 @@ it needs.  This bench measures what a user waits for:
 Candidates: plain DDP (fp32, 25 MB buckets, buffer broadcast), torch's
 PowerSGD hook (rank 1), fp16, top-k, DiLoCo with fp16 deltas one step late
 (the previous best), the new DiLoCo outer syncs (fp16, int8, int4 and 3%
-top-k with int4 values) each with the streaming delay and fragment count the
-planner picks for the probed link and the measured compute
+top-k with int4 values, and int8 with an outer step every 4 steps instead
+of 8) each with the streaming delay and fragment count the planner picks
+for the probed link and the measured compute
 (:func:`lorasync.plan.planner.hide_sync`), and ``auto``.  Every lorasync
 row also gets the cost model's step time next to the measured one.
 
@@ -72,6 +73,10 @@ VARIANTS = {
     "diloco_int8": {"delta_dtype": "int8"},
     "diloco_int4": {"delta_dtype": "int4"},
     "diloco_int4_top3": {"delta_dtype": "int4", "delta_topk": 0.03},
+    # an outer step every 4 inner steps instead of 8: fewer samples to a
+    # loss (docs/slow-links.md: DiLoCo's 8 needs 17% more than exact sync
+    # at 10 Mbit/s) for twice the bytes
+    "diloco_int8_p4": {"delta_dtype": "int8", "period": 4},
 }
 DEFAULT_CANDIDATES = ("ddp", "torch_powersgd", "fp16", "topk", "diloco_fp16", *VARIANTS, "auto")
 #: the issue's targets: ratio to the ideal per link, share of the ceiling at 1 Mbit/s
@@ -118,7 +123,8 @@ def label_of(key: str, opts: dict) -> str:
         return names[key]
     dt = opts.get("delta_dtype", "fp32") + (f" top {opts['delta_topk']:g}"
                                             if opts.get("delta_topk", 1) < 1 else "")
-    return (f"DiLoCo {dt}, {opts.get('delay')} step(s) late, "
+    every = f", every {opts['period']} steps" if "period" in opts else ""
+    return (f"DiLoCo {dt}{every}, {opts.get('delay')} step(s) late, "
             f"{opts.get('fragments', 1)} fragment(s)")
 
 
@@ -458,7 +464,7 @@ def main() -> int:
                     opts, _ = hide_sync(net, wl, "diloco")
                     opts = {k: v for k, v in opts.items()
                             if k in ("streaming", "delay", "fragments", "delta_dtype",
-                                     "delta_topk")}
+                                     "delta_topk") or k in VARIANTS[key]}
                     if key == "diloco_fp16_tuned" and opts.get("delay") == 1 \
                             and opts.get("fragments") == 1:
                         continue   # the same as diloco_fp16
