@@ -20,20 +20,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import os
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from lorasync.monitor.metrics import read_jsonl_records  # noqa: E402
 
 
 def events(run: Path) -> list[dict]:
     """One entry per step that crossed the nodes, in step order."""
     steps: dict[int, list[dict]] = collections.defaultdict(list)
-    with open(run / "metrics.jsonl") as fh:
-        for line in fh:
-            r = json.loads(line) if line.strip() else {}
-            if "step" in r and "event" not in r and "comm_s" in r:
-                steps[r["step"]].append(r)
+    for r in read_jsonl_records(str(run / "metrics.jsonl")):
+        if "step" in r and "event" not in r and "comm_s" in r:
+            steps[r["step"]].append(r)
     out = []
     for step, rs in sorted(steps.items()):
         if not any(r.get("inter_bytes", 0) for r in rs):

@@ -29,9 +29,10 @@ def test_outer_sync_steps_of_the_plus20ms_diloco_rows(sync_events):
     assert flat[0]["ranks"] == node[0]["ranks"] == 8
     assert round(flat[0]["last_in_to_last_out_s"], 2) == 4.05
     assert round(node[0]["last_in_to_last_out_s"], 2) == 2.95
-    # the last rank in waited less than any rank's comm_s says: that is the skew
-    assert flat[0]["last_in_to_last_out_s"] >= flat[0]["comm_s_min"]
-    assert node[0]["last_in_to_last_out_s"] < node[0]["comm_s_max"]
+    # between the ranks' own waits: the early ranks' comm_s also counts the
+    # wait for the last one (the compute skew this leaves out)
+    for e in (flat[0], node[0]):
+        assert e["comm_s_min"] <= e["last_in_to_last_out_s"] < e["comm_s_max"]
 
 
 def test_steps_that_cross_no_node_are_left_out(tmp_path, sync_events):
