@@ -26,7 +26,10 @@ it needs.  This bench measures what a user waits for:
    ``--max-steps``.  Its time to target is the training time (the sum of its
    steps, each as long as its slowest rank; evaluations and start-up left
    out) up to the first evaluation at or under the target; the ratio to the
-   ideal is the figure of merit.
+   ideal is the figure of merit.  Between outer syncs a local SGD / DiLoCo
+   run's evaluation is of the mean of its ranks' adapters, the model the run
+   would give if it stopped there (``--eval-replicas own``: each rank's own
+   replica on its share of the examples, as runs before 2026-12-03 did).
 
 Candidates: plain DDP (fp32, 25 MB buckets, buffer broadcast), torch's
 PowerSGD hook (rank 1), fp16, top-k, DiLoCo with fp16 deltas one step late
@@ -239,7 +242,7 @@ def common_args(a, ceiling: bool = False) -> list[str]:
     return ["--model", a.model, "--max-steps", str(steps), "--batch-size",
             str(a.batch_size), "--eval-interval", str(interval), "--eval-size",
             str(size), "--max-new-tokens", "1", "--no-eval-before", "--ckpt-interval", "0",
-            "--no-progress"]
+            "--no-progress", *(["--eval-mean"] if a.eval_replicas == "mean" else [])]
 
 
 # ----------------------------------------------------------------------------- summarising
@@ -379,6 +382,11 @@ def main() -> int:
                     help="training time a candidate may take, in units of the ideal")
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--eval-size", type=int, default=64)
+    ap.add_argument("--eval-replicas", choices=("mean", "own"), default="mean",
+                    help="what a local SGD / DiLoCo run's evaluations between outer syncs "
+                         "are of: the mean of the ranks' adapters (the model the run would "
+                         "give if it stopped there; lorasync train --eval-mean) or each "
+                         "rank's own replica on its share of the examples (before 2026-12-03)")
     ap.add_argument("--seeds", type=int, default=3, help="reference seeds (quality rule)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--model", default="smollm2-135m")

@@ -135,6 +135,11 @@ class TrainConfig:
                              flag="--max-new-tokens")
     eval_before: bool = _f(True, "also evaluate the untrained adapter before step 1",
                            flag="--eval-before")
+    eval_mean: bool = _f(False, "under local SGD and DiLoCo, evaluate the mean of the ranks' "
+                         "adapters between outer syncs (the model finish() would give, an "
+                         "outer update still in flight aside) instead of each rank its own "
+                         "on its share of the examples: one fp32 all-reduce of the adapter "
+                         "per evaluation, outside the strategy's bytes", flag="--eval-mean")
 
     def __post_init__(self):
         for name, lo in (("batch_size", 1), ("grad_accum", 1), ("warmup_steps", 0),

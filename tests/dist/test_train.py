@@ -159,3 +159,35 @@ def test_evaluations_mid_run_settle_a_streamed_outer_sync(tmp_path):
     recs = read_metrics(run)
     assert all(r["strategy"] == "diloco" for r in recs)
     assert sum(r["wire_bytes"] for r in recs) > 0
+
+
+def test_eval_mean_evaluates_the_replicas_mean_and_leaves_training_alone(tmp_path):
+    """--eval-mean under DiLoCo (period 4, not streamed): the evaluations
+    between outer syncs (steps 2, 6) are of the ranks' mean adapter, the ones
+    where the replicas agree (0, 4 after the sync, 8 after finish) are not
+    averaged and equal the plain run's; training is the same step for step,
+    to the bit, and so is the saved adapter."""
+    runs = {}
+    for mean in (False, True):
+        run = str(tmp_path / f"r{int(mean)}")
+        p = run_cli("train", *TINY, "--max-steps", "8", "--eval-interval", "2", "--comm",
+                    "diloco", "--comm-opt", "period=4", "--ckpt-interval", "0",
+                    *(["--eval-mean"] if mean else []), "--output-dir", run)
+        assert p.returncode == 0, p.stderr[-3000:]
+        with open(os.path.join(run, "evals.jsonl")) as fh:
+            evals = {e["step"]: e for e in map(json.loads, fh)}
+        runs[mean] = (run, evals)
+    (plain, ev0), (meaned, ev1) = runs[False], runs[True]
+    assert sorted(ev1) == [0, 2, 4, 6, 8]
+    assert [s for s, e in sorted(ev1.items()) if e.get("replicas") == "mean"] == [2, 6]
+    assert not any("replicas" in e for e in ev0.values())
+    for s in (0, 4, 8):
+        assert ev1[s]["eval_loss"] == ev0[s]["eval_loss"], s
+    for s in (2, 6):  # another model: each rank's own replica on half the examples before
+        assert ev1[s]["eval_loss"] != ev0[s]["eval_loss"], s
+    losses = [[(r["step"], r["rank"], r["loss"]) for r in read_metrics(x)] for x in (plain, meaned)]
+    assert losses[0] == losses[1]
+    from safetensors.torch import load_file
+    a, b = (load_file(os.path.join(x, "adapter", "adapter_model.safetensors"))
+            for x in (plain, meaned))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1036,6 +1036,10 @@ class Auto(Sync):
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
 
+    @property
+    def replicas_may_differ(self) -> bool:
+        return self._may_differ or self._child.replicas_may_differ
+
     def settle(self) -> None:
         self._child.settle()
 

@@ -149,6 +149,12 @@ class Sync:
         """Whether replicas stay bit-identical after every optimizer step."""
         return self.spec.lossless
 
+    @property
+    def replicas_may_differ(self) -> bool:
+        """Whether the ranks' adapters may differ now (local steps taken since
+        the last sync: local SGD, DiLoCo); the same answer on every rank."""
+        return False
+
     # -- hooks for subclasses -------------------------------------------------
     def _validate(self) -> None:
         """What the options alone cannot tell (relations to the optimizer,

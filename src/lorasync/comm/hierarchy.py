@@ -118,6 +118,7 @@ class Hierarchical(HookSync):
         self.world_size, self.rank = t.world_size, t.rank
         self._G, self._N = t.local_size, t.num_nodes
         self.leader = t.is_leader
+        self._differ = False  # periodic: local steps since finish() (every rank agrees)
         self._outs: list[tuple[torch.Tensor, torch.futures.Future | None,
                                torch.futures.Future]] = []
         self.inner = None
@@ -193,6 +194,12 @@ class Hierarchical(HookSync):
             catalog.fragments_due(launched, o.period, getattr(o, "fragments", 1)))
 
     @property
+    def replicas_may_differ(self) -> bool:
+        """Between outer syncs the nodes' replicas differ (the ranks of one node
+        do not); only ``finish`` makes them identical again."""
+        return self._differ
+
+    @property
     def in_flight(self) -> bool:
         """A streamed outer sync launched and not yet applied (every rank agrees)."""
         if self.per_step or not self.options.streaming:
@@ -211,6 +218,7 @@ class Hierarchical(HookSync):
             self.inner.after_step()
         if self.per_step:
             return
+        self._differ = True
         lands = self._applies(self._steps)
         if self.leader and (self.inner.stats()["syncs"] > before) != lands:
             raise RuntimeError(f"hierarchy: {self.name}'s outer sync did not follow its "
@@ -242,6 +250,7 @@ class Hierarchical(HookSync):
             self.inner.finish()
         if not self.per_step:
             self._share_adapter()
+        self._differ = False
 
     # -- what auto needs ----------------------------------------------------------
     def residual_carry(self, residual: Callable[[Any], torch.Tensor | None]

@@ -96,6 +96,10 @@ class _Periodic(HookSync):
                        for a, b in catalog.fragment_ranges(self._numels, f)]
 
     @property
+    def replicas_may_differ(self) -> bool:
+        return self._dirty
+
+    @property
     def in_flight(self) -> bool:
         """Whether a sync launched by one ``after_step`` is still to be
         applied by a later one (streaming)."""

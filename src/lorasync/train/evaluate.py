@@ -5,10 +5,18 @@ generations on the held-out examples, sharded over ranks (one 32-byte
 all-reduce at the end).  ``Evaluator`` is the trainer's component: it owns
 ``RUN/evals.jsonl`` (rank 0 appends one record per evaluation) and hands each
 record to the live sinks.
+
+Between the outer syncs of local SGD and DiLoCo every rank holds its own
+replica, and each evaluates its own on its share of the examples.  With
+``mean_replicas`` (``--eval-mean``) the evaluation is of the replicas' mean
+instead, what ``finish()`` would return if training stopped here (an outer
+update still in flight is left out): the adapter is all-reduced in fp32,
+evaluated, and each rank's own put back, so training goes on unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -69,11 +77,44 @@ class Evaluator:
     """
 
     def __init__(self, model, examples, tok, device, *, rank: int, world: int,
-                 max_new_tokens: int, run_dir: str, sinks):
+                 max_new_tokens: int, run_dir: str, sinks, sync=None,
+                 mean_replicas: bool = False):
         self.model, self.examples, self.tok, self.device = model, examples, tok, device
         self.rank, self.world, self.max_new_tokens = rank, world, max_new_tokens
         self.path = os.path.join(run_dir, "evals.jsonl")
         self.sinks = sinks
+        # the sync strategy (a callable returning it): whether replicas differ now
+        self.sync, self.mean_replicas = sync, mean_replicas
+
+    @contextlib.contextmanager
+    def _replicas_mean(self):
+        """The mean of the ranks' adapters in place while evaluating, when
+        asked for and they may differ (a collective: the answer is the same on
+        every rank); yields whether it did."""
+        sync = self.sync() if callable(self.sync) else self.sync
+        if not (self.mean_replicas and self.world > 1 and sync is not None
+                and sync.replicas_may_differ):
+            yield False
+            return
+        import torch
+        import torch.distributed as dist
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            own = [p.detach().clone() for p in params]
+            flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+            dist.all_reduce(flat)
+            flat.div_(self.world)
+            off = 0
+            for p in params:
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        try:
+            yield True
+        finally:
+            with torch.no_grad():
+                for p, o in zip(params, own):
+                    p.copy_(o)
 
     def forget_after(self, step: int) -> None:
         """On resume, rank 0 drops the evaluations after ``step``: they will run again."""
@@ -86,11 +127,14 @@ class Evaluator:
             fh.writelines(json.dumps(r) + "\n" for r in kept)
 
     def __call__(self, step: int) -> dict:
-        loss, correct, n = evaluate(self.model, self.examples, self.tok, self.device,
-                                    rank=self.rank, world=self.world,
-                                    max_new_tokens=self.max_new_tokens)
+        with self._replicas_mean() as mean:
+            loss, correct, n = evaluate(self.model, self.examples, self.tok, self.device,
+                                        rank=self.rank, world=self.world,
+                                        max_new_tokens=self.max_new_tokens)
         rec = {"step": step, "eval_loss": loss, "exact_match": correct / n if n else None,
                "correct": correct, "n": n, "time": time.time()}
+        if mean:
+            rec["replicas"] = "mean"
         if self.rank == 0:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")

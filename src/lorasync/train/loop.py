@@ -365,7 +365,8 @@ class Trainer:
         self.evaluate = Evaluator(self.model, self.eval_set, self.tok, self.device,
                                   rank=self.rank, world=self.world,
                                   max_new_tokens=tc.max_new_tokens, run_dir=self.run_dir,
-                                  sinks=self.steplog.sinks)
+                                  sinks=self.steplog.sinks, sync=lambda: self.sync,
+                                  mean_replicas=tc.eval_mean)
         try:
             if self.plan.step:  # evaluations after the checkpoint will run again
                 self.evaluate.forget_after(self.progress.step)
