@@ -144,9 +144,10 @@ def test_max_grad_accum_below_grad_accum_is_refused(tmp_path):
 
 
 def test_evaluations_mid_run_settle_a_streamed_outer_sync(tmp_path):
-    """--eval-interval with DiLoCo's outer sync in flight (4 fragments, 2 steps
-    late): the trainer settles it before each evaluation; training and the
-    evaluations go on, and the replicas end identical."""
+    """--eval-interval with DiLoCo's outer sync always in flight (4 fragments,
+    one launched every step, each 2 steps late): each evaluation waits one
+    step, then settles what is in flight; training and the evaluations go
+    on, and the replicas end identical."""
     run = str(tmp_path / "r")
     p = run_cli("train", *TINY, "--max-steps", "8", "--eval-interval", "2", "--comm", "diloco",
                 "--comm-opt", "period=4", "--comm-opt", "streaming=true", "--comm-opt", "delay=2",
@@ -155,10 +156,27 @@ def test_evaluations_mid_run_settle_a_streamed_outer_sync(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     with open(os.path.join(run, "evals.jsonl")) as fh:
         evals = [json.loads(line) for line in fh]
-    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8]
+    assert [e["step"] for e in evals] == [0, 3, 5, 7, 8]
     recs = read_metrics(run)
     assert all(r["strategy"] == "diloco" for r in recs)
     assert sum(r["wire_bytes"] for r in recs) > 0
+
+
+def test_an_evaluation_due_at_an_outer_sync_launch_waits_one_step(tmp_path):
+    """DiLoCo every 4 steps, streamed 1 step late, evaluated every 2 steps:
+    the evaluation due at step 4, where the outer sync leaves, runs after
+    step 5, where it landed (settling it at step 4 would expose all of it);
+    the others run on time.  A run stopped at step 4 (--stop-after) does
+    not defer past its end."""
+    common = [*TINY, "--max-steps", "8", "--eval-interval", "2", "--comm", "diloco",
+              "--comm-opt", "period=4", "--comm-opt", "streaming=true",
+              "--comm-opt", "delay=1", "--ckpt-interval", "0"]
+    for extra, want in (([], [0, 2, 5, 6, 8]), (["--stop-after", "4"], [0, 2, 4])):
+        run = str(tmp_path / f"r{len(extra)}")
+        p = run_cli("train", *common, *extra, "--output-dir", run)
+        assert p.returncode == 0, p.stderr[-3000:]
+        with open(os.path.join(run, "evals.jsonl")) as fh:
+            assert [json.loads(line)["step"] for line in fh] == want, extra
 
 
 def test_eval_mean_evaluates_the_replicas_mean_and_leaves_training_alone(tmp_path):

@@ -688,7 +688,7 @@ class Auto(Sync):
     def _sync_in_flight(self) -> bool:
         """Whether the strategy in use has a collective launched in one
         ``after_step`` and applied in a later one (streaming local/diloco)."""
-        return bool(getattr(self._child, "in_flight", False))
+        return self._child.in_flight
 
     def _workload(self, compute_s: float, net: Net | None = None) -> Workload:
         """The workload with per-strategy corrections (``net`` given) or without."""
@@ -1039,6 +1039,10 @@ class Auto(Sync):
     @property
     def replicas_may_differ(self) -> bool:
         return self._may_differ or self._child.replicas_may_differ
+
+    @property
+    def in_flight(self) -> bool:
+        return self._sync_in_flight()
 
     def settle(self) -> None:
         self._child.settle()

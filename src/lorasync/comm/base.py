@@ -150,6 +150,12 @@ class Sync:
         return self.spec.lossless
 
     @property
+    def in_flight(self) -> bool:
+        """Whether a sync launched in one ``after_step`` is still to be applied
+        in a later one (a streamed outer sync); the same answer on every rank."""
+        return False
+
+    @property
     def replicas_may_differ(self) -> bool:
         """Whether the ranks' adapters may differ now (local steps taken since
         the last sync: local SGD, DiLoCo); the same answer on every rank."""

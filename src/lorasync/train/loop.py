@@ -232,6 +232,8 @@ class Trainer:
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.steplog = None
         self._restart_field: dict | None = None
+        self._eval_owed = False   # an evaluation due at an earlier step, deferred
+        self._eval_now = False    # evaluate after this step
 
     def _mark(self, phase: str, step: int | None = None) -> None:
         if self.watchdog is not None:
@@ -289,6 +291,8 @@ class Trainer:
         if self.attempt.cause == "recover":
             self.log(self.attempt.describe(self.plan.step, world))
         self.eval_before = meta.get("eval_before")
+        # an evaluation deferred past the checkpoint's step runs after the next
+        self._eval_owed = bool(meta.get("eval_owed", False))
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
         model.train()
@@ -380,7 +384,7 @@ class Trainer:
             for step in range(self.progress.step + 1, self.end_step + 1):
                 self._mark("train", step)
                 self._step(step)
-                if tc.eval_interval and step % tc.eval_interval == 0 and step < self.total_steps:
+                if self._eval_now:
                     self._mark("eval")
                     r = self.evaluate(step)
                     self.log(f"step {step}: eval loss {r['eval_loss']:.4f}, exact-match "
@@ -390,7 +394,8 @@ class Trainer:
                     self.ckpt.save(self.progress, model=self.model, opt=self.opt,
                                    sched=self.sched, sync=self.sync,
                                    meta={"eval_before": self.eval_before,
-                                         "total_steps": self.total_steps})
+                                         "total_steps": self.total_steps,
+                                         "eval_owed": self._eval_owed})
             if self.end_step < self.total_steps:
                 self._end_event("stopped")
         finally:
@@ -457,7 +462,8 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         sync.after_step()
-        if tc.eval_interval and step % tc.eval_interval == 0 and step < self.total_steps:
+        self._eval_now = self._evaluation_due(step, sync)
+        if self._eval_now:
             # an evaluation must not give a streamed sync free link time:
             # what is in flight arrives now, as this step's exposed sync
             sync.settle()
@@ -482,6 +488,26 @@ class Trainer:
         self.steplog.write(rec)
         if self.watchdog is not None:
             self.watchdog.step_done(step_s)
+
+    def _evaluation_due(self, step: int, sync) -> bool:
+        """Whether to evaluate after ``step`` (every rank agrees).  Every
+        ``eval_interval`` steps, but one step later when a streamed sync
+        launched by this step is still in flight: the link then carries it
+        under the next step's compute, as it would with no evaluation, where
+        settling it now would expose all of it (each launch step of DiLoCo's
+        outer sync is a multiple of its period, and so of an even interval).
+        Never later than the session's last step; the final evaluation (after
+        ``finish``) is separate."""
+        tc = self.tc
+        if not tc.eval_interval or step >= self.total_steps:
+            return False
+        if step % tc.eval_interval and not self._eval_owed:
+            return False
+        if not self._eval_owed and sync.in_flight and step < self.end_step:
+            self._eval_owed = True
+            return False
+        self._eval_owed = False
+        return True
 
     # -- the end ------------------------------------------------------------------
 
