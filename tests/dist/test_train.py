@@ -209,3 +209,23 @@ def test_eval_mean_evaluates_the_replicas_mean_and_leaves_training_alone(tmp_pat
     a, b = (load_file(os.path.join(x, "adapter", "adapter_model.safetensors"))
             for x in (plain, meaned))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_mean_under_hierarchical_diloco(tmp_path):
+    """2 nodes x 2 ranks, DiLoCo across the node leaders every 4 steps, with
+    --eval-mean: the evaluations between outer syncs (steps 2, 6) are of the
+    mean of the ranks' adapters, the one after the outer sync (4) and the
+    final one (8, after finish) are not; the run went hierarchical."""
+    run = str(tmp_path / "r")
+    p = run_cli("train", *TINY, "--nproc", "4",  # the later --nproc wins
+                "--max-steps", "8", "--eval-interval", "2", "--comm", "diloco",
+                "--comm-opt", "period=4", "--hierarchy", "node", "--ranks-per-node", "2",
+                "--ckpt-interval", "0", "--eval-mean", "--output-dir", run)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(run, "evals.jsonl")) as fh:
+        evals = [json.loads(line) for line in fh]
+    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8]
+    assert [e["step"] for e in evals if e.get("replicas") == "mean"] == [2, 6]
+    recs = read_metrics(run)
+    assert {r["rank"] for r in recs} == {0, 1, 2, 3}
+    assert sum(r["intra_bytes"] for r in recs) > 0

@@ -196,7 +196,8 @@ class Hierarchical(HookSync):
     @property
     def replicas_may_differ(self) -> bool:
         """Between outer syncs the nodes' replicas differ (the ranks of one node
-        do not); only ``finish`` makes them identical again."""
+        do not); an outer sync of the whole adapter not streamed, or
+        ``finish``, makes them identical again (as ``_Periodic`` says)."""
         return self._differ
 
     @property
@@ -227,6 +228,8 @@ class Hierarchical(HookSync):
             with self._lock:
                 self._syncs += 1
             self._share_adapter()
+            if not self.options.streaming and getattr(self.options, "fragments", 1) == 1:
+                self._differ = False  # the whole adapter synced, no local step since
 
     def settle(self) -> None:
         if self.leader and self.inner is not None:
