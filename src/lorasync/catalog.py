@@ -61,7 +61,7 @@ __all__ = [
     "spec", "names", "parse_options", "option_help", "param_blocks", "tensor_shapes",
     "collectives", "wire_bytes", "DTYPE_BYTES", "DELTA_DTYPES", "DELTA_BITS",
     "delta_tensor_bytes", "delta_gathered", "fragment_ranges", "fragment_offsets",
-    "fragments_due", "flat_only",
+    "fragments_due", "streamed_in_flight", "flat_only",
 ]
 
 #: bytes per element of the dtypes a sync may send
@@ -491,6 +491,17 @@ def fragments_due(step: int, period: int, fragments: int) -> list[int]:
     """Fragments whose sync starts after optimizer step ``step`` (1-based)."""
     r = step % period
     return [f for f, off in enumerate(fragment_offsets(period, fragments)) if off == r]
+
+
+def streamed_in_flight(step: int, o: "Options") -> bool:
+    """Whether a periodic strategy with options ``o`` has a streamed sync
+    launched and not yet applied once optimizer step ``step`` has ended: one
+    launched after one of the last ``delay`` steps."""
+    if not getattr(o, "streaming", False) or step < 1:
+        return False
+    frags = getattr(o, "fragments", 1)
+    return any(fragments_due(t, o.period, frags)
+               for t in range(max(1, step - o.delay + 1), step + 1))
 
 
 def _diloco(shapes, n: int, o: "DiLoCoOptions") -> list[Collective]:

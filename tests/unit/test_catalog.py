@@ -315,3 +315,16 @@ def test_every_fragment_syncs_once_a_period_at_even_spacing(period, F):
     steps = [s for s in range(1, 2 * period + 1) if catalog.fragments_due(s, period, F)]
     gaps = {b - a for a, b in zip(steps, steps[1:])}
     assert gaps <= {period // F, -(-period // F)}
+
+
+def test_streamed_in_flight_follows_the_schedule():
+    o = catalog.parse_options
+    one = o("diloco", {"streaming": True, "delay": 1})
+    assert [s for s in range(1, 25) if catalog.streamed_in_flight(s, one)] == [8, 16, 24]
+    two = o("diloco", {"streaming": True, "delay": 2})
+    assert [s for s in range(1, 18) if catalog.streamed_in_flight(s, two)] == [8, 9, 16, 17]
+    every = o("diloco", {"streaming": True, "delay": 1, "fragments": 8})
+    assert all(catalog.streamed_in_flight(s, every) for s in range(1, 20))
+    assert not catalog.streamed_in_flight(0, every)
+    assert not any(catalog.streamed_in_flight(s, o("diloco", {})) for s in range(1, 20))
+    assert not any(catalog.streamed_in_flight(s, o("local", {})) for s in range(1, 20))

@@ -1044,6 +1044,10 @@ class Auto(Sync):
     def in_flight(self) -> bool:
         return self._sync_in_flight()
 
+    @property
+    def in_flight_next_step(self) -> bool:
+        return self._child.in_flight_next_step
+
     def settle(self) -> None:
         self._child.settle()
 

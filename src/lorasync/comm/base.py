@@ -156,6 +156,12 @@ class Sync:
         return False
 
     @property
+    def in_flight_next_step(self) -> bool:
+        """Whether one will still (or again) be in flight once the next step
+        has ended, by the options' schedule; the same answer on every rank."""
+        return False
+
+    @property
     def replicas_may_differ(self) -> bool:
         """Whether the ranks' adapters may differ now (local steps taken since
         the last sync: local SGD, DiLoCo); the same answer on every rank."""

@@ -203,13 +203,11 @@ class Hierarchical(HookSync):
     @property
     def in_flight(self) -> bool:
         """A streamed outer sync launched and not yet applied (every rank agrees)."""
-        if self.per_step or not self.options.streaming:
-            return False
-        s, o = self._steps, self.options
-        frags = getattr(o, "fragments", 1)
-        # launched after one of the last `delay` steps: applied after a later one
-        return any(catalog.fragments_due(t, o.period, frags)
-                   for t in range(max(1, s - o.delay + 1), s + 1))
+        return not self.per_step and catalog.streamed_in_flight(self._steps, self.options)
+
+    @property
+    def in_flight_next_step(self) -> bool:
+        return not self.per_step and catalog.streamed_in_flight(self._steps + 1, self.options)
 
     def after_step(self) -> None:
         super().after_step()

@@ -100,6 +100,10 @@ class _Periodic(HookSync):
         return self._dirty
 
     @property
+    def in_flight_next_step(self) -> bool:
+        return catalog.streamed_in_flight(self._steps + 1, self.options)
+
+    @property
     def in_flight(self) -> bool:
         """Whether a sync launched by one ``after_step`` is still to be
         applied by a later one (streaming)."""

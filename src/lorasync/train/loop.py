@@ -491,19 +491,22 @@ class Trainer:
 
     def _evaluation_due(self, step: int, sync) -> bool:
         """Whether to evaluate after ``step`` (every rank agrees).  Every
-        ``eval_interval`` steps, but one step later when a streamed sync
-        launched by this step is still in flight: the link then carries it
-        under the next step's compute, as it would with no evaluation, where
-        settling it now would expose all of it (each launch step of DiLoCo's
-        outer sync is a multiple of its period, and so of an even interval).
-        Never later than the session's last step; the final evaluation (after
+        ``eval_interval`` steps, but one step later when a streamed sync is
+        in flight now and nothing will be after the next step: the link then
+        carries it under the next step's compute, as it would with no
+        evaluation, where settling it now would expose all of it (each launch
+        step of DiLoCo's outer sync is a multiple of its period, and so of an
+        even interval).  Where one is always in flight (a fragment launched
+        every step) waiting would not help: it settles on time.  Never later
+        than the session's last step; the final evaluation (after
         ``finish``) is separate."""
         tc = self.tc
         if not tc.eval_interval or step >= self.total_steps:
             return False
         if step % tc.eval_interval and not self._eval_owed:
             return False
-        if not self._eval_owed and sync.in_flight and step < self.end_step:
+        if not self._eval_owed and sync.in_flight and not sync.in_flight_next_step \
+                and step < self.end_step:
             self._eval_owed = True
             return False
         self._eval_owed = False
