@@ -496,8 +496,8 @@ class Trainer:
         carries it under the next step's compute, as it would with no
         evaluation, where settling it now would expose all of it (each launch
         step of DiLoCo's outer sync is a multiple of its period, and so of an
-        even interval).  Where one is always in flight (a fragment launched
-        every step) waiting would not help: it settles on time.  Never later
+        even interval).  Where one still will be (a delay of 2 or more, a
+        fragment launched every step) it settles on time.  Never later
         than the session's last step; the final evaluation (after
         ``finish``) is separate."""
         tc = self.tc
