@@ -166,7 +166,8 @@ def first_reach(evals: list[dict], target: float) -> dict | None:
 
 def eval_at(evals: list[dict], step: int) -> float | None:
     """The evaluation due at ``step``: the trainer runs it one step later when
-    a streamed outer sync left at ``step`` (lorasync train, --eval-interval)."""
+    a streamed outer sync left at ``step`` and lands after the next one
+    (lorasync train, --eval-interval)."""
     return next((e["eval_loss"] for e in sorted(evals, key=lambda e: e["step"])
                  if step <= e["step"] <= step + 1), None)
 
