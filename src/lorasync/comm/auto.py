@@ -662,7 +662,7 @@ class Auto(Sync):
             return
         if not self._next_eval or s < self._next_eval:
             return
-        if self._sync_in_flight() and self._deferred < self._max_defer():
+        if self.in_flight and self._deferred < self._max_defer():
             # a streamed sync launched in an earlier step is still on the link
             # (delay > 1): the window all-reduce and any probe would queue
             # behind it, block this step for the rest of the transfer (which
@@ -684,11 +684,6 @@ class Auto(Sync):
 
     def _max_defer(self) -> int:
         return int(getattr(self._child.options, "period", 1))
-
-    def _sync_in_flight(self) -> bool:
-        """Whether the strategy in use has a collective launched in one
-        ``after_step`` and applied in a later one (streaming local/diloco)."""
-        return self._child.in_flight
 
     def _workload(self, compute_s: float, net: Net | None = None) -> Workload:
         """The workload with per-strategy corrections (``net`` given) or without."""
@@ -740,7 +735,7 @@ class Auto(Sync):
                 due = any(drifted(o, p.step_s - p.compute_s, p.step_s,
                                   calibrated=self._fit_for == cur) for o in (over, recent))
             if due and not passive and not (initial and self._start_net is not None) \
-                    and not self._sync_in_flight():
+                    and not self.in_flight:
                 # the syncs gave no figure (too small, none in the window): probe
                 size = probe_size(net.bandwidth_Bps if net else 0.0)
                 net, spent = self._live_probe(size)
@@ -1042,7 +1037,9 @@ class Auto(Sync):
 
     @property
     def in_flight(self) -> bool:
-        return self._sync_in_flight()
+        """Whether the strategy in use has a collective launched in one
+        ``after_step`` and applied in a later one (streaming local/diloco)."""
+        return self._child.in_flight
 
     @property
     def in_flight_next_step(self) -> bool:
