@@ -30,6 +30,16 @@ it needs.  This bench measures what a user waits for:
    run's evaluation is of the mean of its ranks' adapters, the model the run
    would give if it stopped there (``--eval-replicas own``: each rank's own
    replica on its share of the examples, as runs before 2026-12-03 did).
+4. Training alone (``--speed-run``, the default): every candidate that
+   reached the target trains again, without evaluations, up to the step
+   where it did.  An
+   evaluation settles a sync in flight first (it gives the link no free
+   time), so with a fragment always in flight every evaluation exposes one
+   transfer; the ceiling is timed without evaluations, and so is this run.
+   Its samples/s, exposed sync and time to the step where the first run
+   reached the target are reported beside the first run's: for a strategy
+   whose losses follow its schedule (all but ``auto``, which re-plans from
+   timings) the steps are the same, only their times differ.
 
 Candidates: plain DDP (fp32, 25 MB buckets, buffer broadcast), torch's
 PowerSGD hook (rank 1), fp16, top-k, DiLoCo with fp16 deltas one step late
@@ -97,6 +107,7 @@ class Run:
     steps: list[dict] = field(default_factory=list)   # per step: max step_s, samples, ...
     evals: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    speed: "Run | None" = None   # the same run again without evaluations (--speed-run)
 
 
 def fixed_args(key: str) -> tuple[list[str], dict]:
@@ -237,12 +248,14 @@ def run_reference(seed: int, a, out: str) -> Run:
     return run
 
 
-def common_args(a, ceiling: bool = False) -> list[str]:
+def common_args(a, ceiling: bool = False, evals: bool = True) -> list[str]:
     """Every run's ``lorasync train`` flags: the same schedule (``--max-steps``),
     evaluations of the loss only (one generated token: exact-match is not
-    the figure here, and generation would dominate the bench's time)."""
+    the figure here, and generation would dominate the bench's time); none
+    for the ceiling and for a speed run (``evals=False``)."""
     steps, interval, size = ((a.ceiling_steps, 0, 0) if ceiling else
-                             (a.max_steps, a.eval_interval, a.eval_size))
+                             (a.max_steps, a.eval_interval, a.eval_size) if evals else
+                             (a.max_steps, 0, 0))
     return ["--model", a.model, "--max-steps", str(steps), "--batch-size",
             str(a.batch_size), "--eval-interval", str(interval), "--eval-size",
             str(size), "--max-new-tokens", "1", "--no-eval-before", "--ckpt-interval", "0",
@@ -277,7 +290,29 @@ def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceil
         t = train_time(st)
         cell.update(reached_step=None, time_to_target_s=None, samples_to_target=None,
                     ratio_to_ideal=None, ratio_lower_bound=t / ideal_s if ideal_s else None)
+    cell.update(speed_of(run.speed, cell["reached_step"], ideal_s, ceiling_sps))
     return cell
+
+
+def speed_of(sp: Run | None, reached: int | None, ideal_s: float, ceiling_sps: float) -> dict:
+    """The speed run's figures: samples/s and exposed sync of training alone,
+    and its time to the step where the run with evaluations reached the
+    target (the same steps: without evaluations nothing but the timing
+    changes, and a schedule-driven strategy's losses do not depend on it)."""
+    if sp is None:
+        return {}
+    steady = sp.steps[1:] if len(sp.steps) > 1 else sp.steps
+    secs = train_time(steady)
+    sps = sum(s["samples"] for s in steady) / secs if secs else None
+    covered = reached is not None and any(s["step"] == reached for s in sp.steps)
+    t = train_time(sp.steps, reached) if covered else None
+    return {"speed_status": sp.status, "speed_steps_run": len(sp.steps),
+            "speed_samples_per_s": sps,
+            "speed_efficiency": sps / ceiling_sps if sps and ceiling_sps else None,
+            "speed_sync_share": (sum(s["comm_s"] for s in steady) / secs) if secs else None,
+            "speed_time_to_target_s": t,
+            "speed_ratio_to_ideal": t / ideal_s if t is not None and ideal_s else None,
+            "speed_wall_s": sp.extra.get("wall_s")}
 
 
 def _f(v, fmt="{:.2f}", none="-"):
@@ -285,10 +320,14 @@ def _f(v, fmt="{:.2f}", none="-"):
 
 
 def table(link: str, cells: list[dict], probe_text: str) -> str:
+    alone = any("speed_status" in c for c in cells)
     lines = [f"\n### {link} ({probe_text})\n",
              "| candidate | samples/s (% of ceiling) | exposed sync | encode % of compute | "
              "s/step measured / planned | eval loss @ref steps | steps to target | "
-             "time to target | x ideal |", "|---|---|---|---|---|---|---|---|---|"]
+             "time to target | x ideal |" + (
+                 " training alone: samples/s (% of ceiling) | exposed | time to target "
+                 "(x ideal) |" if alone else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if alone else "")]
     for c in cells:
         if c["key"] == "ceiling":
             continue
@@ -304,7 +343,13 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
             f"{_f(c['samples_per_s'])} ({_f(c['efficiency'], '{:.0%}')}) | "
             f"{_f(c['sync_share'], '{:.0%}')} | {_f(c['encode_share'], '{:.1%}')} | {plan} | "
             f"{_f(c['eval_at_steps'], '{:.4f}')}{q} | {c['reached_step'] or '-'} | "
-            f"{_f(c['time_to_target_s'], '{:.0f} s')} | {ratio} |")
+            f"{_f(c['time_to_target_s'], '{:.0f} s')} | {ratio} |" + (
+                "" if not alone else " - | - | - |" if "speed_status" not in c else
+                f" {_f(c['speed_samples_per_s'])} ({_f(c['speed_efficiency'], '{:.0%}')})"
+                f"{'' if c['speed_status'] == 'ok' else ' (' + c['speed_status'] + ')'} | "
+                f"{_f(c['speed_sync_share'], '{:.0%}')} | "
+                f"{_f(c['speed_time_to_target_s'], '{:.0f} s')}"
+                f"{_f(c['speed_ratio_to_ideal'], ' ({:.2f}x)', '')} |"))
     return "\n".join(lines)
 
 
@@ -312,24 +357,30 @@ def verdicts(link: str, cells: list[dict]) -> list[str]:
     out = []
     ok = [c for c in cells if c["key"] != "ceiling" and c["samples_per_s"]]
     passing = [c for c in ok if c["quality"]]
-    if passing:
-        best = max(passing, key=lambda c: c["samples_per_s"])
-        line = (f"best strategy meeting the quality rule: {best['label']} at "
-                f"{best['efficiency']:.1%} of the no-sync ceiling's samples/s")
-        if link in SPEED_TARGET:
-            line += (f" (target >= {SPEED_TARGET[link]:.0%}: "
-                     f"{'met' if best['efficiency'] >= SPEED_TARGET[link] else 'NOT met'})")
-        out.append(line)
-    reached = [c for c in ok if c["ratio_to_ideal"] is not None]
-    if reached:
-        best = min(reached, key=lambda c: c["ratio_to_ideal"])
-        line = f"best time to target: {best['label']}, {best['ratio_to_ideal']:.2f}x the ideal"
-        if link in TTQ_TARGET:
-            line += (f" (target <= {TTQ_TARGET[link]}x: "
-                     f"{'met' if best['ratio_to_ideal'] <= TTQ_TARGET[link] else 'NOT met'})")
-        out.append(line)
-    else:
-        out.append("no candidate reached the target within the budget")
+    # each figure as the run with evaluations gave it and, where there is a
+    # speed run, as training alone gave it (the ceiling is timed alone too)
+    for what, sps, eff in (("", "samples_per_s", "efficiency"),
+                           (", training alone", "speed_samples_per_s", "speed_efficiency")):
+        cands = [c for c in passing if c.get(sps)]
+        if cands:
+            best = max(cands, key=lambda c: c[sps])
+            line = (f"best strategy meeting the quality rule{what}: {best['label']} at "
+                    f"{best[eff]:.1%} of the no-sync ceiling's samples/s")
+            if link in SPEED_TARGET:
+                line += (f" (target >= {SPEED_TARGET[link]:.0%}: "
+                         f"{'met' if best[eff] >= SPEED_TARGET[link] else 'NOT met'})")
+            out.append(line)
+    for what, key in (("", "ratio_to_ideal"), (", training alone", "speed_ratio_to_ideal")):
+        reached = [c for c in ok if c.get(key) is not None]
+        if reached:
+            best = min(reached, key=lambda c: c[key])
+            line = f"best time to target{what}: {best['label']}, {best[key]:.2f}x the ideal"
+            if link in TTQ_TARGET:
+                line += (f" (target <= {TTQ_TARGET[link]}x: "
+                         f"{'met' if best[key] <= TTQ_TARGET[link] else 'NOT met'})")
+            out.append(line)
+        elif not what:
+            out.append("no candidate reached the target within the budget")
     new = [c for c in ok if c["key"] in VARIANTS and c["encode_share"] is not None]
     if new:
         worst = max(new, key=lambda c: c["encode_share"])
@@ -391,6 +442,11 @@ def main() -> int:
                          "are of: the mean of the ranks' adapters (the model the run would "
                          "give if it stopped there; lorasync train --eval-mean) or each "
                          "rank's own replica on its share of the examples (before 2026-12-03)")
+    ap.add_argument("--speed-run", action=argparse.BooleanOptionalAction, default=True,
+                    help="run each candidate that reached the target again without "
+                         "evaluations, up to that step, for the speed of training alone (the ceiling "
+                         "is timed that way too); an evaluation waits for a sync in "
+                         "flight, so evaluating often slows a streamed sync's run")
     ap.add_argument("--seeds", type=int, default=3, help="reference seeds (quality rule)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--model", default="smollm2-135m")
@@ -502,6 +558,17 @@ def main() -> int:
                                a.row_timeout, stop)
                 log(f"   {run.label}: {run.status}, {len(run.steps)} steps "
                     f"({run.extra['wall_s']:.0f} s)")
+                reach = first_reach(run.evals, target)
+                if a.speed_run and reach:
+                    upto = reach["step"]
+                    run.speed = Run(run.key + "_speed", run.label, run.args, run.options)
+                    log(f"   ... again without evaluations, {upto} steps")
+                    run_on_cluster(cluster, run.speed,
+                                   [*common_args(a, evals=False), "--seed", "0",
+                                    "--stop-after", str(upto)], pdir, a.row_timeout,
+                                   lambda st, ev: None)
+                    log(f"   training alone: {run.speed.status}, {len(run.speed.steps)} steps "
+                        f"({run.speed.extra['wall_s']:.0f} s)")
             if li == len(links) - 1 and len(links) > 0:
                 c = Run("ceiling_end", "no sync (ceiling, again)", fixed_args("ceiling")[0])
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
