@@ -350,11 +350,12 @@ def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb
     from lorasync.net.cluster import parse_delay, parse_rate
     from lorasync.plan.policy import DEFAULT_CANDIDATES
     from lorasync.catalog import LOSSLESS, PERIODIC
-    from lorasync.plan.costmodel import Workload
+    from lorasync.plan.costmodel import GLOO_LANES, Workload
     from lorasync.plan.planner import rank, what_if_net
 
-    if net is None:
-        net = what_if_net(nodes, parse_rate(rate) / 8, 2 * parse_delay(delay) if delay else 0.0)
+    if net is None:   # the bench runs gloo
+        net = what_if_net(nodes, parse_rate(rate) / 8, 2 * parse_delay(delay) if delay else 0.0,
+                          lanes=GLOO_LANES)
     wl = Workload(adapter_params=int(ceiling["adapter_params"]),
                   compute_s=measured_step_s(ceiling, batch), batch_size=batch,
                   bucket_bytes=int(bucket_mb * 2 ** 20))

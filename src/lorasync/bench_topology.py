@@ -196,8 +196,8 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
                 nodes: int, g: int):
     """The cost model's step time for a measured row (None: not modelled)."""
     from lorasync.config import parse_options
-    from lorasync.plan.costmodel import (MODELS, MiB, Net, Workload, head_share, lora_matrices,
-                                         predict)
+    from lorasync.plan.costmodel import (GLOO_LANES, MODELS, MiB, Net, Workload, head_share,
+                                         lora_matrices, predict)
     from lorasync.catalog import STRATEGIES
 
     if row["strategy"] not in STRATEGIES or inter is None or intra is None:
@@ -214,7 +214,7 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
     bucket_mb = float(a[a.index("--bucket-mb") + 1]) if "--bucket-mb" in a else 1.0
     net = Net(alpha_s=inter[0], bandwidth_Bps=inter[1], world_size=nodes * g, ranks_per_node=g,
               intra_alpha_s=intra[0], intra_bandwidth_Bps=intra[1], layout=layout,
-              allreduce_algo=algo)
+              allreduce_algo=algo, lanes=GLOO_LANES)
     wl = Workload(adapter_params=numel, compute_s=compute_s, batch_size=batch,
                   head_share=head_share(MODELS[model]) if model in MODELS else 0.0,
                   bucket_bytes=int(bucket_mb * MiB), matrices=matrices,

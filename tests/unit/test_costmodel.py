@@ -14,8 +14,8 @@ from lorasync import catalog
 from lorasync.errors import ConfigError
 from lorasync.catalog import PERIODIC, STRATEGIES, Collective
 from lorasync.plan.costmodel import (
-    MODELS, MiB, Net, Workload, adapter_shapes, bucket_layout, collective_time, head_share,
-    lora_matrices, predict,
+    GLOO_LANES, MODELS, MiB, Net, Workload, adapter_shapes, bucket_layout, collective_time,
+    head_share, lanes_of, lora_matrices, predict,
 )
 
 N = 921_600  # SmolLM2-135M, LoRA r=8 on q/k/v/o
@@ -144,6 +144,43 @@ def test_single_bucket_hides_nothing_and_more_buckets_hide_some():
     assert flat.exposed_comm_s == pytest.approx(flat.comm_s)
 
 
+def _bucket_ends(x: Net, nbuckets: int) -> float:
+    """Exposed sync of ``nbuckets`` equal all-reduce buckets all ready at the
+    end of backward (no backward share to hide behind)."""
+    return predict("allreduce", x, wl(bucket_bytes=4 * N // nbuckets + 4,
+                                      backward_share=0.0)).exposed_comm_s
+
+
+def test_two_lanes_overlap_latency_not_bytes():
+    # latency-bound (gloo on a long link): two buckets' all-reduces in flight
+    # together cost one bucket's latency, four cost two (bench/gloo_lanes.py)
+    lat = net(bw=1e12, alpha=0.1, n=8)
+    one = collective_time(Collective("all_reduce", 4.0 * N / 4), lat)
+    assert _bucket_ends(lat, 4) == pytest.approx(4 * one, rel=1e-6)
+    assert _bucket_ends(dataclasses.replace(lat, lanes=2), 4) == pytest.approx(2 * one, rel=1e-3)
+    assert _bucket_ends(dataclasses.replace(lat, lanes=4), 4) == pytest.approx(one, rel=1e-3)
+    # bandwidth-bound: the bytes share the link, however many run at once
+    bw = net(bw=1.25e6, alpha=0.0, n=8)
+    assert _bucket_ends(dataclasses.replace(bw, lanes=2), 4) == pytest.approx(
+        _bucket_ends(bw, 4), rel=1e-9)
+    # one bucket: nothing to overlap
+    assert _bucket_ends(dataclasses.replace(lat, lanes=2), 1) == pytest.approx(
+        _bucket_ends(lat, 1))
+
+
+def test_lanes_never_slow_a_step_and_follow_the_backend():
+    assert lanes_of("gloo") == GLOO_LANES == 2 and lanes_of("nccl") == lanes_of(None) == 1
+    for alpha, bw in ((0.1, 1e12), (0.02, 2.5e6), (1e-4, 1.25e6)):
+        for layout in ("flat", "hierarchical"):
+            x = net(bw=bw, alpha=alpha, n=8, ranks_per_node=2, intra_bandwidth_Bps=1e9,
+                    layout=layout)
+            for s in ("allreduce", "fp16", "powersgd", "int8", "topk", "diloco"):
+                a = predict(s, x, wl(bucket_bytes=MiB))
+                b = predict(s, dataclasses.replace(x, lanes=2), wl(bucket_bytes=MiB))
+                assert b.step_s <= a.step_s + 1e-9, (s, layout, alpha)
+                assert (b.wire_bytes, b.link_bytes) == (a.wire_bytes, a.link_bytes)
+
+
 def test_small_comm_is_fully_hidden_but_for_the_last_bucket():
     x = net(bw=1.25e9, alpha=1e-5)
     p = predict("allreduce", x, wl(bucket_bytes=MiB // 4))
@@ -233,6 +270,8 @@ def test_more_nodes_never_fewer_wire_bytes_for_all_gather_strategies():
     (dict(alpha_s=0, bandwidth_Bps=0, world_size=2), "bandwidth_Bps"),
     (dict(alpha_s=0, bandwidth_Bps=1, world_size=0), "world_size"),
     (dict(alpha_s=0, bandwidth_Bps=1, world_size=2, allreduce_algo="bcube"), "allreduce_algo"),
+    (dict(alpha_s=0, bandwidth_Bps=1, world_size=2, lanes=0), "lanes"),
+    (dict(alpha_s=0, bandwidth_Bps=1, world_size=2, lanes=1.5), "lanes"),
 ])
 def test_net_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError) as e:

@@ -253,6 +253,9 @@ def test_net_from_probe_model():
     net8, _ = net_from_probe(_probe(), world_size=8)
     assert net8.world_size == 8
     assert net_from_probe(_probe(rdma=True))[1].rdma
+    # the probe's backend: gloo runs two collectives of a group at once
+    assert net_from_probe({**_probe(), "backend": "gloo"})[0].lanes == 2
+    assert net_from_probe({**_probe(), "backend": "nccl"})[0].lanes == 1
 
 
 def test_net_from_probe_fits_the_sweep_without_a_model():

@@ -106,7 +106,7 @@ from lorasync.comm.hierarchy import Hierarchical, move_periodic
 from lorasync.comm.loopback import time_encode
 from lorasync.errors import LorasyncError
 from lorasync.net.probe import allreduce_model
-from lorasync.plan.costmodel import Net, Workload, predict
+from lorasync.plan.costmodel import Net, Workload, lanes_of, predict
 from lorasync.plan.planner import tune_periodic
 from lorasync.plan.policy import (
     DEFAULT_CHILD_OPTIONS, EXPOSED_PRIOR, MIN_PROBE_BYTES, SMALL_PROBE_BYTES, Window, decide,
@@ -436,7 +436,9 @@ class Auto(Sync):
 
     def _with_topology(self, net: Net, layout: str | None = None) -> Net:
         """``net`` (the whole group's alpha and bandwidth) with the nodes'
-        shape, the intra-node link and a layout."""
+        shape, the intra-node link and a layout; the collectives its backend
+        runs at once."""
+        net = dataclasses.replace(net, lanes=lanes_of(dist.get_backend(self.group)))
         if not self._multi():
             return net
         intra = self._intra or (0.0, 1e12)

@@ -29,7 +29,7 @@ import sys
 from lorasync.errors import ConfigError
 from lorasync.catalog import NONE, STRATEGIES
 from lorasync.plan.costmodel import (
-    ALLREDUCE_ALGOS, MODELS, MiB, ModelShape, Workload, head_share, lora_matrices,
+    ALLREDUCE_ALGOS, MODELS, MiB, ModelShape, Workload, head_share, lanes_of, lora_matrices,
     ring_link_load,
 )
 from lorasync.plan.planner import (
@@ -258,6 +258,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
                          f"carries {load} ring legs, so the ring runs at 1/{load} of the rate")
         nodes = ranks if ranks is not None else 2 * g
         net = what_if_net(nodes, rate, rtt, efficiency=args.link_efficiency,
+                          lanes=lanes_of(args.backend),
                           tcp_window_bytes=window, allreduce_algo=args.allreduce_algo,
                           alltoall=not args.alltoall_fallback, link_load=load)
         link = Link(rtt_s=rtt, rate_Bps=rate, efficiency=args.link_efficiency,

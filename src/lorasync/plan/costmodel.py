@@ -26,9 +26,13 @@ The model
   first bucket may be smaller).  Backward starts with the loss and the LM
   head (``head_share`` of it, no adapter gradient yet); LoRA parameters are
   spread evenly over the layers, so bucket k is ready after the head plus
-  the fraction of the rest that produced its bytes.  Collectives of one
-  process group run one after another, so bucket k's sync starts at
-  max(ready_k, end of bucket k-1).
+  the fraction of the rest that produced its bytes.  A process group runs
+  ``Net.lanes`` collectives at once (gloo: two worker threads per group,
+  ``GLOO_LANES``; NCCL: one stream, one at a time), so bucket k's sync
+  starts at max(ready_k, end of bucket k - lanes); the latencies of
+  collectives in flight together overlap, their bytes share the link, so it
+  ends at max(its start + its time, end of bucket k-1 + its byte time).
+  With one lane that is max(ready_k, end of bucket k-1) + its time.
   Exposed communication is what is left after the backward pass ends; only
   buckets other than the last can hide behind it.  Two-phase strategies
   (int8, onebit: ``Spec.holds_backward``) also hold the backward pass up: the hook of bucket k first
@@ -96,11 +100,24 @@ from lorasync.errors import ConfigError
 __all__ = [
     "MiB", "ALLREDUCE_ALGOS", "LAYOUTS", "Net", "Workload", "Prediction", "ModelShape",
     "MODELS", "lora_matrices", "head_share", "encode_ns", "collective_time", "bucket_layout",
+    "GLOO_LANES", "lanes_of",
     "adapter_shapes", "ring_link_load", "predict", "periodic_exposed", "path_terms",
     "allreduce_choice", "rd_exchanges",
 ]
 
 MiB = 1 << 20
+
+#: collectives one gloo process group runs at once (ProcessGroupGloo's worker
+#: threads, 2 by default); NCCL runs a communicator's collectives on one
+#: stream, one after another.  bench/gloo_lanes.py measures it: two 4 KiB
+#: all-reduces issued together take as long as one on a 100 ms RTT link,
+#: four take twice that.
+GLOO_LANES = 2
+
+
+def lanes_of(backend: str | None) -> int:
+    """Collectives a process group of ``backend`` runs at once (1 if not known)."""
+    return GLOO_LANES if backend == "gloo" else 1
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "reduce_broadcast", "tree", "auto")
 #: how collectives span the nodes: all ranks at once, or node, then leaders
@@ -136,6 +153,8 @@ class Net:
     intra_bandwidth_Bps: float | None = None
     #: "flat" or "hierarchical" (see the module docstring)
     layout: str = "flat"
+    #: collectives of one process group in flight at once (:func:`lanes_of`)
+    lanes: int = 1
 
     def __post_init__(self):
         _positive_number(self.alpha_s, "alpha_s", zero_ok=True)
@@ -153,6 +172,9 @@ class Net:
         _positive_number(self.intra_alpha_s, "intra_alpha_s", zero_ok=True)
         if self.intra_bandwidth_Bps is not None:
             _positive_number(self.intra_bandwidth_Bps, "intra_bandwidth_Bps")
+        if not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < 1:
+            raise ConfigError("lanes", self.lanes, "use an integer >= 1 (gloo runs 2 "
+                              "collectives at once, NCCL 1)")
         if self.layout not in LAYOUTS:
             raise ConfigError("layout", self.layout, "choose one of " + ", ".join(LAYOUTS))
         if self.layout == "hierarchical" and self.intra_bandwidth_Bps is None:
@@ -578,6 +600,24 @@ def periodic_exposed(times: list[float], opts: catalog.Options, compute_s: float
     return max(waited / (H * periods), backlog)
 
 
+class _Lanes:
+    """A process group's collectives in flight (module docstring): each one
+    starts when it is issued and one of ``n`` lanes is free; latencies of
+    collectives in flight together overlap, their bytes share the link."""
+
+    def __init__(self, n: int):
+        self.n, self.ends = n, []
+
+    def issue(self, ready: float, time_s: float, latency_s: float) -> float:
+        """End of a collective issued at ``ready`` taking ``time_s`` alone, of
+        which ``latency_s`` is latency; collectives end in issue order."""
+        start = max(ready, self.ends[-self.n] if len(self.ends) >= self.n else 0.0)
+        prev = self.ends[-1] if self.ends else 0.0
+        end = max(start + time_s, prev + (time_s - latency_s))
+        self.ends.append(end)
+        return end
+
+
 def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
     """Predicted step of ``strategy`` on ``net`` for ``workload``."""
     opts = _options(strategy, workload.options.get(strategy))
@@ -612,13 +652,15 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
         clock = head      # two-phase: backward progress, held up by the hooks
         p1_end = 0.0      # two-phase: when the previous bucket's phase 1 finishes
         p2_prev = 0.0     # two-phase: the previous bucket's phase 2, not yet issued
+        lanes = _Lanes(net.lanes)
         for b in layout:
-            times = []
+            times, lat = [], 0.0
             for w in whole:  # this bucket's share of the sync
                 c = Collective(w.kind, w.payload_bytes * b / numel)
                 m, nb = _terms(c, net)
                 msgs, link, wire = msgs + m, link + nb, wire + c.payload_bytes
                 times.append(collective_time(c, net))
+                lat += m * net.alpha_s
             comm += sum(times)
             if spec.holds_backward:
                 clock += spread * b / numel            # compute that fills this bucket
@@ -629,7 +671,7 @@ def predict(strategy: str, net: Net, workload: Workload) -> Prediction:
             else:
                 done += b
                 ready = head + spread * done / numel
-                end = max(ready, end) + sum(times)
+                end = lanes.issue(ready, sum(times), lat)
         if spec.holds_backward and comm > 0:
             clock = max(clock, p1_end)                 # the last hook drains at once
             end = max(clock, end) + p2_prev
@@ -657,7 +699,7 @@ def _predict_hierarchical(strategy: str, opts: catalog.Options, spec: catalog.Sp
     broadcast inside the node."""
     g, nn, numel = net.ranks_per_node, net.nodes, workload.adapter_params
     inter = Net(alpha_s=net.alpha_s, bandwidth_Bps=net.bandwidth_Bps, world_size=nn,
-                allreduce_algo=net.allreduce_algo, alltoall=net.alltoall)
+                allreduce_algo=net.allreduce_algo, alltoall=net.alltoall, lanes=net.lanes)
     intra = Net(alpha_s=net.intra_alpha_s, bandwidth_Bps=net.intra_bandwidth_Bps,
                 world_size=g)
     compute = workload.compute_s
@@ -697,13 +739,15 @@ def _predict_hierarchical(strategy: str, opts: catalog.Options, spec: catalog.Sp
         clock = head      # the training thread: backward progress, held up by the hooks
         p1_end = p2_prev = 0.0
         done_at: list[float] = []
+        lanes = _Lanes(net.lanes)
         for b in layout:
-            times = []
+            times, lat = [], 0.0
             for w in whole:
                 c = Collective(w.kind, w.payload_bytes * b / numel)
                 m, nb = _terms(c, inter)
                 msgs, link, wire = msgs + m, link + nb, wire + c.payload_bytes
                 times.append(collective_time(c, inter))
+                lat += m * inter.alpha_s
             comm += sum(times)
             clock += spread * b / numel              # compute that fills this bucket
             r = reduce_t(b)
@@ -718,7 +762,7 @@ def _predict_hierarchical(strategy: str, opts: catalog.Options, spec: catalog.Sp
                 end = max(clock, end) + times[0]
                 p1_end, p2_prev = end, times[1]
             else:
-                end = max(clock, end) + sum(times)
+                end = lanes.issue(clock, sum(times), lat)
                 done_at.append(end)
         if spec.holds_backward and whole:
             clock = max(clock, p1_end)

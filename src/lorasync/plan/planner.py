@@ -36,7 +36,9 @@ from typing import Any, Mapping, Sequence
 from lorasync.errors import ConfigError
 from lorasync import catalog
 from lorasync.catalog import NONE, PERIODIC, STRATEGIES
-from lorasync.plan.costmodel import MiB, Net, Prediction, Workload, adapter_shapes, predict
+from lorasync.plan.costmodel import (
+    MiB, Net, Prediction, Workload, adapter_shapes, lanes_of, predict,
+)
 from lorasync.units import fmt_bytes, fmt_duration, fmt_rate
 
 __all__ = [
@@ -177,8 +179,11 @@ class Plan:
 def what_if_net(world_size: int, rate_Bps: float, rtt_s: float, *,
                 efficiency: float = LINK_EFFICIENCY,
                 tcp_window_bytes: float | None = DEFAULT_TCP_WINDOW,
-                allreduce_algo: str = "ring", alltoall: bool = True, link_load: int = 1) -> Net:
+                allreduce_algo: str = "ring", alltoall: bool = True, link_load: int = 1,
+                lanes: int = 1) -> Net:
     """A ``Net`` for a described link: goodput capped by the TCP window per RTT.
+
+    ``lanes``: collectives the backend runs at once (:func:`lanes_of`).
 
     ``link_load``: ring legs the busiest node link carries (2 and more when
     pairs behind NAT relay through an overlay's hub:
@@ -192,7 +197,8 @@ def what_if_net(world_size: int, rate_Bps: float, rtt_s: float, *,
     if tcp_window_bytes and rtt_s > 0:
         bw = min(bw, tcp_window_bytes / rtt_s)
     return Net(alpha_s=rtt_s * ALPHA_PER_RTT + ALPHA_OVERHEAD_S, bandwidth_Bps=bw,
-               world_size=world_size, allreduce_algo=allreduce_algo, alltoall=alltoall)
+               world_size=world_size, allreduce_algo=allreduce_algo, alltoall=alltoall,
+               lanes=lanes)
 
 
 def _num(d: Mapping, key: str, where: str, required: bool = True) -> float | None:
@@ -234,6 +240,8 @@ def net_from_probe(probe: Mapping, *, world_size: int | None = None,
     Uses the group model (alpha_s per message, bandwidth_Bps) the probe fitted
     on all-reduce; without it, fits the all-reduce sweep here.  The RTT (for
     the bandwidth-delay product) is twice the pairs' median one-way latency.
+    The probe's backend sets how many collectives run at once (``lanes``, 2
+    on gloo: :func:`lorasync.plan.costmodel.lanes_of`).
     ``rdma: true`` at the top level (or on a rank) enables the RDMA advice.
     ``world_size`` overrides the probe's for a what-if on more nodes.
     """
@@ -276,7 +284,8 @@ def net_from_probe(probe: Mapping, *, world_size: int | None = None,
     ranks = probe.get("ranks") or []
     rdma = bool(probe.get("rdma")) or any(isinstance(r, Mapping) and r.get("rdma") for r in ranks)
     net = Net(alpha_s=alpha, bandwidth_Bps=1.0 / beta, world_size=n,
-              allreduce_algo=allreduce_algo, alltoall=alltoall)
+              allreduce_algo=allreduce_algo, alltoall=alltoall,
+              lanes=lanes_of(probe.get("backend")))
     link = Link(rtt_s=rtt, rdma=rdma, source="probe")
     return net, link
 
