@@ -514,9 +514,11 @@ def test_hide_sync_keeps_what_was_given():
 
 
 def test_tune_periodic_picks_the_least_lossy_variant_that_keeps_up():
-    slow = what_if_net(2, 1e6 / 8, 1e-3)        # 1 Mbit/s: fp16 cannot keep up, int8 can
+    slow = what_if_net(2, 1.3e6 / 8, 1e-3)      # 1.3 Mbit/s: fp16 cannot keep up, int8 can
     opts, p, i = tune_periodic(slow, wl(), "diloco", VARIANTS)
     assert i == 1 and opts["delta_dtype"] == "int8" and p.efficiency > 0.98
+    # 1 Mbit/s: int8 keeps up only with no room to spare, int4 with it
+    assert tune_periodic(what_if_net(2, 1e6 / 8, 1e-3), wl(), "diloco", VARIANTS)[2] == 2
     fast = what_if_net(2, 10e6 / 8, 1e-3)       # 10 Mbit/s: fp16 in 2 fragments, 1 step late
     opts, p, i = tune_periodic(fast, wl(), "diloco", VARIANTS)
     assert (i, opts["fragments"], opts["delay"]) == (0, 2, 1) and p.efficiency > 0.98
@@ -525,6 +527,20 @@ def test_tune_periodic_picks_the_least_lossy_variant_that_keeps_up():
     assert i == 2
     with pytest.raises(ConfigError):
         tune_periodic(slow, wl(), "diloco", [])
+
+
+def test_tune_periodic_prefers_a_variant_that_hides_with_the_margin():
+    # a link on which fp16 keeps up only with no room to spare (its outer
+    # sync fills ~90% of a period's compute): it hides on the link as
+    # measured, not on one HIDE_MARGIN times slower; int8 hides on both
+    x = what_if_net(2, 1.76e6 / 8, 1e-3)
+    fp16, p16 = hide_sync(x, _dl(delta_dtype="fp16"))
+    assert p16.exposed_comm_s <= 0.005 * p16.compute_s          # hidden as measured
+    m16 = predict("diloco", margin_net(x), _dl(**fp16))
+    assert m16.exposed_comm_s > 0.05 * m16.compute_s           # not with the margin
+    opts, p, i = tune_periodic(x, wl(), "diloco", VARIANTS)
+    assert i == 1 and opts["delta_dtype"] == "int8"
+    assert p.samples_per_s == pytest.approx(p16.samples_per_s, rel=0.01)  # a tie as measured
 
 
 
