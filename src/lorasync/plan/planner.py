@@ -503,8 +503,8 @@ def tune_periodic(net: Net, workload: Workload, strategy: str,
     on the link :data:`HIDE_MARGIN` times slower (:func:`margin_net`), where
     hide_sync requires a sync to hide: one that hides only on the link as
     measured, with no room to spare, is not as fast as one that hides with
-    the margin (at 1 Mbit/s fp16 in 8 fragments kept the link 95% busy and
-    exposed 12% of the step where int8 exposed 2%).  A variant within
+    the margin (at 1 Mbit/s fp16 in 8 fragments, predicted to fill 72-96%
+    of a period, exposed 12% of the step where int8 exposed 2%).  A variant within
     :data:`VARIANT_TIE` of the fastest there loses only to one listed
     before it.  The prediction returned is on ``net``.  ``encode_ns``: per
     variant, its encode+decode (ns per element per sync) where measured,
