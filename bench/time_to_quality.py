@@ -32,10 +32,10 @@ it needs.  This bench measures what a user waits for:
    replica on its share of the examples, as runs before 2026-12-03 did).
 4. Training alone (``--speed-run``, the default): every candidate that
    reached the target trains again, without evaluations, up to the step
-   where it did.  An
-   evaluation settles a sync in flight first (it gives the link no free
-   time), so with a fragment always in flight every evaluation exposes one
-   transfer; the ceiling is timed without evaluations, and so is this run.
+   where it did.  An evaluation settles a sync in flight first (it gives
+   the link no free time), so with a fragment always in flight every
+   evaluation exposes one transfer; the ceiling is timed without
+   evaluations, and so is this run.
    Its samples/s, exposed sync and time to the step where the first run
    reached the target are reported beside the first run's: for a strategy
    whose losses follow its schedule (all but ``auto``, which re-plans from
@@ -444,9 +444,9 @@ def main() -> int:
                          "rank's own replica on its share of the examples (before 2026-12-03)")
     ap.add_argument("--speed-run", action=argparse.BooleanOptionalAction, default=True,
                     help="run each candidate that reached the target again without "
-                         "evaluations, up to that step, for the speed of training alone (the ceiling "
-                         "is timed that way too); an evaluation waits for a sync in "
-                         "flight, so evaluating often slows a streamed sync's run")
+                         "evaluations, up to that step, for the speed of training alone "
+                         "(the ceiling is timed that way too); an evaluation waits for a "
+                         "sync in flight, so evaluating often slows a streamed sync's run")
     ap.add_argument("--seeds", type=int, default=3, help="reference seeds (quality rule)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--model", default="smollm2-135m")
