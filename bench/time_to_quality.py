@@ -301,9 +301,9 @@ def speed_of(sp: Run | None, reached: int | None, ideal_s: float, ceiling_sps: f
     changes, and a schedule-driven strategy's losses do not depend on it)."""
     if sp is None:
         return {}
-    steady = sp.steps[1:] if len(sp.steps) > 1 else sp.steps
+    steady = sp.steps[1:]
     secs = train_time(steady)
-    sps = sum(s["samples"] for s in steady) / secs if secs else None
+    sps = sps_of(sp)
     covered = reached is not None and any(s["step"] == reached for s in sp.steps)
     t = train_time(sp.steps, reached) if covered else None
     return {"speed_status": sp.status, "speed_steps_run": len(sp.steps),
