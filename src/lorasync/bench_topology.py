@@ -64,9 +64,14 @@ def row_specs(steps: int, wanted: str = "all") -> list[dict]:
                  args=[])]
     for s in STRATEGY_ROWS:
         for h in ("flat", "node"):
-            rows.append(dict(key=f"{s}/{h}", label=f"{label.get(s, s)} "
-                             f"[{'flat' if h == 'flat' else 'hierarchical'}]",
+            where = "flat" if h == "flat" else \
+                "hierarchical, outer sync in shards" if s == "diloco" else "hierarchical"
+            rows.append(dict(key=f"{s}/{h}", label=f"{label.get(s, s)} [{where}]",
                              strategy=s, hierarchy=h, args=opts[s]))
+    # the outer sync carried by one rank per node (before shards, the only way)
+    rows.append(dict(key="diloco/node+leaders", label=f"{label['diloco']} [hierarchical, "
+                     "outer sync by the leaders]", strategy="diloco", hierarchy="node",
+                     args=opts["diloco"] + ["--cross-node", "leaders"]))
     # the outer all-reduce across leaders with the algorithm chosen per message
     rows.append(dict(key="diloco/node+algo", label=f"{label['diloco']} [hierarchical, "
                      "all-reduce algorithm per message]", strategy="diloco", hierarchy="node",
@@ -247,9 +252,12 @@ def verdicts(cells: dict[str, dict], ceiling_sps: float | None, profile: str) ->
                        f"{s}: flat/hierarchical inter-node payload {f / h:.2f}x")
     f, h = get("diloco/flat", "sync_s"), get("diloco/node", "sync_s")
     ha = get("diloco/node+algo", "sync_s")
+    hl = get("diloco/node+leaders", "sync_s")
     if f and h:
         line = (f"DiLoCo sync time per step: flat {f:.3f} s, hierarchical {h:.3f} s: "
                 f"{f / h:.2f}x")
+        if hl:
+            line += f"; outer sync by the leaders {hl:.3f} s: {f / hl:.2f}x"
         if ha:
             line += f"; hierarchical with the algorithm per message {ha:.3f} s: {f / ha:.2f}x"
         out.append(line + " (target >= 1.5x on the +20 ms profile)")

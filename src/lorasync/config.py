@@ -184,6 +184,11 @@ class CommConfig:
                         "hold several ranks each), flat (every collective over all ranks) or "
                         "node (exact all-reduce inside each node, the strategy across node "
                         "leaders)", flag="--hierarchy")
+    cross_node: str = _f("auto", "how a hierarchical local SGD or DiLoCo outer sync crosses "
+                         "nodes: shards (local rank j of every node carries 1/G of it, G "
+                         "connections per node at once), leaders (one rank per node carries "
+                         "all of it) or auto (shards); per-step strategies cross by their "
+                         "leaders", flag="--cross-node")
     ranks_per_node: int = _f(0, "take consecutive blocks of this many ranks as nodes (0: detect "
                              "nodes from host, boot id and network namespace)",
                              flag="--ranks-per-node")
@@ -201,6 +206,8 @@ class CommConfig:
                self.bucket_mb, "use a number of MB in (0, 1024]")
         _check(self.hierarchy in ("auto", "flat", "node"), "comm.hierarchy", self.hierarchy,
                "use auto, flat or node")
+        _check(self.cross_node in ("auto", "leaders", "shards"), "comm.cross_node",
+               self.cross_node, "use auto, leaders or shards")
         _check(isinstance(self.ranks_per_node, int) and not isinstance(self.ranks_per_node, bool)
                and self.ranks_per_node >= 0, "comm.ranks_per_node", self.ranks_per_node,
                "use an integer >= 1, or 0 to detect the nodes")

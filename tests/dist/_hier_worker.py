@@ -42,6 +42,7 @@ CONFIGS = [
     ("local", "local", {"period": 4}),
     ("diloco", "diloco", {"period": 4}),
     ("diloco_streaming", "diloco", {"period": 4, "streaming": True, "delta_dtype": "fp16"}),
+    ("diloco_int8", "diloco", {"period": 4, "delta_dtype": "int8"}),
 ]
 RESUME = ["int8", "topk", "diloco_streaming", "powersgd"]
 RESUME_AT, RESUME_END = 6, 14
@@ -67,9 +68,13 @@ def _spread(flat):
 
 
 def _attach(model, name, opts, hierarchy):
+    """``hierarchy``: flat, node, or leaders (node, a periodic strategy's
+    outer sync carried by the node leaders instead of in shards)."""
     import lorasync
     ddp = _ddp(model)
-    return ddp, lorasync.attach(ddp, name, hierarchy=hierarchy, ranks_per_node=G, **opts)
+    cross = "leaders" if hierarchy == "leaders" else "auto"
+    return ddp, lorasync.attach(ddp, name, hierarchy="flat" if hierarchy == "flat" else "node",
+                                ranks_per_node=G, cross_node=cross, **opts)
 
 
 def _step(ddp, opt, sync, s, rank, teach, variable=True):
@@ -87,7 +92,7 @@ def scenario_train(rank, name, opts, hierarchy, teach, ev):
     opt = _opt(model)
     keys = ("wire_bytes", "intra_bytes", "inter_bytes")
     per_step = {k: [] for k in keys}
-    spreads = []
+    spreads, node_spreads = [], []
     last = sync.stats()
     for s in range(1, STEPS + 1):
         _step(ddp, opt, sync, s, rank, teach)
@@ -96,11 +101,13 @@ def scenario_train(rank, name, opts, hierarchy, teach, ev):
             per_step[k].append(st[k] - last[k])
         last = st
         spreads.append(_spread(_flat(model)))
+        node_spreads.append(_node_spread(_flat(model)))
     sync.finish()
     with torch.no_grad():
         loss = float(((model(ev[0]) - ev[1]) ** 2).mean())
     return {"params": _flat(model).tolist(), "eval_loss": loss, "bytes": per_step,
             "spreads": spreads, "spread_after_finish": _spread(_flat(model)),
+            "node_spreads": node_spreads, "cross_node": st.get("cross_node"),
             "layout": st.get("layout", "flat"), "syncs": st["syncs"],
             "shapes": [list(p.shape) for p in model.parameters() if p.requires_grad]}
 
@@ -210,20 +217,23 @@ def _mean(t):
 
 def _diloco_state(child):
     """(anchor, outer momentum, residual) of a flat DiLoCo or a hierarchical
-    one's leader (None on the other ranks of a node)."""
+    one's leader, or with shards of every rank (None on a node's other ranks
+    with leaders)."""
     d = getattr(child, "inner", child)
     if d is None:
         return None
     return d._anchor.clone(), d._momentum.clone(), d._residual.clone()
 
 
-def scenario_auto_layout(rank, teach):
+def scenario_auto_layout(rank, teach, cross_node):
     """auto moving DiLoCo from the layout it measured in (flat) to the
     hierarchical one and back: the child is built anew there (reconfigured in
     place it stayed flat while auto reported hierarchical), and handed over
     without averaging across nodes: anchor and outer momentum carried, the
     mean over all ranks of the adapter and of the residual kept, every byte
-    of the move inside a node."""
+    of the move inside a node.  A hierarchical DiLoCo's residual is in
+    node-mean units: on the leader only (``leaders``: G times it on the
+    leader is the node's debt) or on every rank (``shards``)."""
     import lorasync
 
     model = M.build(0)
@@ -232,7 +242,9 @@ def scenario_auto_layout(rank, teach):
     opts = {"period": 2, "delta_dtype": "int8", "streaming": False}
     sync = lorasync.attach(ddp, "auto", hierarchy="auto", ranks_per_node=G, probe="live",
                            measure_steps=100, log=False, encode_probe=False,
-                           candidates="diloco", **{f"diloco.{k}": v for k, v in opts.items()})
+                           candidates="diloco", cross_node=cross_node,
+                           **{f"diloco.{k}": v for k, v in opts.items()})
+    units = G if cross_node == "leaders" else 1
     sync.set_optimizer(opt)
     out = {}
     for s in (1, 2, 3):      # an outer sync at 2 (anchor, momentum, residual), 3 on its own
@@ -245,8 +257,8 @@ def scenario_auto_layout(rank, teach):
         mean_params = _mean(_flat(model))
         mean_res = _mean(getattr(old, "inner", old)._residual if state is not None
                          else torch.zeros_like(mean_params))
-        if label == "to_flat":   # the leaders hold the node's residual, in node-mean units
-            mean_res = mean_res * G
+        if label == "to_flat":   # the node's residual, in node-mean units
+            mean_res = mean_res * units
         st0 = sync.stats()
         sync._layout = layout    # what the first choice decides
         sync._switch("diloco", opts, f"test: {label}")
@@ -255,7 +267,7 @@ def scenario_auto_layout(rank, teach):
         moved = _diloco_state(new)
         res_now = moved[2] if moved is not None else torch.zeros_like(mean_params)
         if label == "to_node" and moved is not None:
-            res_now = res_now * G
+            res_now = res_now * units
         r = {"before": before_layout, "after": new.layout, "reported": st1["layout"],
              "params_mean_diff": float((_mean(_flat(model)) - mean_params).abs().max()),
              "residual_mean_diff": float((_mean(res_now) - mean_res).abs().max()),
@@ -264,7 +276,8 @@ def scenario_auto_layout(rank, teach):
              "moved_bytes": st1["wire_bytes"] - st0["wire_bytes"],
              "moved_intra": st1["intra_bytes"] - st0["intra_bytes"],
              "moved_inter": st1["inter_bytes"] - st0["inter_bytes"],
-             "switches": st1["switches"] - st0["switches"]}
+             "switches": st1["switches"] - st0["switches"],
+             "cross_node": getattr(new, "cross_node", None)}
         if state is not None and moved is not None:
             r["anchor_same"] = bool(torch.equal(state[0], moved[0]))
             r["momentum_same"] = bool(torch.equal(state[1], moved[1]))
@@ -346,6 +359,14 @@ def scenario_errors(rank):
     # auto hierarchy leaves 1-bit Adam flat, and picks the layout for the others
     out["auto_layout_onebit"] = make("onebit", hierarchy="auto").layout
     out["auto_layout_int8"] = make("int8", hierarchy="auto").layout
+    out["shards_per_step"] = attempt(lambda: make("int8", cross_node="shards"))
+    out["bad_cross_node"] = attempt(lambda: make("diloco", cross_node="ring", period=2))
+    out["cross_node_of"] = {n: make(n, **o).cross_node for n, o in
+                            (("int8", {}), ("diloco", {"period": 2}), ("local", {"period": 2}))}
+    out["cross_node_leaders"] = make("diloco", cross_node="leaders", period=2).cross_node
+    shards_sd = make("diloco", period=2).state_dict()
+    out["resume_other_cross_node"] = attempt(
+        lambda: make("diloco", cross_node="leaders", period=2).load_state_dict(shards_sd))
     return out
 
 
@@ -364,7 +385,8 @@ def run_hier(rank, world, out_dir, port):
         log.write("errors\n")
         res["errors"] = scenario_errors(rank)
         for label, name, opts in CONFIGS:
-            for hierarchy in ("flat", "node"):
+            for hierarchy in ("flat", "node") + (("leaders",) if name in ("local", "diloco")
+                                                 else ()):
                 log.write(f"train {label} {hierarchy}\n")
                 res["train"][f"{label}/{hierarchy}"] = scenario_train(rank, name, opts,
                                                                      hierarchy, teach, ev)
@@ -381,8 +403,9 @@ def run_hier(rank, world, out_dir, port):
                 res["resume"][label] = scenario_resume(rank, name, opts, teach)
         log.write("auto\n")
         res["auto"] = scenario_auto(rank, teach)
-        log.write("auto layout\n")
-        res["auto_layout"] = scenario_auto_layout(rank, teach)
+        for cross in ("leaders", "shards"):
+            log.write(f"auto layout {cross}\n")
+            res[f"auto_layout/{cross}"] = scenario_auto_layout(rank, teach, cross)
         log.write("algo\n")
         res["algo"] = scenario_algo(rank, teach)
         log.write("done\n")

@@ -4,9 +4,10 @@ lorasync's recursive-doubling all-reduce against gloo's ring.
 One subprocess per worker kind (tests/dist/_hier_worker.py) spawns the ranks
 once and runs every scenario; the tests assert on what it recorded:
 
-  train   every strategy flat and hierarchical, 24 steps with batch shapes
-          and backward timing different on every rank: quality, replicas
-          identical, wire / intra-node / inter-node bytes per step
+  train   every strategy flat and hierarchical (periodic ones with their
+          outer sync in shards and by the leaders), 24 steps with batch
+          shapes and backward timing different on every rank: quality,
+          replicas identical, wire / intra-node / inter-node bytes per step
   first   one step's averaged gradient, flat and hierarchical, against the
           exact fp64 mean: hierarchical is as close as flat (within the
           strategy's compression error)
@@ -39,6 +40,7 @@ LABELS = [c[0] for c in CONFIGS]
 OPTS = {c[0]: (c[1], c[2]) for c in CONFIGS}
 NODES = 2
 EXACT = {"allreduce": 1e-5, "fp16": 2e-3, "bf16": 2e-2}   # max |theta_hier - theta_flat|
+PERIODIC = [c[0] for c in CONFIGS if c[1] in ("local", "diloco")]
 
 
 def _run(kind: str, world: int, out: Path) -> list[dict] | str:
@@ -111,7 +113,24 @@ def test_hierarchical_trains_and_keeps_replicas_identical(hier, label):
         run = r["train"][f"{label}/node"]
         if name not in ("local", "diloco"):
             assert max(run["spreads"]) == 0.0, (label, run["spreads"])  # every step
+        assert max(run["node_spreads"]) == 0.0, (label, run["node_spreads"])
         assert run["spread_after_finish"] == 0.0
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+@pytest.mark.parametrize("label", PERIODIC)
+def test_periodic_outer_sync_in_shards_equals_the_leaders(hier, label):
+    """local and diloco cross nodes in shards by default: every step the
+    node's ranks hold the same adapter (each took the same outer step, none
+    was broadcast), and the run ends where the leaders' outer sync ends it
+    (2 nodes: each chunk is the same two-term sum as the leaders' buffer)."""
+    for r in hier:
+        shards, leaders = (r["train"][f"{label}/{h}"] for h in ("node", "leaders"))
+        assert (shards["cross_node"], leaders["cross_node"]) == ("shards", "leaders")
+        assert max(shards["node_spreads"]) == 0.0 and max(leaders["node_spreads"]) == 0.0
+        assert shards["syncs"] == leaders["syncs"] > 0
+        diff = max(abs(a - b) for a, b in zip(shards["params"], leaders["params"]))
+        assert diff <= 1e-6, (label, diff)
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
@@ -138,7 +157,9 @@ def test_inter_node_bytes_counted(hier, label):
     """Leaders hand the strategy's bytes for N=2 ranks to the cross-node
     group, the others nothing; every rank hands the node group the bucket
     twice (reduce, broadcast), periodic ones once a step plus the adapter
-    every period; flat ranks hand everything to the whole group."""
+    every period; flat ranks hand everything to the whole group.  A periodic
+    outer sync in shards: every rank hands 1/G of those bytes across nodes
+    and its 1/G of the result to the node's gather."""
     from lorasync.catalog import wire_bytes
 
     name, opts = OPTS[label]
@@ -146,16 +167,25 @@ def test_inter_node_bytes_counted(hier, label):
     numel = sum(math.prod(s) for s in shapes)
     per_step = name not in ("local", "diloco")
     period = opts.get("period", 1)
+    layouts = ("node",) if per_step else ("node", "leaders")
     for rank, r in enumerate(hier):
-        node, flat = r["train"][f"{label}/node"]["bytes"], r["train"][f"{label}/flat"]["bytes"]
+        flat = r["train"][f"{label}/flat"]["bytes"]
         leader = rank % G == 0
-        want_inter = wire_bytes(name, shapes, NODES, **opts) if leader else 0.0
-        assert _mean(node["inter_bytes"]) == pytest.approx(want_inter, rel=0.15 if not per_step
-                                                           else 1e-9), (label, rank)
-        want_intra = (2 * 4 * numel if per_step else 4 * numel + 4 * numel / period)
-        assert _mean(node["intra_bytes"]) == pytest.approx(want_intra, rel=0.15), (label, rank)
-        assert node["wire_bytes"] == [a + b for a, b in zip(node["intra_bytes"],
-                                                            node["inter_bytes"])]
+        for layout in layouts:
+            node = r["train"][f"{label}/{layout}"]["bytes"]
+            shards = layout == "node" and not per_step
+            cross = wire_bytes(name, shapes, NODES, **opts)
+            want_inter = cross / G if shards else cross if leader else 0.0
+            assert _mean(node["inter_bytes"]) == pytest.approx(
+                want_inter, rel=0.15 if not per_step else 1e-9), (label, layout, rank)
+            # the gather inside the node: the chunk of the sum, or every node's chunk
+            gathered = opts.get("delta_dtype") in ("int8", "int4")
+            want_intra = (2 * 4 * numel if per_step else 4 * numel + (
+                cross / G * (NODES if gathered else 1) if shards else 4 * numel) / period)
+            assert _mean(node["intra_bytes"]) == pytest.approx(want_intra, rel=0.15), \
+                (label, layout, rank)
+            assert node["wire_bytes"] == [a + b for a, b in zip(node["intra_bytes"],
+                                                                node["inter_bytes"])]
         assert _mean(flat["inter_bytes"]) == pytest.approx(
             wire_bytes(name, shapes, NODES * G, **opts), rel=0.15 if not per_step else 1e-9)
         assert sum(flat["intra_bytes"]) == 0
@@ -200,12 +230,14 @@ def test_auto_switches_between_hierarchical_children(hier):
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
-def test_auto_moves_diloco_into_the_layout_it_chose(hier):
+@pytest.mark.parametrize("cross", ["leaders", "shards"])
+def test_auto_moves_diloco_into_the_layout_it_chose(hier, cross):
     """Flat -> hierarchical -> flat DiLoCo (int8 outer sync, so a residual):
     built in the new layout, handed over without crossing nodes, every rank
-    ends identical after finish()."""
+    ends identical after finish(); the outer sync in shards or by the leaders."""
     for rank, r in enumerate(hier):
-        a = r["auto_layout"]
+        a = r[f"auto_layout/{cross}"]
+        assert a["to_node"]["cross_node"] == cross
         for label, (frm, to) in (("to_node", ("flat", "hierarchical")),
                                  ("to_flat", ("hierarchical", "flat"))):
             m = a[label]
@@ -221,7 +253,7 @@ def test_auto_moves_diloco_into_the_layout_it_chose(hier):
             assert m["syncs_after"] >= 1, (label, m)
             if "anchor_same" in m:   # flat ranks and leaders hold the state
                 assert m["anchor_same"] and m["momentum_same"] and m["momentum_norm"] > 0, m
-        assert "anchor_same" in a["to_node"] or rank % 2 == 1
+        assert "anchor_same" in a["to_node"] or (rank % 2 == 1 and cross == "leaders")
         assert a["spread"] == 0.0
 
 
@@ -236,6 +268,11 @@ def test_errors_name_the_problem(hier):
     assert "flat" in e["flat_state"] and e["hier_state_ok"] is None
     assert e["auto_layout_onebit"] == "flat"      # 1-bit Adam stays flat under auto
     assert e["auto_layout_int8"] == "hierarchical"
+    assert "shards apply to local and diloco" in e["shards_per_step"]
+    assert "cross_node" in e["bad_cross_node"] and "leaders" in e["bad_cross_node"]
+    assert e["cross_node_of"] == {"int8": "leaders", "diloco": "shards", "local": "shards"}
+    assert e["cross_node_leaders"] == "leaders"
+    assert "cross_node=shards" in e["resume_other_cross_node"]
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)

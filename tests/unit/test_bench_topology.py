@@ -16,6 +16,9 @@ def test_rows_pair_every_strategy_flat_and_hierarchical():
         assert f"{s}/flat" in keys and f"{s}/node" in keys
     diloco = next(r for r in rows if r["key"] == "diloco/node")
     assert "period=4" in diloco["args"] and diloco["hierarchy"] == "node"
+    assert "--cross-node" not in diloco["args"]          # shards, the default
+    leaders = next(r for r in rows if r["key"] == "diloco/node+leaders")
+    assert leaders["args"][-2:] == ["--cross-node", "leaders"]
     # torch's PowerSGD hook in one bucket: it hangs on gloo with several
     torch_row = next(r for r in rows if r["key"] == "torch_powersgd")
     assert torch_row["args"] == ["--bucket-mb", "25"]

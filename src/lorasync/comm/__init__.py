@@ -20,6 +20,10 @@ Layout (``hierarchy``): with several ranks on each of several nodes
 (:mod:`lorasync.comm.topology` finds them), ``auto`` and ``node`` wrap the
 strategy in :class:`~lorasync.comm.hierarchy.Hierarchical` (exact inside the
 node, the strategy across node leaders); ``flat`` runs it over all ranks.
+``cross_node``: how a hierarchical periodic strategy (local, diloco)
+crosses nodes: ``auto``/``shards`` (local rank j of every node carries 1/G
+of each outer sync) or ``leaders`` (the node's lowest rank carries all of
+it); per-step strategies always cross by their leaders.
 ``allreduce_algo``: ``ring`` (the backend's own), ``recursive_doubling``
 (lorasync's, from point-to-point sends; gloo only), or ``auto`` (per message,
 from the cost model and a short timed probe of the link at attach).
@@ -36,11 +40,11 @@ from lorasync.comm import (auto, lowprec, periodic, powersgd, reference, topk,  
                            torch_hooks, twophase)   # (importing them registers the strategies)
 from lorasync import catalog
 from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
-from lorasync.comm.hierarchy import NOT_HIERARCHICAL, Hierarchical
+from lorasync.comm.hierarchy import CROSS_NODE, NOT_HIERARCHICAL, Hierarchical
 from lorasync.errors import ConfigError
 
 __all__ = ["attach", "Sync", "HookSync", "strategy_names", "get_strategy", "HIERARCHIES",
-           "ALLREDUCE_ALGOS", "use_hierarchy"]
+           "ALLREDUCE_ALGOS", "CROSS_NODE", "use_hierarchy"]
 
 #: layouts attach() takes
 HIERARCHIES = ("auto", "flat", "node")
@@ -72,14 +76,15 @@ def use_hierarchy(strategy: str, hierarchy: str, topo, options: dict) -> bool:
 
 def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
            process_group=None, *, hierarchy: str = "auto", ranks_per_node: int | None = None,
-           allreduce_algo: str = "ring", **options: Any) -> Sync:
+           allreduce_algo: str = "ring", cross_node: str = "auto", **options: Any) -> Sync:
     """Attach a sync strategy to a DDP model; see the module docstring.
 
     ``hierarchy``: ``auto`` (hierarchical where several nodes hold several
     ranks each), ``flat`` or ``node``; ``ranks_per_node``: take consecutive
     blocks of that many ranks as nodes instead of detecting them (tests,
     several "nodes" on one host); ``allreduce_algo``: ``ring``,
-    ``recursive_doubling`` or ``auto`` (per message).
+    ``recursive_doubling`` or ``auto`` (per message); ``cross_node``: one of
+    :data:`CROSS_NODE` (module docstring).
 
     Raises ValueError for an unknown strategy, an option the strategy does not
     take or a bad value, or a backend that lacks what the strategy needs.
@@ -95,6 +100,8 @@ def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
     if allreduce_algo not in ALLREDUCE_ALGOS:
         raise ConfigError("allreduce_algo", allreduce_algo,
                           "use one of " + ", ".join(ALLREDUCE_ALGOS))
+    if cross_node not in CROSS_NODE:
+        raise ConfigError("cross_node", cross_node, "use one of " + ", ".join(CROSS_NODE))
     cls = get_strategy(strategy)
     topo = None
     if process_group is None and dist.get_world_size() > 1 and hierarchy != "flat":
@@ -105,9 +112,10 @@ def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
                           "group only")
     if strategy == "auto":
         return cls(ddp, process_group=process_group, hierarchy=hierarchy, topology=topo,
-                   allreduce_algo=allreduce_algo, **options)
+                   allreduce_algo=allreduce_algo, cross_node=cross_node, **options)
     if use_hierarchy(strategy, hierarchy, topo, options):
-        return Hierarchical(ddp, strategy, topo, allreduce_algo=allreduce_algo, **options)
+        return Hierarchical(ddp, strategy, topo, allreduce_algo=allreduce_algo,
+                            cross_node=cross_node, **options)
     sync = cls(ddp, process_group=process_group, **options)
     sync.spans_nodes = topo.num_nodes > 1 if topo is not None else True
     if allreduce_algo != "ring":

@@ -192,11 +192,12 @@ class Auto(Sync):
 
     def __init__(self, ddp, process_group=None, *, _register_hook: bool = True,
                  hierarchy: str = "flat", topology=None, allreduce_algo: str = "ring",
-                 **options: Any):
+                 cross_node: str = "auto", **options: Any):
         if not _register_hook:
             raise ValueError("auto: cannot run inside another strategy")
         self._topo = topology
         self._algo = allreduce_algo
+        self._cross_node = cross_node
         self.spans_nodes = topology.num_nodes > 1 if topology is not None else True
         multi = topology is not None and topology.multi_rank_nodes and topology.uniform
         if hierarchy == "node" and not multi and topology is None:
@@ -453,7 +454,8 @@ class Auto(Sync):
         if layout == "hierarchical":
             child = Hierarchical(self.ddp, name, self._topo, _register_hook=False,
                                  allreduce_algo=None if self._algo == "ring" else self._algo,
-                                 **opts)
+                                 cross_node=self._cross_node if not catalog.spec(name).per_step
+                                 else "auto", **opts)
         else:
             child = get_strategy(name)(self.ddp, process_group=self.group,
                                        _register_hook=False, **opts)

@@ -18,11 +18,28 @@ slow link instead of 2(N-1).  :class:`Hierarchical` wraps a strategy so that
    result in turn and broadcasts it while the next one may still travel.
 
 Periodic strategies (local SGD, DiLoCo) all-reduce gradients inside the node
-every step (the node's ranks stay identical: DDP within the node) and run
-their outer sync across the leaders only; on the steps where the outer sync
-lands, the leader broadcasts the synced adapter inside the node.  Which
-steps those are follows from the options alone (period, streaming, delay),
-so the other ranks know without being told.
+every step (the node's ranks stay identical: DDP within the node), so what
+their outer sync sends is the same on every rank of a node.  It crosses the
+nodes one of two ways (``cross_node``):
+
+* ``shards`` (the default for them): every rank runs the strategy, over a
+  :class:`~lorasync.comm.wire.ShardedWire`: local rank j of every node
+  carries chunk j of each outer collective over its own cross-node group
+  (G connections per node at once), and the node's ranks all-gather the
+  chunks inside the node.  Every rank then takes the same outer step and
+  keeps the same outer state (anchor, momentum, residual: G copies per
+  node), so nothing is broadcast afterwards.  Timed alone on 4 x 2 emulated
+  nodes (docs/topology.md), the adapter's fp16 delta crossed 1.16x faster
+  so than by the leaders, a latency-bound one as fast.
+* ``leaders``: the leader alone runs the strategy, over the leaders' group,
+  and on the steps where the outer sync lands it broadcasts the synced
+  adapter inside the node.  Which steps those are follows from the options
+  alone (period, streaming, delay), so the other ranks know without being
+  told.
+
+Per-step strategies cross by their leaders: the node-mean gradient exists
+only after the reduce inside the node, and their state (PowerSGD's
+matrices, a codec's blocks) follows the bucket's layout, not a 1/G cut.
 
 Accounting: ``intra_bytes`` is what this rank handed to collectives of its
 node's group (reduce, broadcast), ``inter_bytes`` what it handed to the
@@ -31,9 +48,10 @@ leaders' group (the strategy's own collectives; zero on other ranks);
 last one counts as ``comm_s`` (the hook waited on it and on the node's
 slowest rank before backward went on).
 
-Resume: a checkpoint holds the strategy's state on the leaders only (every
-rank writes its own file), so it resumes on the same nodes x ranks layout,
-with the same ranks as leaders (torchrun numbers ranks node by node);
+Resume: a checkpoint holds the strategy's state on the leaders (with
+``shards``: on every rank; every rank writes its own file), so it resumes on
+the same nodes x ranks layout, with the same ranks as leaders (torchrun
+numbers ranks node by node) and the same ``cross_node``;
 ``load_state_dict`` refuses another layout, and a flat state.
 
 Changing layout (:func:`move_periodic`, what ``auto`` does when it measured
@@ -67,9 +85,15 @@ import torch.distributed as dist
 from lorasync import catalog
 from lorasync.comm.base import HookSync, completed, get_strategy
 from lorasync.comm.topology import Topology
-from lorasync.comm.wire import Wire
+from lorasync.comm.wire import ShardedWire, Wire
+from lorasync.errors import ConfigError
 
-__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK", "move_periodic"]
+__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK", "CROSS_NODE",
+           "move_periodic"]
+
+#: how a hierarchical strategy crosses nodes (module docstring); ``auto``:
+#: ``shards`` for periodic strategies with several ranks per node, else ``leaders``
+CROSS_NODE = ("auto", "leaders", "shards")
 
 #: strategies that are never wrapped, whatever their options (catalog.flat_only)
 NOT_HIERARCHICAL = frozenset(n for n in catalog.names() if catalog.flat_only(n) is not None
@@ -82,8 +106,10 @@ class Hierarchical(HookSync):
     """``strategy`` across the nodes of ``topology``, exact inside each node.
 
     ``allreduce_algo`` (a Wire algorithm or a function of the payload bytes)
-    applies to the strategy's all-reduces across nodes.  Build it on every
-    rank; only leaders build the strategy itself.
+    applies to the strategy's all-reduces across nodes.  ``cross_node``: one
+    of :data:`CROSS_NODE` (``shards`` only for local and diloco).  Build it
+    on every rank; only leaders build the strategy itself, or with shards
+    every rank.
     """
 
     two_phase = False
@@ -91,7 +117,7 @@ class Hierarchical(HookSync):
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
                  topology: Topology, *, allreduce_algo: str | Callable[[int], str] | None = None,
-                 _register_hook: bool = True, **options: Any):
+                 cross_node: str = "auto", _register_hook: bool = True, **options: Any):
         if strategy in NOT_HIERARCHICAL:
             raise ValueError(f"hierarchy: {strategy} runs flat only "
                              f"({catalog.flat_only(strategy)})")
@@ -99,7 +125,8 @@ class Hierarchical(HookSync):
         self.spec = catalog.spec(strategy)
         self._cls = get_strategy(strategy)
         self.communicates = self._cls.communicates
-        self.topo = topology.build_groups()
+        self._shards = _use_shards(cross_node, strategy, self.spec.per_step, topology)
+        self.topo = topology.build_groups(shards=self._shards)
         self._algo = allreduce_algo
         self._raw_options = dict(options)
         super().__init__(ddp, None, _register_hook=_register_hook,
@@ -122,15 +149,26 @@ class Hierarchical(HookSync):
         self._outs: list[tuple[torch.Tensor, torch.futures.Future | None,
                                torch.futures.Future]] = []
         self.inner = None
-        if self.leader:
+        if self._shards:
+            # the chunks' bytes are the strategy's own (inter), the gather the node's
+            cross = Wire(t.shard_group, self._count_inner)
+            self.inner = self._cls(self.ddp, process_group=t.shard_group, _register_hook=False,
+                                   _wire=ShardedWire(cross, self.wire), **self._raw_options)
+            probe = cross
+        elif self.leader:
             self.inner = self._cls(self.ddp, process_group=t.leader_group, _register_hook=False,
                                    **self._raw_options)
-            algo = self._algo
-            if algo == "auto":  # measured on the leaders' link, where it applies
+            probe = self.inner.wire
+        algo = self._algo
+        if self.inner is not None and algo is not None:
+            if algo == "auto":  # measured on the cross-node link, where it applies
                 from lorasync.comm.linkprobe import algo_chooser
-                algo = algo_chooser(self.inner.wire, self.inner._probe_device())
-            if algo is not None:
-                self.inner.wire.set_algo(algo)
+                algo = algo_chooser(probe, self.inner._probe_device())
+            self.inner.wire.set_algo(algo)
+
+    def _count_inner(self, nbytes: int) -> None:
+        if self.inner is not None:  # (the strategy counts nothing while it is built)
+            self.inner._count(nbytes)
 
     # -- per step: the bucket hook -------------------------------------------
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -212,25 +250,26 @@ class Hierarchical(HookSync):
     def after_step(self) -> None:
         super().after_step()
         before = None
-        if self.leader:
+        if self.inner is not None:
             before = self.inner.stats()["syncs"]
             self.inner.after_step()
         if self.per_step:
             return
         self._differ = True
         lands = self._applies(self._steps)
-        if self.leader and (self.inner.stats()["syncs"] > before) != lands:
+        if self.inner is not None and (self.inner.stats()["syncs"] > before) != lands:
             raise RuntimeError(f"hierarchy: {self.name}'s outer sync did not follow its "
                                f"schedule at step {self._steps}")
         if lands:
             with self._lock:
                 self._syncs += 1
-            self._share_adapter()
+            if not self._shards:   # with shards every rank took the same outer step
+                self._share_adapter()
             if not self.options.streaming and getattr(self.options, "fragments", 1) == 1:
                 self._differ = False  # the whole adapter synced, no local step since
 
     def settle(self) -> None:
-        if self.leader and self.inner is not None:
+        if self.inner is not None:
             self.inner.settle()
 
     def _share_adapter(self) -> None:
@@ -247,9 +286,9 @@ class Hierarchical(HookSync):
     def finish(self) -> None:
         self._abandon("sync finished")
         super().finish()
-        if self.leader:
+        if self.inner is not None:
             self.inner.finish()
-        if not self.per_step:
+        if not self.per_step and not self._shards:
             self._share_adapter()
         self._differ = False
 
@@ -284,12 +323,18 @@ class Hierarchical(HookSync):
             "encode_s": own["encode_s"] + inner.get("encode_s", 0.0),
             "steps": self._steps, "syncs": own["syncs"],
             "layout": "hierarchical", "nodes": self._N, "ranks_per_node": self._G,
+            "cross_node": self.cross_node,
         }
+
+    @property
+    def cross_node(self) -> str:
+        """How this strategy crosses nodes: ``shards`` or ``leaders``."""
+        return "shards" if self._shards else "leaders"
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
                 "hierarchy": {"nodes": self._N, "ranks_per_node": self._G,
-                              "leader": self.leader},
+                              "leader": self.leader, "cross_node": self.cross_node},
                 "inner": self.inner.state_dict() if self.inner is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,8 +351,25 @@ class Hierarchical(HookSync):
             raise ValueError("state_dict: saved by a rank that was "
                              f"{'' if h['leader'] else 'not '}a node leader; ranks must keep "
                              "their nodes (torchrun numbers ranks node by node)")
-        if self.leader:
+        saved = h.get("cross_node", "leaders")
+        if saved != self.cross_node:
+            raise ValueError(f"state_dict: saved with cross_node={saved}, this run has "
+                             f"{self.cross_node}; resume with --cross-node {saved}")
+        if self.inner is not None:
             self.inner.load_state_dict(state["inner"])
+
+
+def _use_shards(cross_node: str, strategy: str, per_step: bool, topology: Topology) -> bool:
+    """Whether ``strategy`` crosses nodes in shards (``cross_node``, module docstring)."""
+    if cross_node not in CROSS_NODE:
+        raise ConfigError("cross_node", cross_node, "use one of " + ", ".join(CROSS_NODE))
+    if cross_node == "shards" and per_step:
+        raise ConfigError("cross_node", "shards", f"{strategy} syncs gradients every step and "
+                          "crosses nodes by their leaders; shards apply to local and diloco "
+                          "(use --cross-node auto or leaders)")
+    if cross_node == "auto":
+        return not per_step and topology.ranks_per_node > 1 and topology.uniform
+    return cross_node == "shards" and topology.uniform
 
 
 def _resolve(out: torch.futures.Future, buf: torch.Tensor, f: torch.futures.Future) -> None:
@@ -342,7 +404,7 @@ def move_periodic(old: HookSync, new: HookSync) -> None:
         h.wire.all_reduce(flat)
         h._add_comm(time.perf_counter() - t0)
         h._set_flat_params(flat[:h.numel])
-        if h.leader:
+        if h.inner is not None:   # the leader, or with shards every rank
             inner = h.inner
             if dil:
                 inner._anchor = old._anchor.clone()
@@ -351,7 +413,7 @@ def move_periodic(old: HookSync, new: HookSync) -> None:
                     inner._residual = flat[h.numel:].clone()
             inner._dirty = True
         return
-    if h.leader:
+    if h.inner is not None:
         h.inner._drain()
     h._share_adapter()   # the node's ranks take the same steps: one adapter per node
     if dil:

@@ -52,7 +52,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Wire", "LoopbackWire", "Transfer", "count_group", "recursive_doubling", "ALGOS"]
+__all__ = ["Wire", "ShardedWire", "LoopbackWire", "Transfer", "count_group", "recursive_doubling",
+           "ALGOS"]
 
 #: all-reduce algorithms a Wire can run: the backend's own, or lorasync's own
 ALGOS = ("ring", "recursive_doubling")
@@ -210,6 +211,139 @@ class Wire:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+class ShardedWire:
+    """Collectives across nodes of a tensor that every rank of a node holds
+    alike, carried by all of the node's ranks at once.
+
+    ``cross`` is a Wire on this rank's cross-node group (local rank j of every
+    node, :meth:`~lorasync.comm.topology.Topology.build_groups` ``shards``),
+    ``local`` one on its node's group.  Local rank j hands chunk j (1/G of
+    the tensor, the last chunks zero-padded to equal length) to ``cross``,
+    so a node's G ranks carry the message over G connections at once instead
+    of its leader carrying all of it; the node's ranks then all-gather the
+    chunks over ``local`` (the fast link).  What a strategy sees is a Wire of
+    the N nodes (``size``, ``rank``: the cross-node group's), and the result
+    is what one rank per node would have got from ``cross`` with the whole
+    tensor: a sum over nodes for ``all_reduce``, every node's tensor in node
+    order for ``all_gather``.
+
+    The input must be the same on every rank of the node (a periodic
+    strategy's outer sync in the hierarchical layout: the node's ranks take
+    the same steps); nothing here checks it.  ``async_op`` returns a Work
+    whose ``wait()`` finishes the cross-node part and then runs the gather
+    inside the node: every rank of the node must wait on its Works in the
+    same order, as it issues any other collective of the node's group.
+    Bytes count as each wire counts them: ``cross`` its chunk (the node's
+    ranks together hand over the whole tensor, as a leader would), ``local``
+    the gather.
+    """
+
+    __slots__ = ("cross", "local")
+
+    def __init__(self, cross: Wire, local: Wire):
+        self.cross, self.local = cross, local
+
+    size = property(lambda self: self.cross.size)
+    rank = property(lambda self: self.cross.rank)
+    backend = property(lambda self: self.cross.backend)
+    algo_counts = property(lambda self: self.cross.algo_counts)
+
+    def take_transfers(self) -> list[Transfer]:
+        return self.cross.take_transfers()
+
+    def set_algo(self, algo: str | Callable[[int], str] | None) -> None:
+        """The cross-node all-reduce's algorithm, chosen on the chunk's bytes."""
+        self.cross.set_algo(algo)
+
+    def algo_for(self, t: torch.Tensor) -> str:
+        return self.cross.algo_for(self._chunk(t.reshape(-1))[0])
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.cross.all_gather_object(obj)
+
+    def _chunk(self, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's chunk of ``flat`` (a copy, zero-padded) and the chunk length."""
+        g, j = self.local.size, self.local.rank
+        c = -(-flat.numel() // g)
+        part = flat[j * c:(j + 1) * c]
+        if part.numel() == c:
+            return part.clone(), c
+        out = torch.zeros(c, dtype=flat.dtype, device=flat.device)
+        out[:part.numel()] = part
+        return out, c
+
+    def _finish(self, work, done: Callable[[], None], async_op: bool):
+        if not async_op:
+            if work is not None:
+                work.wait()
+            done()
+            return None
+        return _Deferred(work, done)
+
+    def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   count: bool = True, algo: str | None = None):
+        if not t.is_contiguous():
+            raise ValueError("ShardedWire.all_reduce: needs a contiguous tensor")
+        flat = t.view(-1)
+        chunk, c = self._chunk(flat)
+        work = self.cross.all_reduce(chunk, op=op, async_op=True, count=count, algo=algo)
+
+        def done() -> None:
+            whole = torch.empty(self.local.size * c, dtype=t.dtype, device=t.device)
+            self.local.all_gather(whole, chunk, count=count)
+            flat.copy_(whole[:flat.numel()])
+
+        return self._finish(work, done, async_op)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, *, async_op: bool = False,
+                   count: bool = True):
+        """``out`` holds every node's ``t``, in node order (``size`` x ``t``)."""
+        n, b = self.size, t.numel()
+        if out.numel() != n * b or not out.is_contiguous():
+            raise ValueError(f"ShardedWire.all_gather: out has {out.numel()} elements, "
+                             f"needs {n} x {b}, contiguous")
+        chunk, c = self._chunk(t.reshape(-1))
+        part = torch.empty(n * c, dtype=t.dtype, device=t.device)
+        work = self.cross.all_gather(part, chunk, async_op=True, count=count)
+
+        def done() -> None:
+            g = self.local.size
+            whole = torch.empty(g * n * c, dtype=t.dtype, device=t.device)
+            self.local.all_gather(whole, part, count=count)
+            # whole[j, m] is chunk j of node m's tensor
+            byn = whole.view(g, n, c).transpose(0, 1).reshape(n, g * c)
+            out.view(n, b).copy_(byn[:, :b])
+
+        return self._finish(work, done, async_op)
+
+    def all_to_all(self, out, t, **kw):
+        raise NotImplementedError("ShardedWire: all_to_all is not sharded (strategies "
+                                  "with a two-phase exchange cross nodes by their leaders)")
+
+    def broadcast(self, t, src: int = 0, **kw):
+        raise NotImplementedError("ShardedWire: broadcast is not sharded")
+
+
+class _Deferred:
+    """A sharded collective's Work: ``wait()`` waits for the cross-node part
+    and runs the gather inside the node, once."""
+
+    __slots__ = ("_work", "_done")
+
+    def __init__(self, work, done: Callable[[], None]):
+        self._work, self._done = work, done
+
+    def wait(self) -> bool:
+        if self._done is not None:
+            done, self._done = self._done, None
+            self._work.wait()
+            done()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is None
 
 
 # -- lorasync's own all-reduce algorithms ----------------------------------------------

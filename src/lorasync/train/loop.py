@@ -313,7 +313,8 @@ class Trainer:
         try:
             self.sync = attach(self.ddp, cfg.comm.strategy, hierarchy=cfg.comm.hierarchy,
                                ranks_per_node=cfg.comm.ranks_per_node or None,
-                               allreduce_algo=cfg.comm.allreduce_algo, **cfg.comm.options)
+                               allreduce_algo=cfg.comm.allreduce_algo,
+                               cross_node=cfg.comm.cross_node, **cfg.comm.options)
         except ValueError as exc:
             raise LorasyncError(f"comm: {exc}") from None
         # Everything the user could get wrong has been checked: only now write.
