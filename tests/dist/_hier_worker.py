@@ -328,6 +328,55 @@ def scenario_algo(rank, teach):
     return out
 
 
+def scenario_sharded_wire(rank):
+    """ShardedWire on 2 nodes x 2 against plain collectives over all 4 ranks,
+    for sizes that do not split evenly: the same sum (and max) and the same
+    gathered bytes on every rank, synchronous and in flight together."""
+    from lorasync.comm.topology import detect
+    from lorasync.comm.wire import ShardedWire, Wire
+
+    topo = detect(None, G).build_groups(shards=True)
+    counted = {"cross": 0, "local": 0}
+
+    def counter(k):
+        return lambda n: counted.__setitem__(k, counted[k] + n)
+
+    wire = ShardedWire(Wire(topo.shard_group, counter("cross")),
+                       Wire(topo.local_group, counter("local")))
+    node = rank // G
+    out = {"size": wire.size, "rank": wire.rank}
+    for n in (1, 7, 1000):
+        # the same on both ranks of a node, different between nodes
+        x = torch.arange(n, dtype=torch.float32) * (node + 1) + node
+        want = sum(torch.arange(n, dtype=torch.float32) * (k + 1) + k for k in range(2))
+        got = x.clone()
+        assert wire.all_reduce(got) is None
+        mx = x.clone()
+        wire.all_reduce(mx, op=dist.ReduceOp.MAX)
+        b = torch.arange(n, dtype=torch.uint8) + 10 * node
+        gathered = torch.empty(2 * n, dtype=torch.uint8)
+        wire.all_gather(gathered, b)
+        # in flight together, waited in issue order
+        a1, a2 = x.clone(), x.clone() * 2
+        w1 = wire.all_reduce(a1, async_op=True)
+        g2 = torch.empty(2 * n, dtype=torch.uint8)
+        w2 = wire.all_gather(g2, b, async_op=True)
+        w3 = wire.all_reduce(a2, async_op=True)
+        for w in (w1, w2, w3):
+            w.wait()
+        w1.wait()    # a second wait does nothing
+        out[str(n)] = {
+            "sum": bool(torch.equal(got, want)),
+            "max_is_node1": bool(torch.equal(mx, torch.arange(n, dtype=torch.float32) * 2 + 1)),
+            "gather": bool(torch.equal(gathered, torch.cat([torch.arange(n, dtype=torch.uint8)
+                                                            + 10 * k for k in range(2)]))),
+            "async": bool(torch.equal(a1, want) and torch.equal(a2, 2 * want)
+                          and torch.equal(g2, gathered)),
+            "done": w1.is_completed()}
+    out["counted"] = counted
+    return out
+
+
 def scenario_errors(rank):
     import lorasync
 
@@ -384,6 +433,8 @@ def run_hier(rank, world, out_dir, port):
     try:
         log.write("errors\n")
         res["errors"] = scenario_errors(rank)
+        log.write("sharded wire\n")
+        res["sharded_wire"] = scenario_sharded_wire(rank)
         for label, name, opts in CONFIGS:
             for hierarchy in ("flat", "node") + (("leaders",) if name in ("local", "diloco")
                                                  else ()):

@@ -118,6 +118,24 @@ def test_hierarchical_trains_and_keeps_replicas_identical(hier, label):
 
 
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
+def test_sharded_wire_gives_what_the_whole_group_gives(hier):
+    """ShardedWire (2 nodes x 2, sizes 1, 7, 1000: chunks padded): the sum,
+    the max and every node's bytes, sync and in flight together, on every
+    rank; a node's two ranks hand 1/2 each across, the gather the rest."""
+    for rank, r in enumerate(hier):
+        w = r["sharded_wire"]
+        assert (w["size"], w["rank"]) == (NODES, rank // G)
+        for n in ("1", "7", "1000"):
+            assert all(w[n][k] for k in ("sum", "max_is_node1", "gather", "async", "done")), \
+                (rank, n, w[n])
+        # per size, chunk c = ceil(n / 2): four fp32 all-reduces hand c floats
+        # across and gather them; two uint8 all-gathers hand c bytes across and
+        # gather the 2 nodes' chunks (2c)
+        c = sum(-(-n // G) for n in (1, 7, 1000))
+        assert w["counted"] == {"cross": 4 * 4 * c + 2 * c, "local": 4 * 4 * c + 2 * 2 * c}
+
+
+@pytest.mark.timeout(WORKER_TIMEOUT_S + 30)
 @pytest.mark.parametrize("label", PERIODIC)
 def test_periodic_outer_sync_in_shards_equals_the_leaders(hier, label):
     """local and diloco cross nodes in shards by default: every step the
