@@ -60,11 +60,12 @@ def test_collective_times_follow_alpha_beta_formulas(n):
     # ring all-reduce: n-1 reduce-scatter and n-1 all-gather steps of p/n each
     assert collective_time(Collective("all_reduce", p), x) == pytest.approx(
         2 * (n - 1) * a + 2 * (n - 1) / n * p * b)
-    # all-gather: p per rank, (n-1) p received; all-to-all of a p-byte send buffer
+    # all-gather: p per rank, (n-1) p received; all-to-all of a p-byte send
+    # buffer: every pair's message at once (gloo posts them all, then waits)
     assert collective_time(Collective("all_gather", p), x) == pytest.approx(
         (n - 1) * a + (n - 1) * p * b)
     assert collective_time(Collective("all_to_all", p), x) == pytest.approx(
-        (n - 1) * a + (n - 1) / n * p * b)
+        a + (n - 1) / n * p * b)
     rd = net(bw=bw, alpha=a, n=n, allreduce_algo="recursive_doubling")
     rb = net(bw=bw, alpha=a, n=n, allreduce_algo="reduce_broadcast")
     L = math.ceil(math.log2(n))
