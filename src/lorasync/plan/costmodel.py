@@ -77,7 +77,13 @@ nodes; alpha and bandwidth are the link between nodes):
   the last bucket every bucket's result is broadcast inside the node as soon
   as its cross-node sync is done.  Periodic strategies: the intra-node
   gradient all-reduce every step, the outer sync on N ranks and a broadcast
-  of the adapter inside the node every period.
+  of the adapter inside the node every period.  In shards (the default for
+  them, ``--cross-node``) the G cross-node groups carry 1/G of the outer
+  sync each, at once: the same ring steps and bytes on the node's link, so
+  the same prediction (it still charges the leaders' broadcast of the
+  adapter inside the node where shards gather 1/G of the delta: both
+  milliseconds on a node's link); that G connections moved it faster on a
+  long-delay link (1.26x inside training at 4 x 2) is not modelled.
 
 ``Net.allreduce_algo="auto"`` prices every all-reduce with the cheaper of
 ring and recursive doubling (what a Wire with a per-message choice does;
