@@ -52,3 +52,31 @@ def test_two_by_two_emulated_run_trains_hierarchically(tmp_path):
         assert (r["inter_bytes"] > 0) == (r["rank"] in (0, 2)), r
     first, last = (sum(r["loss"] for r in recs if r["step"] == s) for s in (1, 5))
     assert last < first
+
+
+@pytest.mark.timeout(400)
+def test_two_by_two_emulated_diloco_crosses_in_shards(tmp_path):
+    """DiLoCo's outer sync in shards across real namespaces: on the steps it
+    lands both ranks of each node hand bytes across, half each; on the
+    others nobody does."""
+    out = tmp_path / "run"
+    name = NAME[:-1] + "s"
+    try:
+        p = run_cli("train", "--emulate", f"nodes=2,nproc_per_node=2,rate=100mbit,name={name}",
+                    "--model", "tiny", "--max-steps", "4", "--comm", "diloco",
+                    "--comm-opt", "period=2", "--batch-size", "2", "--eval-size", "0",
+                    "--no-progress", "--output-dir", out, timeout=380)
+    finally:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        leftover = [ln for ln in listed.splitlines() if f"lsync-{name}-" in ln]
+        if leftover:
+            from lorasync.net.cluster import down
+            down(name)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not leftover, leftover
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for step in (2, 4):
+        inter = {r["rank"]: r["inter_bytes"] for r in recs if r["step"] == step}
+        assert set(inter) == {0, 1, 2, 3} and all(v > 0 for v in inter.values()), (step, inter)
+        assert abs(inter[0] - inter[1]) <= 8 and abs(inter[2] - inter[3]) <= 8, inter
+    assert all(r["inter_bytes"] == 0 for r in recs if r["step"] in (1, 3))
