@@ -208,6 +208,10 @@ class CommConfig:
                "use auto, flat or node")
         _check(self.cross_node in ("auto", "leaders", "shards"), "comm.cross_node",
                self.cross_node, "use auto, leaders or shards")
+        _check(self.cross_node != "shards" or self.strategy in catalog.PERIODIC
+               or self.strategy == "auto", "comm.cross_node", self.cross_node,
+               f"shards apply to local and diloco (and auto's), not {self.strategy}, which "
+               "crosses nodes by its leaders; use auto or leaders")
         _check(isinstance(self.ranks_per_node, int) and not isinstance(self.ranks_per_node, bool)
                and self.ranks_per_node >= 0, "comm.ranks_per_node", self.ranks_per_node,
                "use an integer >= 1, or 0 to detect the nodes")

@@ -33,6 +33,9 @@ def test_yaml_then_overrides(tmp_path):
     ("train: {schedule: wavy}\n", "train.schedule", "constant, linear or cosine"),
     ("run: {backend: mpi}\n", "run.backend", "auto, gloo or nccl"),
     ("- just\n- a list\n", "c.yaml", "mapping of sections"),
+    ("comm: {cross_node: ring}\n", "comm.cross_node", "auto, leaders or shards"),
+    ("comm: {strategy: int8, cross_node: shards}\n", "comm.cross_node",
+     "shards apply to local and diloco (and auto's), not int8"),
 ])
 def test_bad_yaml_names_field_and_fix(tmp_path, text, field, hint):
     with pytest.raises(ConfigError) as e:

@@ -43,8 +43,9 @@ only after the reduce inside the node, and their state (PowerSGD's
 matrices, a codec's blocks) follows the bucket's layout, not a 1/G cut.
 
 Accounting: ``intra_bytes`` is what this rank handed to collectives of its
-node's group (reduce, broadcast), ``inter_bytes`` what it handed to the
-leaders' group (the strategy's own collectives; zero on other ranks);
+node's group (reduce, broadcast; with shards the gather), ``inter_bytes``
+what it handed to the cross-node group (the strategy's own collectives;
+with leaders zero on other ranks, with shards each rank's chunks);
 ``wire_bytes`` is their sum.  The intra-node reduce of a bucket before the
 last one counts as ``comm_s`` (the hook waited on it and on the node's
 slowest rank before backward went on).
