@@ -274,13 +274,14 @@ class ShardedWire:
         out[:part.numel()] = part
         return out, c
 
-    def _finish(self, work, done: Callable[[], None], async_op: bool):
-        if not async_op:
-            if work is not None:
-                work.wait()
-            done()
-            return None
-        return _Deferred(work, done)
+    @staticmethod
+    def _finish(work, done: Callable[[], None], async_op: bool):
+        """The in-node part now (after the cross-node ``work``), or a Work for it."""
+        deferred = _Deferred(work, done)
+        if async_op:
+            return deferred
+        deferred.wait()
+        return None
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False,
                    count: bool = True, algo: str | None = None):
