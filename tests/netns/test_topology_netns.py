@@ -24,23 +24,29 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=_wh
 NAME = f"t{os.getpid() % 100000}topo"
 
 
-@pytest.mark.timeout(400)
-def test_two_by_two_emulated_run_trains_hierarchically(tmp_path):
-    out = tmp_path / "run"
+def _train_2x2(out, name: str, *args: str):
+    """``lorasync train`` on 2 emulated nodes x 2 workers (100 Mbit/s, the
+    tiny model): the finished process and its metrics records; the cluster
+    is checked for leftovers and taken down whatever happened."""
     try:
-        p = run_cli("train", "--emulate", f"nodes=2,nproc_per_node=2,rate=100mbit,name={NAME}",
-                    "--model", "tiny", "--max-steps", "5", "--comm", "int8", "--batch-size", "2",
-                    "--eval-size", "0", "--no-progress", "--output-dir", out, timeout=380)
+        p = run_cli("train", "--emulate", f"nodes=2,nproc_per_node=2,rate=100mbit,name={name}",
+                    "--model", "tiny", "--batch-size", "2", "--eval-size", "0",
+                    "--no-progress", "--output-dir", out, *args, timeout=380)
     finally:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        leftover = [ln for ln in listed.splitlines() if f"lsync-{NAME}-" in ln]
+        leftover = [ln for ln in listed.splitlines() if f"lsync-{name}-" in ln]
         if leftover:
             from lorasync.net.cluster import down
-            down(NAME)
+            down(name)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not leftover, leftover
+    return p, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(400)
+def test_two_by_two_emulated_run_trains_hierarchically(tmp_path):
+    p, recs = _train_2x2(tmp_path / "run", NAME, "--max-steps", "5", "--comm", "int8")
     assert "2 workers per node" in p.stderr
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["rank"] for r in recs} == {0, 1, 2, 3}
     assert all(r["world_size"] == 4 for r in recs)
     steady = [r for r in recs if r["step"] > 1]
@@ -59,22 +65,8 @@ def test_two_by_two_emulated_diloco_crosses_in_shards(tmp_path):
     """DiLoCo's outer sync in shards across real namespaces: on the steps it
     lands both ranks of each node hand bytes across, half each; on the
     others nobody does."""
-    out = tmp_path / "run"
-    name = NAME[:-1] + "s"
-    try:
-        p = run_cli("train", "--emulate", f"nodes=2,nproc_per_node=2,rate=100mbit,name={name}",
-                    "--model", "tiny", "--max-steps", "4", "--comm", "diloco",
-                    "--comm-opt", "period=2", "--batch-size", "2", "--eval-size", "0",
-                    "--no-progress", "--output-dir", out, timeout=380)
-    finally:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        leftover = [ln for ln in listed.splitlines() if f"lsync-{name}-" in ln]
-        if leftover:
-            from lorasync.net.cluster import down
-            down(name)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert not leftover, leftover
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _, recs = _train_2x2(tmp_path / "run", NAME[:-1] + "s", "--max-steps", "4",
+                         "--comm", "diloco", "--comm-opt", "period=2")
     for step in (2, 4):
         inter = {r["rank"]: r["inter_bytes"] for r in recs if r["step"] == step}
         assert set(inter) == {0, 1, 2, 3} and all(v > 0 for v in inter.values()), (step, inter)
