@@ -329,9 +329,9 @@ def scenario_algo(rank, teach):
 
 
 def scenario_sharded_wire(rank):
-    """ShardedWire on 2 nodes x 2 against plain collectives over all 4 ranks,
-    for sizes that do not split evenly: the same sum (and max) and the same
-    gathered bytes on every rank, synchronous and in flight together."""
+    """ShardedWire on 2 nodes x 2, for sizes that do not split evenly: every
+    rank gets the sum (and the max) over the nodes and every node's bytes in
+    node order, synchronous and in flight together."""
     from lorasync.comm.topology import detect
     from lorasync.comm.wire import ShardedWire, Wire
 
