@@ -186,6 +186,45 @@ def scenario_resume(rank, name, opts, teach):
     return {"max_diff": float((uninterrupted - _flat(model2)).abs().max())}
 
 
+def scenario_resume_across(rank, teach):
+    """Streamed DiLoCo (a sync in flight at the checkpoint) saved by the
+    leaders and resumed in shards, and the other way: the run goes on as if
+    never interrupted (2 nodes: the two crossings add the same two terms)."""
+    name, opts = "diloco", {"period": 4, "streaming": True, "delta_dtype": "fp16"}
+    out = {}
+    for saved, resumed in (("leaders", "shards"), ("shards", "leaders")):
+        def build(cross, sd=None):
+            import lorasync
+            m = M.build(0)
+            if sd is not None:
+                m.load_state_dict(sd)
+            ddp = _ddp(m)
+            return m, ddp, lorasync.attach(ddp, name, hierarchy="node", ranks_per_node=G,
+                                           cross_node=cross, **opts)
+        model, ddp, sync = build(saved)
+        opt = _opt(model)
+        cut = 8     # the outer sync launched after step 8 is applied after step 9
+        for s in range(1, cut + 1):
+            _step(ddp, opt, sync, s, rank, teach)
+        ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                copy.deepcopy(sync.state_dict()))
+        in_flight = bool(sync.in_flight)
+        for s in range(cut + 1, RESUME_END + 1):
+            _step(ddp, opt, sync, s, rank, teach)
+        uninterrupted = _flat(model)
+        model2, ddp2, sync2 = build(resumed, ckpt[0])
+        opt2 = _opt(model2)
+        opt2.load_state_dict(ckpt[1])
+        sync2.load_state_dict(ckpt[2])
+        for s in range(cut + 1, RESUME_END + 1):
+            _step(ddp2, opt2, sync2, s, rank, teach)
+        out[f"{saved}->{resumed}"] = {
+            "max_diff": float((uninterrupted - _flat(model2)).abs().max()),
+            "in_flight": in_flight, "cross_node": sync2.cross_node,
+            "node_spread": _node_spread(_flat(model2))}
+    return out
+
+
 def scenario_auto(rank, teach):
     """auto on 2 x 2: both layouts measured, hierarchical children switched
     between (forced) without a hang; replicas identical at the end."""
@@ -413,9 +452,6 @@ def scenario_errors(rank):
     out["cross_node_of"] = {n: make(n, **o).cross_node for n, o in
                             (("int8", {}), ("diloco", {"period": 2}), ("local", {"period": 2}))}
     out["cross_node_leaders"] = make("diloco", cross_node="leaders", period=2).cross_node
-    shards_sd = make("diloco", period=2).state_dict()
-    out["resume_other_cross_node"] = attempt(
-        lambda: make("diloco", cross_node="leaders", period=2).load_state_dict(shards_sd))
     return out
 
 
@@ -452,6 +488,8 @@ def run_hier(rank, world, out_dir, port):
             if label in RESUME:
                 log.write(f"resume {label}\n")
                 res["resume"][label] = scenario_resume(rank, name, opts, teach)
+        log.write("resume across crossings\n")
+        res["resume_across"] = scenario_resume_across(rank, teach)
         log.write("auto\n")
         res["auto"] = scenario_auto(rank, teach)
         for cross in ("leaders", "shards"):

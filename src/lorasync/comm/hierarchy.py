@@ -51,10 +51,14 @@ last one counts as ``comm_s`` (the hook waited on it and on the node's
 slowest rank before backward went on).
 
 Resume: a checkpoint holds the strategy's state on the leaders (with
-``shards``: on every rank; every rank writes its own file), so it resumes on
-the same nodes x ranks layout, with the same ranks as leaders (torchrun
-numbers ranks node by node) and the same ``cross_node``;
-``load_state_dict`` refuses another layout, and a flat state.
+``shards``: on every rank, the same; every rank writes its own file), so it
+resumes on the same nodes x ranks layout, with the same ranks as leaders
+(torchrun numbers ranks node by node); ``load_state_dict`` refuses another
+layout, and a flat state.  It resumes with either ``cross_node``: the
+strategy's state is the same in both (a world of N nodes), so a leaders'
+checkpoint resumed in shards hands the leader's state to its node's ranks
+(one gather inside the node), and one saved in shards resumes by the
+leaders from the leader's own file.
 
 Changing layout (:func:`move_periodic`, what ``auto`` does when it measured
 with a flat DiLoCo and chose the hierarchical one): a periodic strategy
@@ -353,12 +357,13 @@ class Hierarchical(HookSync):
             raise ValueError("state_dict: saved by a rank that was "
                              f"{'' if h['leader'] else 'not '}a node leader; ranks must keep "
                              "their nodes (torchrun numbers ranks node by node)")
-        saved = h.get("cross_node", "leaders")
-        if saved != self.cross_node:
-            raise ValueError(f"state_dict: saved with cross_node={saved}, this run has "
-                             f"{self.cross_node}; resume with --cross-node {saved}")
-        if self.inner is not None:
-            self.inner.load_state_dict(state["inner"])
+        inner = state["inner"]
+        if h.get("cross_node", "leaders") == "leaders" and self._shards:
+            # saved by the leaders (or before shards existed): the leader's
+            # state is every rank's now; the node's ranks call this together
+            inner = self.wire.all_gather_object(inner if self.leader else None)[0]
+        if self.inner is not None:   # saved in shards into leaders: the leader's own
+            self.inner.load_state_dict(inner)
 
 
 def _use_shards(cross_node: str, strategy: str, per_step: bool, topology: Topology) -> bool:
