@@ -258,15 +258,19 @@ class ShardedWire:
         self.cross.set_algo(algo)
 
     def algo_for(self, t: torch.Tensor) -> str:
-        return self.cross.algo_for(self._chunk(t.reshape(-1))[0])
+        flat = t.reshape(-1)
+        return self.cross.algo_for(flat[:self._chunk_len(flat)])
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.cross.all_gather_object(obj)
 
+    def _chunk_len(self, flat: torch.Tensor) -> int:
+        """Elements per rank's chunk: 1/G of ``flat``, rounded up."""
+        return -(-flat.numel() // self.local.size)
+
     def _chunk(self, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's chunk of ``flat`` (a copy, zero-padded) and the chunk length."""
-        g, j = self.local.size, self.local.rank
-        c = -(-flat.numel() // g)
+        j, c = self.local.rank, self._chunk_len(flat)
         part = flat[j * c:(j + 1) * c]
         if part.numel() == c:
             return part.clone(), c
