@@ -61,7 +61,7 @@ def _records(run: str) -> list[dict]:
 
 
 def run_one(cluster, label: str, comm: list[str], args, out: str) -> dict:
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
 
     label = label.replace(":", "_").replace("=", "-")   # a plain directory name
     run = os.path.join(out, label)
@@ -151,7 +151,7 @@ def main() -> int:
 
     import signal
 
-    from lorasync.net.cluster import ClusterSpec, emulated
+    from lorasync.emulate.cluster import ClusterSpec, emulated
 
     def _stop(signum, _frame):  # unwind, so the emulated cluster is taken down
         raise SystemExit(128 + signum)

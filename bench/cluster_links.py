@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 
-from lorasync.net.cluster import emulated, parse_emulate
+from lorasync.emulate.cluster import emulated, parse_emulate
 from lorasync.units import fmt_rate
 
 PROFILES = [

@@ -130,7 +130,7 @@ class Run:
     """One `lorasync train` on the cluster, launched in a thread; polled for progress."""
 
     def __init__(self, cluster, a, seed, out, restarts):
-        from lorasync.net.cluster import launch_on_cluster
+        from lorasync.emulate.cluster import launch_on_cluster
 
         self.out, self.rc, self.t0 = out, None, time.time()
         self.ckpt_seen: dict[int, float] = {}
@@ -219,9 +219,9 @@ class Injector:
                     self.cluster.exec_argv(self.node.index, argv), env=env, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True)), rec)
         elif kind == "tunnel":
-            from lorasync.net import tunnel
+            from lorasync.overlay import tunnel
 
-            state = tunnel.STATE_DIR / f"{self.node.overlay_ifname}.json"
+            state = tunnel.TUNNELS_DIR / f"{self.node.overlay_ifname}.json"
             rec["pid"] = json.loads(state.read_text())["wg_pid"]
             os.kill(rec["pid"], signal.SIGKILL)
             rec["t_clear"] = rec["t"]   # the supervisor restarts it: nothing to undo
@@ -393,7 +393,7 @@ def main() -> None:
     if "tunnel" in kinds and not a.overlay:
         ap.error("--faults tunnel: the nodes have no tunnel without --overlay")
 
-    from lorasync.net.cluster import emulated, parse_emulate, parse_rate
+    from lorasync.emulate.cluster import emulated, parse_emulate, parse_rate
 
     a.rate_bps = parse_rate(a.rate)
     spec = parse_emulate(f"nodes={a.nodes},rate={a.rate},name=faults"

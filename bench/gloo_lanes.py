@@ -60,7 +60,7 @@ dist.destroy_process_group()
 
 
 def main() -> int:
-    from lorasync.net.cluster import emulated, parse_emulate
+    from lorasync.emulate.cluster import emulated, parse_emulate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2)

@@ -169,7 +169,7 @@ def samples_per_s(times_r0: list[tuple[int, float]], samples_per_step: int) -> f
 
 def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool = False,
                 keep_avg: bool = False) -> dict:
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
 
     label = f"trainer-{mode}" + (f"-{strategy}" if strategy else "") + (
         "-token_average" if keep_avg else "")
@@ -220,7 +220,7 @@ def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool
 
 
 def run_lorasync_train(cluster, a, work: str, strategy: str) -> dict:
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
 
     label = f"lorasync-train-{strategy}"
     run = os.path.join(work, label)
@@ -393,7 +393,7 @@ def main() -> None:
 
     import tempfile
 
-    from lorasync.net.cluster import emulated, parse_emulate
+    from lorasync.emulate.cluster import emulated, parse_emulate
     from lorasync.train.model import EMBEDDED, ensure_embedded
 
     if a.model == EMBEDDED:

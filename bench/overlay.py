@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 
-from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
+from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
 
 TAG = f"ovb{os.getpid() % 10000}"
 

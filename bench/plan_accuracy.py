@@ -28,7 +28,7 @@ import sys
 import time
 
 from lorasync.bench_cli import Row, _probe, _run_row, predict_rows, describe_net
-from lorasync.net.cluster import emulated, parse_emulate
+from lorasync.emulate.cluster import emulated, parse_emulate
 
 #: options that make a short run show the steady state the cost model predicts
 STEADY_OPTS = {"onebit": ["--comm-opt", "warmup_steps=1"]}

@@ -1,7 +1,7 @@
 """How close does `lorasync probe` get to a link of known rate?
 
 Builds N network namespaces on a bridge (its own, independent of
-lorasync.net.cluster), shapes every node's veth with tbf at --rate on both
+lorasync.emulate.cluster), shapes every node's veth with tbf at --rate on both
 ends, runs `lorasync probe` on one rank per namespace, and prints configured
 vs measured: all-reduce busbw at the largest size, the fitted group
 bandwidth, and the pair matrix. Passes (exit 0) when busbw is within 10% of
@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 
-from lorasync.net.tune import parse_rate
+from lorasync.netdiag.tune import parse_rate
 from lorasync.units import fmt_rate
 
 PREFIX = f"lsync-bench-pa{os.getpid()}"

@@ -140,7 +140,7 @@ def main() -> int:
         p.error(f"--sizes: every size must be a positive multiple of {step} bytes (the "
                 f"shards split a message into {a.nproc_per_node} equal {a.dtype} chunks)")
     from lorasync.bench_topology import dilate
-    from lorasync.net.cluster import emulated, launch_on_cluster, parse_emulate
+    from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
 
     results = {}
     tmp = os.path.abspath(a.output) + ".part"

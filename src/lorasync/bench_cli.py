@@ -176,7 +176,7 @@ def _read_json(path: str):
 
 
 def _run_row(cluster, row: Row, common: list[str], out: str, timeout: float) -> None:
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
 
     run_dir = os.path.join(out, row.key)
     t0 = time.time()
@@ -224,7 +224,7 @@ def after_last_switch(metrics_path: str) -> dict:
 
 def _probe(cluster, out: str, timeout: float):
     """A quick ``lorasync probe`` on the emulated link -> (Net or None, text)."""
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
     from lorasync.plan.planner import net_from_probe
 
     path = os.path.join(out, "probe.json")
@@ -337,7 +337,7 @@ def _tune(cluster, rate: str, delay: str, out: str, action: str) -> None:
 
 def _rtt(delay: str) -> str:
     """One-way delay of the emulated link -> round-trip time."""
-    from lorasync.net.cluster import parse_delay
+    from lorasync.emulate.cluster import parse_delay
 
     return f"{2 * parse_delay(delay) * 1000:g}ms"
 
@@ -347,7 +347,7 @@ def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb
     """The planner's pick among the lossy per-step compressors that keep eval
     quality (auto's default candidates: onebit is left out) for this link, on
     the probed network where there is one, else the nominal rate."""
-    from lorasync.net.cluster import parse_delay, parse_rate
+    from lorasync.emulate.cluster import parse_delay, parse_rate
     from lorasync.plan.policy import DEFAULT_CANDIDATES
     from lorasync.catalog import LOSSLESS, PERIODIC
     from lorasync.plan.costmodel import GLOO_LANES, Workload
@@ -461,7 +461,7 @@ def _chart(results: dict, path: str) -> None:
 
 
 def run(args) -> int:
-    from lorasync.net.cluster import emulated, parse_emulate
+    from lorasync.emulate.cluster import emulated, parse_emulate
 
     if getattr(args, "rescore", ""):
         from lorasync.bench_topology import rescore

@@ -95,7 +95,7 @@ def row_specs(steps: int, wanted: str = "all") -> list[dict]:
 
 def dilate(rate: str, delay: str, s: float) -> tuple[str, str]:
     """``rate`` / s and ``delay`` x s, as --emulate values."""
-    from lorasync.net.cluster import parse_delay, parse_rate
+    from lorasync.emulate.cluster import parse_delay, parse_rate
 
     r = max(8000, int(parse_rate(rate) / s))
     d = f"{parse_delay(delay) * s * 1000:.3f}ms" if delay else ""
@@ -148,7 +148,7 @@ def summarize(recs: list[dict], ranks_per_node: int) -> dict:
 
 
 def _train(cluster, row: dict, common: list[str], out: str, timeout: float) -> dict:
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
 
     run_dir = os.path.join(out, row["key"].replace("/", "-"))
     argv = ["train", *common, "--comm", row["strategy"], "--hierarchy", row["hierarchy"],
@@ -175,7 +175,7 @@ def _train(cluster, row: dict, common: list[str], out: str, timeout: float) -> d
 
 def _probe(cluster, out: str, name: str, timeout: float, node_only: bool = False):
     """(alpha_s, bandwidth_Bps) of a quick probe: every rank, or node0's."""
-    from lorasync.net.cluster import launch_on_cluster
+    from lorasync.emulate.cluster import launch_on_cluster
     from lorasync.plan.planner import net_from_probe
 
     path = os.path.join(out, f"probe-{name}.json")
@@ -298,7 +298,7 @@ def format_table(title: str, cells: list[dict], ceiling_sps: float | None) -> st
 def run_topology(args) -> int:
     """The bench at nodes x nproc_per_node (see the module docstring)."""
     from lorasync.bench_cli import _profiles
-    from lorasync.net.cluster import emulated, parse_emulate
+    from lorasync.emulate.cluster import emulated, parse_emulate
 
     if os.geteuid() != 0:
         raise EnvironmentProblem("lorasync bench: emulated clusters need root")

@@ -24,11 +24,11 @@ __all__ = ["main"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("lorasync.train.cli", "LoRA fine-tuning on torchrun (the main job)"),
-    "cluster": ("lorasync.net.cluster_cli", "emulated multi-node cluster in network namespaces"),
-    "tunnel": ("lorasync.net.tunnel_cli", "WireGuard overlay for nodes in different networks / behind NAT"),
-    "probe": ("lorasync.net.probe_cli", "measure the links training will use"),
-    "doctor": ("lorasync.net.doctor_cli", "find host and network problems, with fixes"),
-    "tune": ("lorasync.net.tune_cli", "check, emit, apply or revert TCP tuning"),
+    "cluster": ("lorasync.emulate.cli", "emulated multi-node cluster in network namespaces"),
+    "tunnel": ("lorasync.overlay.cli", "WireGuard overlay for nodes in different networks / behind NAT"),
+    "probe": ("lorasync.netdiag.probe_cli", "measure the links training will use"),
+    "doctor": ("lorasync.netdiag.doctor_cli", "find host and network problems, with fixes"),
+    "tune": ("lorasync.netdiag.tune_cli", "check, emit, apply or revert TCP tuning"),
     "plan": ("lorasync.plan.cli", "predict and rank sync strategies for a network"),
     "bench": ("lorasync.bench_cli", "progressive-optimization benchmark"),
     "report": ("lorasync.monitor.report_cli", "HTML report of one or more runs"),
@@ -47,12 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lorasync {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (modname, help_text) in SUBCOMMANDS.items():
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            if exc.name == modname:
-                continue  # subcommand not built yet
-            raise
+        # a subcommand that fails to import is a packaging error: let it show
+        mod = importlib.import_module(modname)
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text))
         p.formatter_class = argparse.RawDescriptionHelpFormatter
         mod.add_arguments(p)

@@ -97,10 +97,10 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from lorasync.errors import LorasyncError
 
-__all__ = ["attach", "HFSync", "AttachError", "STATE_DIR"]
+__all__ = ["attach", "HFSync", "AttachError", "CHECKPOINT_SUBDIR"]
 
 #: folder inside a Trainer checkpoint that holds lorasync's state
-STATE_DIR = "lorasync"
+CHECKPOINT_SUBDIR = "lorasync"
 #: key of lorasync's token in ``TrainerState.stateful_callbacks``
 _TOKEN_KEY = "lorasync"
 #: lorasync's DDP bucket size for the Trainer path (``lorasync train``'s default)
@@ -488,7 +488,7 @@ class _Callback(TrainerCallback):
         if h.sync is None:
             return
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        folder = os.path.join(ckpt, STATE_DIR)
+        folder = os.path.join(ckpt, CHECKPOINT_SUBDIR)
         os.makedirs(folder, exist_ok=True)
         rank, world = _rank_world()
         st: dict[str, Any] = {"format": 1, "step": state.global_step, "rank": rank,
@@ -525,7 +525,7 @@ class _Callback(TrainerCallback):
             cands.append(attrs["dir"])   # where it was written (the token proves it is the same)
         for c in cands:
             try:
-                with open(os.path.join(c, STATE_DIR, "meta.json")) as fh:
+                with open(os.path.join(c, CHECKPOINT_SUBDIR, "meta.json")) as fh:
                     meta = json.load(fh)
             except (OSError, ValueError):
                 continue
@@ -553,9 +553,9 @@ class _Callback(TrainerCallback):
                  f"without lorasync): {h.strategy} starts fresh")
             return
         rank, world = _rank_world()
-        path = os.path.join(ckpt, STATE_DIR, f"rank-{rank}.pt")
+        path = os.path.join(ckpt, CHECKPOINT_SUBDIR, f"rank-{rank}.pt")
         if not os.path.isfile(path):
-            raise AttachError(f"resume_from_checkpoint: {ckpt} has no {STATE_DIR}/rank-{rank}.pt "
+            raise AttachError(f"resume_from_checkpoint: {ckpt} has no {CHECKPOINT_SUBDIR}/rank-{rank}.pt "
                               f"(written by fewer ranks, or cut short); resume from an earlier "
                               "checkpoint or with the same number of processes")
         try:

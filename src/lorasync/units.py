@@ -276,14 +276,23 @@ def fmt_rate(rate: float | None, style: str = "bits", *, unit: str = "B") -> str
     return f"{bits:.3g} bit/s"
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+def fmt_bytes(n: float, *, binary: bool = False) -> str:
+    """A size, 3 significant digits: decimal (``3.69 MB``, what wire and
+    payload figures use) or ``binary`` (``4 MiB``, what buffer and message
+    sizes are given in)."""
+    units = ((("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)) if binary
+             else (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)))
+    for unit, scale in units:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
 
 
-def fmt_duration(s: float) -> str:
+def fmt_duration(s: float | None) -> str:
+    """``1.5 s``, ``12 ms``, ``250 us`` (3 significant digits); None (not
+    measured) prints as ``-``."""
+    if s is None:
+        return "-"
     if s >= 1:
         return f"{s:.3g} s"
     if s >= 1e-3:

@@ -31,7 +31,8 @@ def _worker(rank, world, port, out_dir):
     import torch
     import torch.distributed as dist
 
-    from lorasync.net.probe import run_probe
+    from lorasync.comm.probe import run_probe
+    from lorasync.netdiag.hostinfo import endpoint_facts
 
     torch.set_num_threads(1)
     os.environ.update(GLOO_SOCKET_IFNAME="lo")
@@ -40,7 +41,8 @@ def _worker(rank, world, port, out_dir):
     try:
         # a budget no loaded host exhausts: the whole pair matrix, whatever the timing
         res = run_probe(quick=True, max_bytes=256 << 10, pair_max_bytes=64 << 10, repeats=2,
-                        collectives=("all_reduce", "all_gather", "broadcast"), time_budget_s=600)
+                        collectives=("all_reduce", "all_gather", "broadcast"), time_budget_s=600,
+                        describe_rank=endpoint_facts)
         res.pop("elapsed_s")  # each rank's own clock; everything else is shared
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from lorasync.net.cluster import Cluster, ClusterSpec, down, emulated, launch_on_cluster, parse_emulate
+from lorasync.emulate.cluster import Cluster, ClusterSpec, down, emulated, launch_on_cluster, parse_emulate
 
 _why = ("needs root" if os.geteuid() != 0 else
         "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)
@@ -125,7 +125,7 @@ def test_status_reports_configuration_and_measurement(two, capsys):
 
 
 def test_load_from_another_process_sees_the_same_cluster(two):
-    r = subprocess.run([sys.executable, "-c", f"from lorasync.net.cluster import Cluster; "
+    r = subprocess.run([sys.executable, "-c", f"from lorasync.emulate.cluster import Cluster; "
                         f"print(Cluster.load('{two.spec.name}').nodes[1].address)"],
                        capture_output=True, text=True)
     assert r.stdout.strip() == "10.213.0.2", r.stderr
@@ -241,7 +241,7 @@ time.sleep(300)
 
 
 def test_launch_on_cluster_timeout_kills_everything(tmp_path):
-    from lorasync.net.cluster import _pids_in_netns
+    from lorasync.emulate.cluster import _pids_in_netns
 
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
@@ -263,7 +263,7 @@ def test_a_bench_killed_with_sigterm_takes_its_cluster_down(tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {os.path.join(ROOT, 'src')!r})\n"
-        "from lorasync.net.cluster import emulated\n"
+        "from lorasync.emulate.cluster import emulated\n"
         f"with emulated('nodes=2,rate=100mbit,name={name}'):\n"
         "    print('up', flush=True)\n"
         "    time.sleep(120)\n")

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from lorasync.monitor.metrics import read_jsonl_records
-from lorasync.net.cluster import Cluster, ClusterSpec, down, launch_on_cluster
+from lorasync.emulate.cluster import Cluster, ClusterSpec, down, launch_on_cluster
 
 _why = ("needs root" if os.geteuid() != 0 else
         "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)
@@ -121,7 +121,7 @@ def test_node_lost_for_good_the_others_continue(tmp_path):
                        last_call_s=5)   # the survivors go on 5 s after reaching 2 nodes
         rank, _ = _wait(lambda: _rank_on(run, 2, 3), 240, "node 2's first step")
         _wait(lambda: sum("event" not in x for x in _records(run, rank)) >= 8, 200, "step 8")
-        from lorasync.net.cluster import _pids_in_netns
+        from lorasync.emulate.cluster import _pids_in_netns
         for pid in _pids_in_netns(c.nodes[2].netns):  # agent and worker: the node is gone
             os.kill(pid, signal.SIGKILL)
         t.join(400)

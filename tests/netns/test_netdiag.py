@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from lorasync.net.tune import SYSCTL_SCOPE
+from lorasync.netdiag.tune import SYSCTL_SCOPE
 
 
 def _why_skip() -> str | None:

@@ -20,8 +20,8 @@ import time
 import pytest
 
 from conftest import run_cli
-from lorasync.net import tunnel
-from lorasync.net.cluster import Cluster, down, launch_on_cluster, parse_emulate
+from lorasync.overlay import tunnel
+from lorasync.emulate.cluster import Cluster, down, launch_on_cluster, parse_emulate
 
 
 def _why() -> str | None:
@@ -201,7 +201,7 @@ def test_training_traffic_survives_a_tunnel_restart(relay, tmp_path):
     deadline = time.monotonic() + 120
     while not mark.exists() and time.monotonic() < deadline and t.is_alive():
         time.sleep(0.2)
-    st = json.loads((tunnel.STATE_DIR / f"{relay.nodes[2].overlay_ifname}.json").read_text())
+    st = json.loads((tunnel.TUNNELS_DIR / f"{relay.nodes[2].overlay_ifname}.json").read_text())
     time.sleep(1)
     os.kill(st["wg_pid"], signal.SIGKILL)
     assert not any((tmp_path / f"go.{r}").exists() for r in range(3))  # killed mid-run
@@ -209,9 +209,9 @@ def test_training_traffic_survives_a_tunnel_restart(relay, tmp_path):
     assert rc == [0], [p.read_text()[-1500:] for p in (tmp_path / "logs").glob("*.log")]
     for r in range(3):
         assert (tmp_path / f"go.{r}").read_text().split() == ["200", "0"]  # all done, none wrong
-    log = (tunnel.STATE_DIR / f"{relay.nodes[2].overlay_ifname}.log").read_text()
+    log = (tunnel.TUNNELS_DIR / f"{relay.nodes[2].overlay_ifname}.log").read_text()
     assert "wireguard-go exited (code -9)" in log and "wireguard-go restarted" in log
-    after = json.loads((tunnel.STATE_DIR / f"{relay.nodes[2].overlay_ifname}.json").read_text())
+    after = json.loads((tunnel.TUNNELS_DIR / f"{relay.nodes[2].overlay_ifname}.json").read_text())
     assert after["restarts"] == 1 and after["wg_pid"] != st["wg_pid"]
 
 
@@ -287,7 +287,7 @@ def bare(tmp_path):
         subprocess.run(["ip", "netns", "exec", BARE, sys.executable, "-m", "lorasync", "tunnel", "down",
                         "--ifname", f"lsx{TAG}"], capture_output=True)
         subprocess.run(["ip", "netns", "del", BARE], capture_output=True)
-        for log in tunnel.STATE_DIR.glob(f"lsx{TAG}*.log"):  # down keeps event logs; a test does not
+        for log in tunnel.TUNNELS_DIR.glob(f"lsx{TAG}*.log"):  # down keeps event logs; a test does not
             log.unlink()
 
 
@@ -300,7 +300,7 @@ def _left(ifname: str) -> list[str]:
     left = []
     if subprocess.run(["ip", "-n", BARE, "link", "show", ifname], capture_output=True).returncode == 0:
         left.append("interface")
-    if (tunnel.STATE_DIR / f"{ifname}.json").exists():
+    if (tunnel.TUNNELS_DIR / f"{ifname}.json").exists():
         left.append("state")
     if os.path.exists(f"/var/run/wireguard/{ifname}.sock"):
         left.append("socket")
@@ -352,11 +352,11 @@ def test_nothing_of_ours_is_left():
     for name in NAMES:
         down(name)
     assert not [n for n in _namespaces() if any(name in n for name in NAMES)]
-    ours = [s for s in tunnel._states() if s.get("cluster") in NAMES]
+    ours = [s for s in tunnel.states() if s.get("cluster") in NAMES]
     assert ours == []
-    from lorasync.net.cluster_overlay import ifname
+    from lorasync.emulate.overlay import ifname
     for name in NAMES:
         for i in range(3):
             assert not os.path.exists(f"/var/run/wireguard/{ifname(name, i)}.sock")
-            assert not (tunnel.STATE_DIR / f"{ifname(name, i)}.log").exists()
+            assert not (tunnel.TUNNELS_DIR / f"{ifname(name, i)}.log").exists()
             assert _left(ifname(name, i)) == []

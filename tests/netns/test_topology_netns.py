@@ -36,7 +36,7 @@ def _train_2x2(out, name: str, *args: str):
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         leftover = [ln for ln in listed.splitlines() if f"lsync-{name}-" in ln]
         if leftover:
-            from lorasync.net.cluster import down
+            from lorasync.emulate.cluster import down
             down(name)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not leftover, leftover

@@ -1,4 +1,4 @@
-"""lorasync.net.agent: torchrun's agent that keeps the worker's exit code (2 = user error).
+"""lorasync.launch.agent: torchrun's agent that keeps the worker's exit code (2 = user error).
 
 One single-process torchrun per case (a few seconds each); here rather than in
 tests/dist, which pytest's default norecursedirs leaves out of `pytest tests`.
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lorasync.net.agent import exit_code
+from lorasync.launch.agent import exit_code
 
 
 @pytest.mark.parametrize("codes,want", [([2], 2), ([1, 2], 2), ([3], 3), ([None, 5], 5),
@@ -24,7 +24,7 @@ def test_exit_code(codes, want):
 def test_agent_passes_the_worker_code_through(tmp_path, code):
     script = tmp_path / "w.py"
     script.write_text(f"import sys; sys.exit({code})\n")
-    r = subprocess.run([sys.executable, "-m", "lorasync.net.agent", "--standalone",
+    r = subprocess.run([sys.executable, "-m", "lorasync.launch.agent", "--standalone",
                         "--nproc-per-node", "1", "--max-restarts", "0", str(script)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == code, r.stderr[-2000:]

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from lorasync.net.probe import allreduce_model
+from lorasync.plan.linkfit import allreduce_model, passive_bandwidth
 from lorasync.plan import policy as A
 from lorasync.plan.costmodel import MODELS, Net, encode_ns, lora_matrices, predict
 
@@ -403,17 +403,17 @@ def test_passive_bandwidth_from_the_syncs_auto_already_makes():
     bw, alpha = 125e3, 2e-3          # 1 Mbit/s
     fp16 = 2.0 * N                   # an fp16 outer all-reduce: (n-1)/n x 2 x payload on the path
     t = 2 * alpha + fp16 / bw
-    assert A.passive_bandwidth([("all_reduce", fp16, t)], 2, alpha) == pytest.approx(bw)
+    assert passive_bandwidth([("all_reduce", fp16, t)], 2, alpha) == pytest.approx(bw)
     # an all-gather of P per rank: (n-1) P on the path, as the cost model counts it
     t3 = 2 * alpha + 2 * 300_000 / bw
-    assert A.passive_bandwidth([("all_gather", 300_000, t3)], 3, alpha) == pytest.approx(bw)
+    assert passive_bandwidth([("all_gather", 300_000, t3)], 3, alpha) == pytest.approx(bw)
     # the fastest transfer counts (the others waited for a late rank, or shared the CPU)
-    got = A.passive_bandwidth([("all_reduce", fp16, 3 * t), ("all_reduce", fp16, t)], 2, alpha)
+    got = passive_bandwidth([("all_reduce", fp16, 3 * t), ("all_reduce", fp16, t)], 2, alpha)
     assert got == pytest.approx(bw)
     # too small to tell (a shaper's burst flatters it), or nothing at all: no figure
-    assert A.passive_bandwidth([("all_gather", 70_000, 0.6)], 2, alpha) == 0.0
-    assert A.passive_bandwidth([], 2, alpha) == 0.0
-    assert A.passive_bandwidth([("all_reduce", 1e6, alpha)], 2, alpha) == 0.0
+    assert passive_bandwidth([("all_gather", 70_000, 0.6)], 2, alpha) == 0.0
+    assert passive_bandwidth([], 2, alpha) == 0.0
+    assert passive_bandwidth([("all_reduce", 1e6, alpha)], 2, alpha) == 0.0
 
 
 def test_diloco_variants_parse_in_order_and_are_checked():

@@ -115,7 +115,7 @@ def test_a_run_scores_each_profile_and_writes_its_results(tmp_path, monkeypatch)
     import contextlib
     import json
     import lorasync.bench_topology as bt
-    import lorasync.net.cluster as cluster
+    import lorasync.emulate.cluster as cluster
 
     def fake_train(c, row, common, out, timeout):
         nosync = row["strategy"] == "none"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import ConfigError
-from lorasync.net.cluster import Cluster, ClusterSpec, parse_emulate
-from lorasync.net.cluster_overlay import ifname
+from lorasync.emulate.cluster import Cluster, ClusterSpec, parse_emulate
+from lorasync.emulate.overlay import ifname
 
 
 @pytest.mark.parametrize("text,nat", [

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.net import cluster as cl
-from lorasync.net.cluster import Cluster, ClusterSpec, parse_delay, parse_emulate, parse_loss, parse_rate
+from lorasync.emulate import cluster as cl
+from lorasync.emulate.cluster import Cluster, ClusterSpec, parse_delay, parse_emulate, parse_loss, parse_rate
 from lorasync.units import fmt_rate
 
 

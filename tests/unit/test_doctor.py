@@ -7,10 +7,10 @@ import shutil
 import pytest
 
 from lorasync import cli
-from lorasync.net.doctor import (Finding, exit_code, format_findings, live_checks, merge_findings,
+from lorasync.netdiag.doctor import (Finding, exit_code, format_findings, live_checks, merge_findings,
                                  nccl_ifname_matches, static_checks, worst)
-from lorasync.net.hostinfo import HostInfo
-from lorasync.net.tune import Link
+from lorasync.netdiag.hostinfo import HostInfo
+from lorasync.netdiag.tune import Link
 
 HOSTS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hosts")
 LAN_10G = Link(10e9, 1e-3, "given")

@@ -1,4 +1,4 @@
-"""lorasync.net.linktest on loopback: the protocol behind Cluster.measure, no root needed."""
+"""lorasync.overlay.linktest on loopback: the protocol behind Cluster.measure, no root needed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from lorasync.net import linktest
+from lorasync.overlay import linktest
 
 
 def _server(window=0.3, max_bytes=64 << 20):
@@ -40,7 +40,7 @@ def test_max_bytes_ends_the_data_part_early():
 
 
 def test_command_line_serve_and_measure():
-    py = [sys.executable, "-m", "lorasync.net.linktest"]
+    py = [sys.executable, "-m", "lorasync.overlay.linktest"]
     srv = subprocess.Popen([*py, "serve", "127.0.0.1", "0.3", str(64 << 20)], stdout=subprocess.PIPE,
                            text=True)
     try:
@@ -58,7 +58,7 @@ def test_command_line_serve_and_measure():
 
 
 def test_command_line_errors():
-    py = [sys.executable, "-m", "lorasync.net.linktest"]
+    py = [sys.executable, "-m", "lorasync.overlay.linktest"]
     assert subprocess.run([*py, "bogus"], capture_output=True).returncode == 2
     # nothing listens on port 1 of loopback: a one-line error, exit 1
     r = subprocess.run([*py, "measure", "127.0.0.1", "1", "0.1"], capture_output=True, text=True)

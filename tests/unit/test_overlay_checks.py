@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from lorasync.net import agent
-from lorasync.net.doctor import live_checks, parse_proc_net_tcp, static_checks
-from lorasync.net.hostinfo import HostInfo
+from lorasync.launch import agent
+from lorasync.netdiag.doctor import live_checks, parse_proc_net_tcp, static_checks
+from lorasync.netdiag.hostinfo import HostInfo
 
 
 def test_split_argv_takes_only_leading_options():
@@ -21,7 +21,7 @@ def test_split_argv_takes_only_leading_options():
     assert rest == ["--nnodes", "2", "-m", "x", "--lorasync-label", "not-ours"]
     assert agent.split_argv(["--nnodes", "1"])[0].reach_timeout == agent.DEFAULT_REACH_TIMEOUT
     argv = agent.agent_argv("py", label="n0", store_addr="10.0.0.1", reach_timeout=0)
-    assert argv == ["py", "-m", "lorasync.net.agent", "--lorasync-label", "n0",
+    assert argv == ["py", "-m", "lorasync.launch.agent", "--lorasync-label", "n0",
                     "--lorasync-store-addr", "10.0.0.1", "--lorasync-reach-timeout", "0"]
 
 

@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-from lorasync.net.probe import (allreduce_model, busbw_factor, fit_alpha_beta, format_report,
-                                sweep_sizes)
+from lorasync.comm.probe import sweep_sizes
+from lorasync.netdiag.probe_cli import format_report
+from lorasync.plan.linkfit import allreduce_model, busbw_factor, fit_alpha_beta
 
 
 def test_fit_recovers_exact_line():

@@ -10,7 +10,7 @@ import pytest
 from lorasync.catalog import STRATEGIES, Collective
 from lorasync.comm.topology import Topology, group_nodes, node_key
 from lorasync.errors import ConfigError
-from lorasync.net.cluster import parse_emulate
+from lorasync.emulate.cluster import parse_emulate
 from lorasync.plan.costmodel import (
     MODELS, Net, Workload, allreduce_choice, collective_time, lora_matrices, predict,
     rd_exchanges,
@@ -176,7 +176,7 @@ def test_plan_rejects_intra_options_without_several_ranks_per_node():
 
 
 def test_nccl_advice_only_where_the_model_predicts_a_gain():
-    from lorasync.net.nccl_advice import nccl_findings
+    from lorasync.netdiag.nccl_advice import nccl_findings
 
     far = nccl_findings(nnodes=16, ranks_per_node=8, rate_bps=10e9, rtt_s=0.04)
     near = nccl_findings(nnodes=4, ranks_per_node=8, rate_bps=100e9, rtt_s=1e-5)

@@ -8,9 +8,9 @@ import pytest
 
 from lorasync import cli
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.net import tune
-from lorasync.net.hostinfo import HostInfo
-from lorasync.net.tune import Link
+from lorasync.netdiag import tune
+from lorasync.netdiag.hostinfo import HostInfo
+from lorasync.netdiag.tune import Link
 from lorasync.units import fmt_rate
 
 HOSTS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hosts")

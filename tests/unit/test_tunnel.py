@@ -15,9 +15,9 @@ import stat
 import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.net import tunnel, wireguard as wg
-from lorasync.net.nat import ruleset as nat_ruleset
-from lorasync.net.tunnel import parse_node_spec, plan_overlay, supervise_step
+from lorasync.overlay import tunnel, wireguard as wg
+from lorasync.emulate.nat import ruleset as nat_ruleset
+from lorasync.overlay.tunnel import parse_node_spec, plan_overlay, supervise_step
 
 
 def fake_keys():
@@ -349,7 +349,7 @@ def test_rulesets():
 
 
 def test_status_format_marks_relayed_pairs():
-    from lorasync.net.tunnel_cli import format_status
+    from lorasync.overlay.cli import format_status
 
     st = [{"ifname": "lsync0", "node": "a", "address": "10.77.0.2", "prefixlen": 24, "mtu": 1440,
            "listen_port": 51820, "hub": "h", "is_hub": False, "netns": None, "supervisor_alive": True,

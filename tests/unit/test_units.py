@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import ConfigError
-from lorasync.net import cluster, tune
+from lorasync.emulate import cluster
+from lorasync.netdiag import tune
 from lorasync import units
 from lorasync.units import parse_duration, parse_rate, parse_rate_Bps, parse_rate_bps
 

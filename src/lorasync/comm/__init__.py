@@ -127,6 +127,6 @@ def _chooser(algo: str, wire, sync: Sync):
     """``algo``, or for ``auto`` the cost model's choice on this wire's link."""
     if algo != "auto":
         return algo
-    from lorasync.comm.linkprobe import algo_chooser
+    from lorasync.comm.probe import algo_chooser
     return algo_chooser(wire, sync._probe_device())
 

@@ -105,13 +105,13 @@ from lorasync.comm.base import Sync, _hook, get_strategy, register
 from lorasync.comm.hierarchy import Hierarchical, move_periodic
 from lorasync.comm.loopback import time_encode
 from lorasync.errors import LorasyncError
-from lorasync.net.probe import allreduce_model
+from lorasync.plan.linkfit import allreduce_model, passive_bandwidth
 from lorasync.plan.costmodel import Net, Workload, lanes_of, predict
 from lorasync.plan.planner import tune_periodic
 from lorasync.plan.policy import (
     DEFAULT_CHILD_OPTIONS, EXPOSED_PRIOR, MIN_PROBE_BYTES, SMALL_PROBE_BYTES, Window, decide,
     describe, drifted, hidden_of, inflation, link_changed, parse_candidates, parse_force,
-    parse_variants, passive_bandwidth, probe_cost, probe_every, probe_size, split_extra,
+    parse_variants, probe_cost, probe_every, probe_size, split_extra,
     suggest_accum,
     workload_for, corrections, _pred_text,
 )
@@ -407,7 +407,7 @@ class Auto(Sync):
             return None
         if self.options.probe == "live":
             return self._live_probe(MIN_PROBE_BYTES)[0]
-        from lorasync.net.probe import run_probe
+        from lorasync.comm.probe import run_probe
         from lorasync.plan.planner import net_from_probe
 
         res = run_probe(self.group, quick=True)
@@ -427,7 +427,7 @@ class Auto(Sync):
         nodes: its ring is as slow as its slowest edge)."""
         if not self._multi():
             return
-        from lorasync.comm.linkprobe import link_model
+        from lorasync.comm.probe import link_model
         from lorasync.comm.wire import Wire
 
         wire = Wire(self._topo.build_groups().local_group, self._count_intra)
@@ -471,7 +471,7 @@ class Auto(Sync):
         if self._algo != "auto":
             return self._algo
         if getattr(self, "_algo_fn", None) is None:
-            from lorasync.comm.linkprobe import algo_chooser
+            from lorasync.comm.probe import algo_chooser
             self._algo_fn = algo_chooser(self.wire, self._comm_device())
         return self._algo_fn
 

@@ -168,7 +168,7 @@ class Hierarchical(HookSync):
         algo = self._algo
         if self.inner is not None and algo is not None:
             if algo == "auto":  # measured on the cross-node link, where it applies
-                from lorasync.comm.linkprobe import algo_chooser
+                from lorasync.comm.probe import algo_chooser
                 algo = algo_chooser(probe, self.inner._probe_device())
             self.inner.wire.set_algo(algo)
 

@@ -39,6 +39,7 @@ from lorasync.catalog import NONE, PERIODIC, STRATEGIES
 from lorasync.plan.costmodel import (
     MiB, Net, Prediction, Workload, adapter_shapes, lanes_of, predict,
 )
+from lorasync.plan.linkfit import fit_sweep
 from lorasync.units import fmt_bytes, fmt_duration, fmt_rate
 
 __all__ = [
@@ -215,31 +216,14 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _fit_sweep(sweep: Sequence[Mapping], n: int) -> tuple[float, float] | None:
-    """alpha, beta from all-reduce sweep points (least squares, ring model)."""
-    pts = [(float(s["bytes"]), float(s["time_s"])) for s in sweep
-           if s.get("collective") == "all_reduce" and s.get("bytes") and s.get("time_s")]
-    if len(pts) < 2 or n < 2:
-        return None
-    mx = sum(x for x, _ in pts) / len(pts)
-    my = sum(y for _, y in pts) / len(pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx <= 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    icpt = my - slope * mx
-    if slope <= 0:
-        return None
-    return max(0.0, icpt) / (2 * (n - 1)), slope / (2 * (n - 1) / n)
-
-
 def net_from_probe(probe: Mapping, *, world_size: int | None = None,
                    allreduce_algo: str = "ring", alltoall: bool = True) -> tuple[Net, Link]:
     """``Net`` and ``Link`` from ``lorasync probe --json`` (docs/contracts.md).
 
     Uses the group model (alpha_s per message, bandwidth_Bps) the probe fitted
-    on all-reduce; without it, fits the all-reduce sweep here.  The RTT (for
-    the bandwidth-delay product) is twice the pairs' median one-way latency.
+    on all-reduce; without it, fits the all-reduce sweep the same way
+    (:func:`lorasync.plan.linkfit.fit_sweep`).  The RTT (for the
+    bandwidth-delay product) is twice the pairs' median one-way latency.
     The probe's backend sets how many collectives run at once (``lanes``, 2
     on gloo: :func:`lorasync.plan.costmodel.lanes_of`).
     ``rdma: true`` at the top level (or on a rank) enables the RDMA advice.
@@ -262,9 +246,9 @@ def net_from_probe(probe: Mapping, *, world_size: int | None = None,
         else:
             beta = _num(model, "beta_s_per_byte", "probe.model")
     else:
-        fit = _fit_sweep(probe.get("sweep") or [], int(probe.get("world_size") or n))
+        fit = fit_sweep(probe.get("sweep") or [], int(probe.get("world_size") or n))
         if fit:
-            alpha, beta = fit
+            alpha, beta = fit.alpha_s, 1.0 / fit.bandwidth_Bps
     if alpha is None or not beta:
         raise ConfigError("probe.model", model or None,
                           "the probe JSON has neither a fitted model (alpha_s, bandwidth_Bps) "

@@ -25,7 +25,7 @@ windows, m chosen so it costs about ``PROBE_BUDGET`` (1%) of the step time.
 
 On slow links a probe is dear (256 KiB take 2 s at 1 Mbit/s), so the link is
 measured from the syncs the strategy makes anyway whenever they can tell
-(:func:`passive_bandwidth`: every collective that found the wire idle is
+(:func:`lorasync.plan.linkfit.passive_bandwidth`: every collective that found the wire idle is
 timed, see :mod:`lorasync.comm.wire`; transfers of at least
 ``MIN_PROBE_BYTES`` on the link's critical path count, for the reason the
 probe has that floor); the timed probe runs only when they give no figure.
@@ -53,8 +53,9 @@ from typing import Any, Mapping, Sequence
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
 from lorasync.plan.costmodel import (
-    Net, Prediction, Workload, collective_time, encode_ns, path_terms, predict,
+    Net, Prediction, Workload, collective_time, encode_ns, predict,
 )
+from lorasync.plan.linkfit import MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES
 from lorasync.plan.planner import Measurements, choose
 from lorasync.units import fmt_duration, fmt_rate
 
@@ -62,7 +63,7 @@ __all__ = [
     "DEFAULT_CANDIDATES", "DEFAULT_CHILD_OPTIONS", "Window", "Decision", "probe_size",
     "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for",
     "encode_ns_for", "decide", "drifted", "link_changed", "suggest_accum", "describe",
-    "parse_candidates", "parse_force", "parse_variants", "passive_bandwidth", "probe_cost",
+    "parse_candidates", "parse_force", "parse_variants", "probe_cost",
 ]
 
 #: the strategies auto chooses among unless ``candidates`` says otherwise
@@ -73,13 +74,6 @@ DEFAULT_CANDIDATES = tuple(catalog.AutoOptions().candidates.split(","))
 #: periodic strategy worth picking on a slow link (quality on the embedded
 #: default, 60 steps: eval loss 0.2455 with fp16 or fp32 deltas, limit 0.273)
 DEFAULT_CHILD_OPTIONS = {"diloco": {"streaming": True, "delta_dtype": "fp16"}}
-#: latency probe payload (three of them, the fastest counts)
-SMALL_PROBE_BYTES = 1024
-#: bandwidth probe payload bounds; a token-bucket shaper (tbf/htb, 32 KiB
-#: bursts here) lets the first KiBs through at line rate, so smaller
-#: transfers would read a cut link as a fast one
-MIN_PROBE_BYTES = 256 << 10
-MAX_PROBE_BYTES = 4 << 20
 #: share of the training time the periodic (untriggered) probe may take
 PROBE_BUDGET = 0.01
 #: duration the bandwidth probe aims at on fast links
@@ -181,23 +175,6 @@ def parse_variants(value: Any, field: str = "diloco_variants") -> list[dict[str,
     if not out:
         raise ValueError(f"auto: option {field} is empty; name at least one, e.g. fp16")
     return out
-
-
-def passive_bandwidth(transfers: Sequence[tuple[str, float, float]], world_size: int,
-                      alpha_s: float) -> float:
-    """Bytes per second the link gave the fastest of ``transfers`` (kind,
-    payload bytes, seconds; collectives timed on an idle wire), or 0.0 when
-    none is big enough to tell: at least ``MIN_PROBE_BYTES`` on the
-    critical path (a shaper's burst flatters smaller ones) and longer than
-    its latency terms."""
-    net = Net(alpha_s=alpha_s, bandwidth_Bps=1.0, world_size=world_size)
-    best = 0.0
-    for kind, payload, seconds in transfers:
-        msgs, nbytes = path_terms(catalog.Collective(kind, float(payload)), net)
-        busy = seconds - msgs * alpha_s
-        if nbytes >= MIN_PROBE_BYTES and busy > 0:
-            best = max(best, nbytes / busy)
-    return best
 
 
 def probe_size(bandwidth_Bps: float) -> int:
@@ -348,7 +325,7 @@ class Window:
     steps: int
     #: the same mean over the window's last third (a change late in the window)
     recent_overhead_s: float = 0.0
-    #: bytes/s the link gave the window's syncs (:func:`passive_bandwidth`,
+    #: bytes/s the link gave the window's syncs (:func:`lorasync.plan.linkfit.passive_bandwidth`,
     #: fastest rank); 0.0 when they cannot tell
     link_Bps: float = 0.0
 

@@ -22,7 +22,7 @@ Shaping is real kernel shaping, htb on both ends of each veth:
 
 Delay and loss (``netem`` is absent here): with delay or loss, the hub sends
 every packet that arrives from a node into a TUN device owned by a
-:mod:`lorasync.net.delaylink` process (a daemon started by ``up`` and killed
+:mod:`lorasync.emulate.delaylink` process (a daemon started by ``up`` and killed
 by ``down``), which holds it ``delay`` seconds, drops it with probability
 ``loss`` and writes it back; the hub then routes it to the destination.  Each
 packet crosses it once: one-way delay = ``delay``, RTT = 2 x ``delay``.  The
@@ -33,11 +33,11 @@ Nodes behind NAT (``nat=node2``): such a node sits in a LAN of its own
 (``10.214.I.2/24``) behind a router namespace ``lsync-NAME-natI`` whose
 cluster side takes the node's place (address ``10.213.0.I+1``, the veth to the
 hub, the hub's shaping); an nft masquerade there lets the node connect out
-and nothing connect in (:mod:`lorasync.net.nat`).  The node's own link is
+and nothing connect in (:mod:`lorasync.emulate.nat`).  The node's own link is
 still shaped at its ``eth0``.
 
 Overlay (``overlay=wireguard``): every node runs a WireGuard tunnel over
-those links (:mod:`lorasync.net.cluster_overlay`), with an address in
+those links (:mod:`lorasync.emulate.overlay`), with an address in
 ``10.215.0.0/24``; ``launch_on_cluster`` then runs gloo and the rendezvous
 over it, the rendezvous on the overlay's hub (the first node outside NAT).
 
@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.net.agent import agent_argv
+from lorasync.hostops import CLUSTERS_DIR, pid_alive
+from lorasync.launch.agent import agent_argv
 from lorasync.units import fmt_rate, parse_duration, parse_rate_bps
 
 __all__ = [
@@ -82,7 +83,6 @@ __all__ = [
 ]
 
 PREFIX = "lsync"
-STATE_DIR = Path(os.environ.get("LORASYNC_STATE_DIR", "/run/lorasync/clusters"))
 NODE_IF = "eth0"
 DELAY_IF = "dly"
 _DELAY_TABLE = 100
@@ -213,7 +213,7 @@ class ClusterSpec:
         if self.overlay in ("", "none"):
             self.overlay = None
         if self.overlay is not None:
-            from lorasync.net.cluster_overlay import KINDS, hub_index
+            from lorasync.emulate.overlay import KINDS, hub_index
 
             if self.overlay not in KINDS:
                 raise ConfigError("overlay", self.overlay, f"use one of: {', '.join(KINDS)} (or none)")
@@ -389,7 +389,7 @@ def _forwarder_pids(name: str | None) -> list[int]:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"lorasync.net.delaylink" not in argv or b"--cluster" not in argv:
+        if b"lorasync.emulate.delaylink" not in argv or b"--cluster" not in argv:
             continue
         owner = argv[argv.index(b"--cluster") + 1:][:1]
         if name is None or owner == [name.encode()]:
@@ -418,19 +418,10 @@ def _kill(pids: Sequence[int], grace: float = 2.0) -> None:
                 os.kill(pid, sig)
         deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 2.0)
         while time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
+            pids = [p for p in pids if pid_alive(p)]
             if not pids:
                 return
             time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie counts as gone; it is its parent's to reap)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 #: forwarders started by this process, by pid (another process's `down` just kills them)
@@ -445,7 +436,7 @@ def down(name: str | None = "default") -> list[str]:
     removes every lorasync cluster on this host.  Returns what was removed.
     """
     _require_host()
-    from lorasync.net import cluster_overlay
+    from lorasync.emulate import overlay as cluster_overlay
 
     # tunnels first: their supervisors remove interfaces, sockets and nft tables themselves
     removed = cluster_overlay.remove(name)
@@ -463,8 +454,8 @@ def down(name: str | None = "default") -> list[str]:
     for ns in namespaces:
         _run(["ip", "netns", "del", ns], check=False)
         removed.append(f"netns {ns}")
-    states = ([STATE_DIR / f"{name}.json", STATE_DIR / f"{name}.delaylink.log"] if name
-              else [*STATE_DIR.glob("*.json"), *STATE_DIR.glob("*.delaylink.log")])
+    states = ([CLUSTERS_DIR / f"{name}.json", CLUSTERS_DIR / f"{name}.delaylink.log"] if name
+              else [*CLUSTERS_DIR.glob("*.json"), *CLUSTERS_DIR.glob("*.delaylink.log")])
     for path in states:
         if path.exists():
             path.unlink()
@@ -539,7 +530,7 @@ class Cluster:
         self.hub_address = str(hosts[-1])
         overlay = None
         if spec.overlay:
-            from lorasync.net.cluster_overlay import layout
+            from lorasync.emulate.overlay import layout
 
             overlay = layout(spec.nodes, spec.nat, spec.overlay_subnet, spec.name)
         self.nodes: list[Node] = []
@@ -564,7 +555,7 @@ class Cluster:
         was created is removed again.
         """
         _require_host(need_tun=spec.needs_forwarder)
-        if (STATE_DIR / f"{spec.name}.json").exists() or _ns_names(spec.name):
+        if (CLUSTERS_DIR / f"{spec.name}.json").exists() or _ns_names(spec.name):
             raise ConfigError("name", spec.name, "a cluster of this name is up (or left over): run "
                               f"`lorasync cluster down --name {spec.name}` or choose another --name")
         cluster = cls(spec)
@@ -580,7 +571,7 @@ class Cluster:
     @classmethod
     def load(cls, name: str = "default") -> "Cluster":
         """The cluster ``name`` brought up by another process."""
-        path = STATE_DIR / f"{name}.json"
+        path = CLUSTERS_DIR / f"{name}.json"
         try:
             state = json.loads(path.read_text())
         except FileNotFoundError:
@@ -599,12 +590,12 @@ class Cluster:
         return down(self.spec.name)
 
     def _save(self) -> None:
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        CLUSTERS_DIR.mkdir(parents=True, exist_ok=True)
         state = {"spec": self.spec.to_dict(), "forwarder_pid": self.forwarder_pid, "created": self.created,
                  "node_rates": self.node_rates, "hub_netns": self.hub_netns, "nodes": [dataclasses.asdict(n) for n in self.nodes]}
-        tmp = STATE_DIR / f".{self.spec.name}.json.tmp"
+        tmp = CLUSTERS_DIR / f".{self.spec.name}.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(STATE_DIR / f"{self.spec.name}.json")
+        tmp.replace(CLUSTERS_DIR / f"{self.spec.name}.json")
 
     def _build(self) -> None:
         spec, hub, mtu = self.spec, self.hub_netns, self.spec.link_mtu
@@ -612,7 +603,7 @@ class Cluster:
             raise EnvironmentProblem("nodes behind NAT need nftables for their routers' masquerade: "
                                      "apt-get install -y nftables")
         if spec.overlay:
-            from lorasync.net import wireguard
+            from lorasync.overlay import wireguard
 
             wireguard.require_tools()  # before anything is built: the install command, fast
         _run(["ip", "netns", "add", hub])
@@ -655,13 +646,13 @@ class Cluster:
         for n in self.nodes:
             self._shape(n.index)
         if spec.overlay:
-            from lorasync.net import cluster_overlay
+            from lorasync.emulate import overlay as cluster_overlay
 
             cluster_overlay.build(self)
 
     def _build_nat(self, n: Node, prefix: int) -> None:
         """Node ``n`` behind its own router: node eth0 -- lan [router] wan -- hub pI."""
-        from lorasync.net.nat import ruleset
+        from lorasync.emulate.nat import ruleset
 
         r, mtu = n.nat_netns, self.spec.link_mtu
         gw = str(ipaddress.IPv4Address(n.address) - 1)
@@ -691,9 +682,9 @@ class Cluster:
 
     def _start_forwarder(self) -> None:
         spec, hub = self.spec, self.hub_netns
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
-        log = open(STATE_DIR / f"{spec.name}.delaylink.log", "ab")
-        argv = ["ip", "netns", "exec", hub, sys.executable, "-m", "lorasync.net.delaylink",
+        CLUSTERS_DIR.mkdir(parents=True, exist_ok=True)
+        log = open(CLUSTERS_DIR / f"{spec.name}.delaylink.log", "ab")
+        argv = ["ip", "netns", "exec", hub, sys.executable, "-m", "lorasync.emulate.delaylink",
                 "--dev", DELAY_IF, "--delay", repr(spec.delay_s), "--loss", repr(spec.loss),
                 "--mtu", str(spec.link_mtu), "--cluster", spec.name]
         # its own session: a Ctrl-C in the shell that ran `up` must not kill the link
@@ -707,7 +698,7 @@ class Cluster:
         if line != b"ready":
             proc.kill()
             proc.wait()
-            tail = (STATE_DIR / f"{spec.name}.delaylink.log").read_text(errors="replace").strip()
+            tail = (CLUSTERS_DIR / f"{spec.name}.delaylink.log").read_text(errors="replace").strip()
             raise EnvironmentProblem(f"the delay forwarder did not start: {tail.splitlines()[-1] if tail else 'no output'}")
         _FORWARDERS[proc.pid] = proc  # so that down() in this process can reap it
         _run(["ip", "-n", hub, "link", "set", DELAY_IF, "mtu", str(spec.link_mtu), "up"])
@@ -826,7 +817,7 @@ class Cluster:
         overlay addresses (through the tunnels).
 
         Takes about ``seconds`` plus process start-up (0.3 s): the two ends of
-        :mod:`lorasync.net.linktest` run inside the namespaces, no extra tools.
+        :mod:`lorasync.overlay.linktest` run inside the namespaces, no extra tools.
         """
         s, d = self.node(src), self.node(dst)
         if overlay and not d.overlay_address:
@@ -836,7 +827,7 @@ class Cluster:
             raise ConfigError("dst", d.name, "is behind NAT: nothing can connect to it; measure "
                               f"from it ({d.name} -> another node) or through the overlay")
         addr = d.overlay_address if overlay else d.address
-        py = [sys.executable, "-m", "lorasync.net.linktest"]
+        py = [sys.executable, "-m", "lorasync.overlay.linktest"]
         server = subprocess.Popen(self.exec_argv(d.index, [*py, "serve", addr, str(seconds),
                                                                  str(int(max_bytes))]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -878,7 +869,7 @@ class Cluster:
         """The overlay's hub node (the rendezvous host over the overlay)."""
         if not self.spec.overlay:
             return None
-        from lorasync.net.cluster_overlay import hub_index
+        from lorasync.emulate.overlay import hub_index
 
         return self.nodes[hub_index(len(self.nodes), self.spec.nat)]
 
@@ -892,7 +883,7 @@ class Cluster:
             "topology": "routed hub" + (f" + delay forwarder (TUN {DELAY_IF}, pid {self.forwarder_pid})"
                                         if self.spec.needs_forwarder else ""),
             "forwarder_pid": self.forwarder_pid,
-            "forwarder_alive": bool(self.forwarder_pid) and _alive(self.forwarder_pid),
+            "forwarder_alive": bool(self.forwarder_pid) and pid_alive(self.forwarder_pid),
             "nodes": [dict(dataclasses.asdict(n), rate_bps=rates[n.index]) for n in self.nodes],
             # for the path measured below (node0 -> node1), pair rate included
             "configured": {"rate_bps": self.path_rate(0, 1) if len(self.nodes) > 1 else self.node_rates[0],
@@ -903,7 +894,7 @@ class Cluster:
             out["nat"] = [{"node": n.name, "router_netns": n.nat_netns, "lan_address": n.address,
                            "outside_address": n.outside} for n in self.nodes if n.nat]
         if self.spec.overlay:
-            from lorasync.net import tunnel
+            from lorasync.overlay import tunnel
 
             out["overlay"] = {"kind": self.spec.overlay, "subnet": self.spec.overlay_subnet,
                               "hub": self.overlay_hub.name,
@@ -1005,7 +996,7 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     one node share its namespace, so their traffic to each other is local.
 
     Each node runs torchrun (``torch.distributed.run``, through
-    :mod:`lorasync.net.agent`) ``--nnodes N --node-rank I --nproc-per-node P
+    :mod:`lorasync.launch.agent`) ``--nnodes N --node-rank I --nproc-per-node P
     --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m MODULE ARGV``; with
     ``module=None`` ``argv`` is what follows the torchrun options as is (a
     script path and its arguments).  The workers get
@@ -1120,7 +1111,7 @@ def _stop_agents(procs: Sequence[subprocess.Popen]) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and [p.poll() for p in procs].count(None):
         time.sleep(0.05)
-    _kill([p for p in tree if _alive(p)], grace=1.0)
+    _kill([p for p in tree if pid_alive(p)], grace=1.0)
     for p in procs:
         with contextlib.suppress(Exception):
             p.wait(timeout=5)

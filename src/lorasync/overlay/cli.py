@@ -33,7 +33,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lorasync.net.tunnel import DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_SUBNET
+    from lorasync.overlay.tunnel import DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_SUBNET
 
     sub = parser.add_subparsers(dest="tunnel_cmd", metavar="ACTION", required=True)
 
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _init(args) -> int:
     from lorasync.errors import ConfigError
-    from lorasync.net import tunnel
+    from lorasync.overlay import tunnel
 
     mtu = None if str(args.mtu).lower() == "auto" else args.mtu
     if mtu is not None:
@@ -125,7 +125,7 @@ def _init(args) -> int:
 
 
 def _up(args) -> int:
-    from lorasync.net import tunnel
+    from lorasync.overlay import tunnel
 
     if args.foreground:
         tunnel.preflight(args.config)
@@ -157,7 +157,7 @@ def _bytes(b):
 
 
 def _status(args) -> int:
-    from lorasync.net import tunnel
+    from lorasync.overlay import tunnel
 
     sts = tunnel.status(args.ifname, measure=not args.no_measure, seconds=args.seconds)
     if args.json:
@@ -194,9 +194,9 @@ def format_status(sts: list[dict]) -> str:
 
 
 def _down(args) -> int:
-    from lorasync.net import tunnel
+    from lorasync.overlay import tunnel
 
-    tunnel._require_root()
+    tunnel.check_root()
     removed = tunnel.down(args.ifname)
     print(f"removed {len(removed)} item(s)" + "".join(f"\n  {r}" for r in removed)
           if removed else "nothing to remove")
@@ -205,15 +205,16 @@ def _down(args) -> int:
 
 def _launch(args) -> int:
     from lorasync.errors import ConfigError
-    from lorasync.net import tunnel
-    from lorasync.net.agent import agent_argv
+    from lorasync.hostops import pid_alive
+    from lorasync.launch.agent import agent_argv
+    from lorasync.overlay import tunnel
 
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     if not rest:
         raise ConfigError("args", "", "give the lorasync command after --, e.g. "
                           "lorasync tunnel launch -- train --output-dir runs/x")
     # by default the host's own tunnels (an emulated cluster's live in its namespaces)
-    ups = [s for s in tunnel._states() if tunnel._alive(s.get("pid"))
+    ups = [s for s in tunnel.states() if pid_alive(s.get("pid"))
            and (s["ifname"] == args.ifname if args.ifname else not s.get("cluster"))]
     if not ups:
         raise ConfigError("--ifname", args.ifname or "", "no tunnel is up here: "

@@ -11,7 +11,7 @@ by how much.  NCCL_PROTO is never advised (the model has no protocol term).
 
 from __future__ import annotations
 
-from lorasync.net.doctor import Finding
+from lorasync.netdiag.doctor import Finding
 
 __all__ = ["nccl_findings"]
 

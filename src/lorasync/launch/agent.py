@@ -21,7 +21,7 @@ additions, each an option given before torchrun's own arguments:
   Before joining, an agent that does not host the rendezvous checks that
   it can open a connection to it (``--lorasync-rdzv-wait S``).
 
-    python -m lorasync.net.agent [--lorasync-label NAME] [--lorasync-store-addr ADDR] \\
+    python -m lorasync.launch.agent [--lorasync-label NAME] [--lorasync-store-addr ADDR] \\
         [--lorasync-reach-timeout S] [--lorasync-rdzv-wait S] TORCHRUN_ARGS...
 """
 
@@ -84,8 +84,8 @@ def split_argv(argv: list[str]) -> tuple[AgentOptions, list[str]]:
 
 def agent_argv(python: str, *, label: str | None = None, store_addr: str | None = None,
                reach_timeout: float | None = None, rdzv_wait: float | None = None) -> list[str]:
-    """``[python, -m, lorasync.net.agent, our options...]``; torchrun's arguments follow."""
-    out = [python, "-m", "lorasync.net.agent"]
+    """``[python, -m, lorasync.launch.agent, our options...]``; torchrun's arguments follow."""
+    out = [python, "-m", "lorasync.launch.agent"]
     for flag, value in (("--lorasync-label", label), ("--lorasync-store-addr", store_addr),
                         ("--lorasync-reach-timeout", reach_timeout),
                         ("--lorasync-rdzv-wait", rdzv_wait)):
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 
-    from lorasync.launch import run_agent
+    from lorasync.launch.torchrun import run_agent
 
     opts, rest = split_argv(sys.argv[1:] if argv is None else argv)
     args = get_args_parser().parse_args(rest)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from lorasync.launch import exit_now
+    from lorasync.launch.torchrun import exit_now
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     exit_now(main())

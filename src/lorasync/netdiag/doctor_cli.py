@@ -24,7 +24,7 @@ import os
 import sys
 
 from lorasync.errors import ConfigError
-from lorasync.net.probe_cli import add_launch_arguments, check_launch_args, init_group, launch_argv, relaunch
+from lorasync.netdiag.ranks import add_launch_arguments, check_launch_args, init_group, launch_argv, relaunch
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _link(args, host):
-    from lorasync.net.tune import Link, default_link, link_from_probe, parse_duration, parse_rate
+    from lorasync.netdiag.tune import Link, default_link, link_from_probe, parse_duration, parse_rate
 
     if args.from_probe:
         if args.rate or args.rtt:
@@ -67,7 +67,7 @@ def _link(args, host):
 
 
 def _nccl(args, link) -> list:
-    from lorasync.net.nccl_advice import nccl_findings
+    from lorasync.netdiag.nccl_advice import nccl_findings
 
     if link is None or not args.nnodes:
         raise ConfigError("--nccl", True, "give --nnodes and the link (--rate and --rtt, or "
@@ -79,7 +79,7 @@ def _nccl(args, link) -> list:
 
 
 def _print(findings, args, world=None, extra=None) -> None:
-    from lorasync.net.doctor import exit_code, format_findings, worst
+    from lorasync.netdiag.doctor import exit_code, format_findings, worst
 
     if args.json:
         out = {"findings": [f.to_dict() for f in findings], "worst": worst(findings),
@@ -93,8 +93,8 @@ def _print(findings, args, world=None, extra=None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lorasync.launch import in_worker
-    from lorasync.net.doctor import exit_code, static_checks
-    from lorasync.net.hostinfo import HostInfo
+    from lorasync.netdiag.doctor import exit_code, static_checks
+    from lorasync.netdiag.hostinfo import HostInfo
 
     live = in_worker() or args.nproc is not None or args.emulate is not None
     check_launch_args(args, launching=live and not in_worker())
@@ -119,10 +119,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _worker(args, host, link) -> int:
     from lorasync.launch import worker_env
-    from lorasync.net.doctor import (Finding, exit_code, live_checks, merge_findings, rank_facts,
+    from lorasync.netdiag.doctor import (Finding, exit_code, live_checks, merge_findings, rank_facts,
                                      static_checks)
-    from lorasync.net.probe import run_probe
-    from lorasync.net.tune import link_from_probe_data
+    from lorasync.comm.probe import run_probe
+    from lorasync.netdiag.hostinfo import endpoint_facts
+    from lorasync.netdiag.tune import link_from_probe_data
 
     env = worker_env()
     try:
@@ -146,7 +147,7 @@ def _worker(args, host, link) -> int:
         nnodes = max(len({f["node"] for f in all_facts}), args.nnodes or 1)
         probe = None
         if not args.no_probe and world > 1:
-            probe = run_probe(quick=True, max_bytes=1 << 20, pair_max_bytes=1 << 20,
+            probe = run_probe(describe_rank=endpoint_facts, quick=True, max_bytes=1 << 20, pair_max_bytes=1 << 20,
                               time_budget_s=8.0)
         if link is None and probe and probe.get("model") and probe["model"].get("bandwidth_Bps"):
             link = link_from_probe_data(probe, "measured by a quick probe")

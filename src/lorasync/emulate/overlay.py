@@ -1,7 +1,7 @@
 """The WireGuard overlay of an emulated cluster (``overlay=wireguard``).
 
 Every node runs the same tunnel a real host runs: ``lorasync tunnel up`` in
-its namespace, from configs :func:`lorasync.net.tunnel.init_overlay` writes
+its namespace, from configs :func:`lorasync.overlay.tunnel.init_overlay` writes
 for the whole cluster (under ``/run/lorasync/clusters/NAME.overlay/``, keys
 0600).  Nodes outside NAT get their cluster address as endpoint, nodes behind
 NAT none; the hub is the first node outside NAT.  WireGuard's UDP packets
@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from lorasync.errors import ConfigError, EnvironmentProblem
+from lorasync.hostops import CLUSTERS_DIR, TUNNELS_DIR
 
 __all__ = ["OVERLAY_PORT", "build", "config_dir", "hub_index", "ifname", "layout", "remove"]
 
@@ -46,7 +47,7 @@ def hub_index(nodes: int, nat: list[int]) -> int:
 
 def layout(nodes: int, nat: list[int], subnet: str, cluster: str) -> list[tuple[str, str]]:
     """(overlay address, interface) of each node: the hub gets the first address,
-    the others the next ones in node order (as :func:`~lorasync.net.tunnel.plan_overlay`)."""
+    the others the next ones in node order (as :func:`~lorasync.overlay.tunnel.plan_overlay`)."""
     hosts = list(ipaddress.IPv4Network(subnet).hosts())
     h = hub_index(nodes, nat)
     order = [h] + [i for i in range(nodes) if i != h]
@@ -55,9 +56,8 @@ def layout(nodes: int, nat: list[int], subnet: str, cluster: str) -> list[tuple[
 
 
 def config_dir(cluster: str) -> Path:
-    from lorasync.net.cluster import STATE_DIR
 
-    return STATE_DIR / f"{cluster}.overlay"
+    return CLUSTERS_DIR / f"{cluster}.overlay"
 
 
 def build(cluster) -> None:
@@ -66,7 +66,7 @@ def build(cluster) -> None:
     Raises EnvironmentProblem (with the install command) when the WireGuard
     tools are missing; the caller removes what was made on failure.
     """
-    from lorasync.net import tunnel, wireguard as wg
+    from lorasync.overlay import tunnel, wireguard as wg
 
     spec = cluster.spec
     nat = list(spec.nat)
@@ -105,15 +105,14 @@ def _up(cluster, indices: list[int], d: Path) -> None:
 def remove(cluster: str | None) -> list[str]:
     """Take down the tunnels of ``cluster`` (every cluster when None) and
     remove their configs (keys) and logs."""
-    from lorasync.net import tunnel
-    from lorasync.net.cluster import STATE_DIR
+    from lorasync.overlay import tunnel
 
     removed = []
-    states = [s for s in tunnel._states() if s.get("cluster") and (cluster is None or s["cluster"] == cluster)]
+    states = [s for s in tunnel.states() if s.get("cluster") and (cluster is None or s["cluster"] == cluster)]
     names = {s["ifname"] for s in states}
     for s in states:
-        removed += tunnel._down_one(s)
-    dirs = [config_dir(cluster)] if cluster else sorted(STATE_DIR.glob("*.overlay"))
+        removed += tunnel.down_one(s)
+    dirs = [config_dir(cluster)] if cluster else sorted(CLUSTERS_DIR.glob("*.overlay"))
     for d in dirs:
         if d.is_dir():
             for cfg in d.glob("*/tunnel.json"):
@@ -121,8 +120,8 @@ def remove(cluster: str | None) -> list[str]:
             shutil.rmtree(d)
             removed.append(f"overlay configs {d}")
     for name in sorted(n for n in names if n):
-        removed += tunnel._leftovers(name, None)
-        for log in (tunnel.STATE_DIR / f"{name}.log", tunnel.STATE_DIR / f"{name}.wireguard-go.log"):
+        removed += tunnel.leftovers(name, None)
+        for log in (TUNNELS_DIR / f"{name}.log", TUNNELS_DIR / f"{name}.wireguard-go.log"):
             if log.exists():
                 log.unlink()
     return removed

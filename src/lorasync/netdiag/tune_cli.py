@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _link(args, host):
-    from lorasync.net.tune import Link, default_link, link_from_probe, parse_duration, parse_rate
+    from lorasync.netdiag.tune import Link, default_link, link_from_probe, parse_duration, parse_rate
 
     if args.from_probe:
         if args.rate or args.rtt:
@@ -73,8 +73,8 @@ def _table(recs) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorasync.net.hostinfo import HostInfo
-    from lorasync.net import tune
+    from lorasync.netdiag.hostinfo import HostInfo
+    from lorasync.netdiag import tune
 
     if not os.path.isdir(args.root):
         raise ConfigError("--root", args.root, "not a directory")

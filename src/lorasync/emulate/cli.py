@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lorasync.errors import ConfigError
-    from lorasync.net import cluster as cl
+    from lorasync.emulate import cluster as cl
 
     cmd = args.cluster_cmd
     if cmd == "up":

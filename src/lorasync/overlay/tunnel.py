@@ -3,7 +3,7 @@ get addresses every node can reach, so gloo/NCCL's full mesh works across them.
 
 This module owns the overlay's plan, its per-node configuration, the
 supervisor that keeps one node's tunnel up, and the ``up`` / ``status`` /
-``down`` operations (:mod:`lorasync.net.wireguard` owns the calls to the
+``down`` operations (:mod:`lorasync.overlay.wireguard` owns the calls to the
 WireGuard tools; ``lorasync tunnel`` is the command line).
 
 Plan (:func:`plan_overlay`, used by ``tunnel init`` and the emulated cluster):
@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
-from lorasync.net import linktest
-from lorasync.net import wireguard as wg
+from lorasync.hostops import TUNNELS_DIR, pid_alive, require_root
+from lorasync.overlay import linktest
+from lorasync.overlay import wireguard as wg
 
 __all__ = [
     "DEFAULT_PORT",
@@ -58,11 +59,15 @@ __all__ = [
     "NodeSpec",
     "Supervisor",
     "TunnelConfig",
+    "check_root",
     "down",
+    "down_one",
     "init_overlay",
+    "leftovers",
     "load_config",
     "parse_node_spec",
     "plan_overlay",
+    "states",
     "status",
     "supervise_step",
     "up",
@@ -77,7 +82,6 @@ DEFAULT_KEEPALIVE = 25
 DEFAULT_STALE_S = 180
 #: seconds before restarting a dead wireguard-go, doubled after each failed try
 RESTART_BACKOFF = (0.5, 30.0)
-STATE_DIR = Path(os.environ.get("LORASYNC_TUNNEL_DIR", "/run/lorasync/tunnels"))
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,14}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 
@@ -511,8 +515,8 @@ class Supervisor:
         self.cfg = cfg
         self.interval = interval
         self.cluster = cluster
-        self.log_path = STATE_DIR / f"{cfg.ifname}.log"
-        self.daemon_log_path = STATE_DIR / f"{cfg.ifname}.wireguard-go.log"
+        self.log_path = TUNNELS_DIR / f"{cfg.ifname}.log"
+        self.daemon_log_path = TUNNELS_DIR / f"{cfg.ifname}.wireguard-go.log"
         self._log = log
         self.proc: subprocess.Popen | None = None
         self.mtu: int | None = None
@@ -537,7 +541,7 @@ class Supervisor:
     def start(self) -> None:
         """Start and configure the device, serve the link test; raises on failure
         after cleaning up what it made."""
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        TUNNELS_DIR.mkdir(parents=True, exist_ok=True)
         self.mtu = choose_mtu(self.cfg)
         try:
             self._start_device()
@@ -591,9 +595,9 @@ class Supervisor:
                  "address": self.cfg.address, "prefixlen": self.cfg.prefixlen, "mtu": self.mtu,
                  "listen_port": self.cfg.listen_port, "hub": self.cfg.hub, "is_hub": self.cfg.is_hub,
                  "restarts": self.restarts, "log": str(self.log_path)}
-        tmp = STATE_DIR / f".{self.cfg.ifname}.json.tmp"
+        tmp = TUNNELS_DIR / f".{self.cfg.ifname}.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(STATE_DIR / f"{self.cfg.ifname}.json")
+        tmp.replace(TUNNELS_DIR / f"{self.cfg.ifname}.json")
 
     def run(self) -> None:
         """Supervise until :meth:`request_stop` (SIGTERM, in ``supervise_main``)."""
@@ -666,7 +670,7 @@ class Supervisor:
         if self.cfg.relay:
             wg.remove_relay(self.cfg.ifname)
         with contextlib.suppress(FileNotFoundError):
-            (STATE_DIR / f"{self.cfg.ifname}.json").unlink()
+            (TUNNELS_DIR / f"{self.cfg.ifname}.json").unlink()
 
 
 def _handle_quietly(c: socket.socket) -> None:
@@ -681,12 +685,12 @@ def _my_netns() -> str | None:
 
 
 def supervise_main(argv: list[str] | None = None) -> int:
-    """``python -m lorasync.net.tunnel supervise CONFIG``: the background half of ``up``.
+    """``python -m lorasync.overlay.tunnel supervise CONFIG``: the background half of ``up``.
 
     Prints ``ready`` once the tunnel is configured (or ``error: MESSAGE``) and
     keeps it up until SIGTERM, then removes everything it made.
     """
-    p = argparse.ArgumentParser(prog="python -m lorasync.net.tunnel")
+    p = argparse.ArgumentParser(prog="python -m lorasync.overlay.tunnel")
     p.add_argument("command", choices=["supervise"])
     p.add_argument("config")
     p.add_argument("--cluster", default=None, help="emulated cluster this tunnel belongs to")
@@ -729,40 +733,31 @@ def supervise_main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------- up / down / status
 
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        raise EnvironmentProblem("a tunnel needs root (TUN device, addresses, routes): "
-                                 "run as root, e.g. sudo lorasync tunnel up ...")
+def check_root() -> None:
+    """A tunnel needs root: raise the error that says so, unless we are root."""
+    require_root("a tunnel needs root (TUN device, addresses, routes)",
+                 "run as root, e.g. sudo lorasync tunnel up ...")
 
 
-def _states() -> list[dict]:
+def states() -> list[dict]:
+    """The state file of every tunnel this host runs (also a crashed one's)."""
     out = []
-    for f in sorted(STATE_DIR.glob("*.json")):
+    for f in sorted(TUNNELS_DIR.glob("*.json")):
         with contextlib.suppress(OSError, ValueError):
             out.append(json.loads(f.read_text()))
     return out
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def preflight(config: str | Path) -> TunnelConfig:
     """Everything ``up`` checks before it starts anything: root, the tools, the
     key file, the interface name, the overlay address, the UDP port, the
     endpoints (each failure names the fix)."""
-    _require_root()
+    check_root()
     cfg = load_config(config)
     wg.require_tools(need_nft=cfg.relay)
     wg.check_key_file(cfg.private_key_file)
-    for st in _states():
-        if st.get("ifname") == cfg.ifname and _alive(st.get("pid")):
+    for st in states():
+        if st.get("ifname") == cfg.ifname and pid_alive(st.get("pid")):
             raise ConfigError("ifname", cfg.ifname, f"this tunnel is already up (supervisor pid "
                               f"{st['pid']}): `lorasync tunnel down --ifname {cfg.ifname}` first")
     if Path(f"/sys/class/net/{cfg.ifname}").exists():
@@ -786,11 +781,11 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
     handshake; on any failure nothing is left behind.
     """
     cfg = preflight(config)
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    argv = [python, "-m", "lorasync.net.tunnel", "supervise", str(cfg.path)]
+    TUNNELS_DIR.mkdir(parents=True, exist_ok=True)
+    argv = [python, "-m", "lorasync.overlay.tunnel", "supervise", str(cfg.path)]
     if cluster:
         argv += ["--cluster", cluster]
-    err = open(STATE_DIR / f"{cfg.ifname}.log", "ab")
+    err = open(TUNNELS_DIR / f"{cfg.ifname}.log", "ab")
     # its own session: once up, a Ctrl-C in the shell that ran `up` must not take it down
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                             start_new_session=True, close_fds=True)
@@ -803,7 +798,7 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
             if line.startswith("error: "):
                 raise EnvironmentProblem(f"tunnel {cfg.ifname}: {line[7:]}")
             raise EnvironmentProblem(f"tunnel {cfg.ifname}: the supervisor did not start (see "
-                                     f"{STATE_DIR / (cfg.ifname + '.log')})")
+                                     f"{TUNNELS_DIR / (cfg.ifname + '.log')})")
         if not cfg.is_hub and cfg.hub_peer is not None:
             wait_handshake(cfg, cfg.hub_peer, hub_timeout)
     except BaseException:  # a failure or Ctrl-C before the tunnel is up: nothing stays
@@ -816,7 +811,7 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
                 proc.wait()
         down(cfg.ifname)
         raise
-    return next(s for s in _states() if s.get("ifname") == cfg.ifname)
+    return next(s for s in states() if s.get("ifname") == cfg.ifname)
 
 
 def wait_handshake(cfg: TunnelConfig, peer: dict, timeout: float, netns: str | None = None) -> float:
@@ -846,43 +841,45 @@ def down(ifname: str | None = None, *, cluster: str | None = None) -> list[str]:
     the relay's nft table and the state file.  Returns what was removed.
     """
     removed = []
-    for st in _states():
+    for st in states():
         if ifname is not None and st.get("ifname") != ifname:
             continue
         if cluster is not None and st.get("cluster") != cluster:
             continue
-        removed += _down_one(st)
+        removed += down_one(st)
     if ifname is not None and not any(r.startswith("state") for r in removed):
-        removed += _leftovers(ifname, None)
+        removed += leftovers(ifname, None)
     return removed
 
 
-def _down_one(st: dict) -> list[str]:
+def down_one(st: dict) -> list[str]:
+    """Stop the tunnel ``st`` describes (its supervisor, its wireguard-go) and
+    remove what it left; what was removed, one line each."""
     ifname, netns = st["ifname"], st.get("netns")
     removed = []
     pid = st.get("pid")
-    if _alive(pid):
+    if pid_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 8
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _alive(pid):
+        if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         removed.append(f"supervisor {pid}")
     wpid = st.get("wg_pid")
-    if _alive(wpid) and b"wireguard-go" in _cmdline(wpid):
+    if pid_alive(wpid) and b"wireguard-go" in _cmdline(wpid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(wpid, signal.SIGTERM)
         deadline = time.monotonic() + 5
-        while _alive(wpid) and time.monotonic() < deadline:
+        while pid_alive(wpid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _alive(wpid):
+        if pid_alive(wpid):
             os.kill(wpid, signal.SIGKILL)
         removed.append(f"wireguard-go {wpid}")
-    removed += _leftovers(ifname, netns)
-    path = STATE_DIR / f"{ifname}.json"
+    removed += leftovers(ifname, netns)
+    path = TUNNELS_DIR / f"{ifname}.json"
     if path.exists():
         path.unlink()
         removed.append(f"state {path}")
@@ -900,7 +897,7 @@ def _ns(netns: str | None, argv: list[str]) -> list[str]:
     return (["ip", "netns", "exec", netns] if netns else []) + argv
 
 
-def _leftovers(ifname: str, netns: str | None) -> list[str]:
+def leftovers(ifname: str, netns: str | None) -> list[str]:
     """What a killed supervisor may have left: interface, socket, nft table."""
     removed = []
     if netns and not Path(f"/run/netns/{netns}").exists():
@@ -929,7 +926,7 @@ def status(ifname: str | None = None, *, measure: bool = True, seconds: float = 
     """Every tunnel here (or ``ifname``): per peer the handshake age, bytes in
     and out, RTT and rate measured through the overlay, direct or relayed."""
     out = []
-    for st in _states():
+    for st in states():
         if ifname is not None and st.get("ifname") != ifname:
             continue
         if cluster is not None and st.get("cluster") != cluster:
@@ -944,7 +941,7 @@ def status(ifname: str | None = None, *, measure: bool = True, seconds: float = 
 def _status_one(st: dict, measure: bool, seconds: float) -> dict:
     cfg = load_config(st["config"])
     netns = st.get("netns")
-    alive = _alive(st.get("pid"))
+    alive = pid_alive(st.get("pid"))
     dev = None
     error = None
     try:
@@ -979,7 +976,7 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
 def _measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
     """RTT and rate to a peer's link-test server through the overlay."""
     if netns:
-        proc = subprocess.run(_ns(netns, [sys.executable, "-m", "lorasync.net.linktest", "measure",
+        proc = subprocess.run(_ns(netns, [sys.executable, "-m", "lorasync.overlay.linktest", "measure",
                                           address, str(port), str(seconds), "--send-window"]),
                               capture_output=True, text=True, timeout=seconds + 40)
         if proc.returncode != 0:

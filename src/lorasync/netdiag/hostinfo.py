@@ -14,7 +14,7 @@ command or the resolver comes from a file instead:
     proc/self/ns/net    a file holding e.g. ``net:[4026531833]``
     usr/lib/**/libibverbs.so*   presence of the verbs library
 
-Nothing here writes; :mod:`lorasync.net.tune` owns writes.
+Nothing here writes; :mod:`lorasync.netdiag.tune` owns writes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "NetnsInfo",
     "is_public_address",
     "is_loopback_address",
+    "endpoint_facts",
     "INIT_NET_NS_INODE",
 ]
 
@@ -474,3 +475,12 @@ class HostInfo:
             "interfaces": [i.to_dict() for i in self.interfaces()],
             "ib_ports": [p.to_dict() for p in self.ib_ports()],
         }
+
+
+def endpoint_facts() -> dict:
+    """This host's endpoint as a probe labels a rank: the interface the
+    collectives use, its address and MTU (None where unknown)."""
+    host = HostInfo()
+    ifname, addr = host.endpoint()
+    iface = host.interface(ifname) if ifname else None
+    return {"ifname": ifname, "addr": addr, "mtu": iface.mtu if iface else None}

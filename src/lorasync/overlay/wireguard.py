@@ -10,7 +10,7 @@ overlay interface (address, MTU, routes, the relay's forwarding rules):
   private key never appears on a command line (``wg set ... private-key
   FILE`` reads the file), in a log, an error message or a return value;
 - the device: :func:`start_daemon` runs ``wireguard-go -f IFNAME`` as a child
-  of the caller (the supervisor in :mod:`lorasync.net.tunnel`),
+  of the caller (the supervisor in :mod:`lorasync.overlay.tunnel`),
   :func:`configure` applies port, key and peers with ``wg set``, then the
   address, MTU and routes with ``ip``;
 - state: :func:`show` parses ``wg show IFNAME dump`` into :class:`DeviceState`

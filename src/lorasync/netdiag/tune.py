@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.net.hostinfo import HostInfo
+from lorasync.hostops import require_root
+from lorasync.netdiag.hostinfo import HostInfo
 from lorasync.units import parse_duration as _parse_duration
 from lorasync.units import fmt_rate, parse_rate_bps
 
@@ -290,9 +291,9 @@ def default_backup_path(host: HostInfo) -> str:
 
 
 def _require_root(host: HostInfo, what: str) -> None:
-    if not host.fake and os.geteuid() != 0:
-        raise EnvironmentProblem(f"tune {what} writes /proc/sys and needs root: run it with sudo "
-                                 f"(or use --emit and apply the script yourself)")
+    if not host.fake:   # a fake root (--root DIR) is the caller's own files
+        require_root(f"tune {what} writes /proc/sys and needs root",
+                     "run it with sudo (or use --emit and apply the script yourself)")
 
 
 def _save_json(path: str, data: dict) -> None:

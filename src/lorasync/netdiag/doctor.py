@@ -6,7 +6,7 @@ severities: ok, info, warn, error. ``doctor`` exits 1 when any finding is
 an error.
 
 Static checks (:func:`static_checks`) look at one host through
-:class:`~lorasync.net.hostinfo.HostInfo`, so tests run them on fake trees.
+:class:`~lorasync.netdiag.hostinfo.HostInfo`, so tests run them on fake trees.
 Live checks (:func:`live_checks`) run on every rank of a process group:
 ranks exchange what they see (versions, config hash, interface, MTU) and a
 short pair probe names the slowest link.
@@ -20,8 +20,8 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 
-from lorasync.net.hostinfo import HostInfo, is_loopback_address, is_public_address
-from lorasync.net.tune import Link, default_link, recommend
+from lorasync.netdiag.hostinfo import HostInfo, is_loopback_address, is_public_address
+from lorasync.netdiag.tune import Link, default_link, recommend
 from lorasync.units import fmt_rate
 
 __all__ = [

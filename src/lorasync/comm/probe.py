@@ -1,160 +1,73 @@
-"""Measure the links a job's ranks will train over.
+"""Measure links with collectives: the probe, and short timed all-reduces.
 
-Three measurements, all run by every rank of an initialised process group:
+Two measurements, both run by every rank of an initialised process group,
+both fitted by :mod:`lorasync.plan.linkfit`:
 
-* a collective sweep: all-reduce (optionally all-gather, broadcast) from a
-  few KiB up to ``max_bytes``, with warm-up and repeats; each size is a
-  record of median/min/max time and nccl-tests' algbw and busbw
-  (``algbw = bytes / time``; ``busbw = algbw * factor``, factor 2(n-1)/n for
-  all-reduce, (n-1)/n for all-gather, 1 for broadcast), so the numbers
-  compare with nccl-tests and with the link rate;
-* a pair matrix: for every ordered pair (src, dst) in turn, with all other
-  ranks idle at a barrier, a small ping-pong (latency = half the round trip)
-  and a one-way stream of growing messages, each answered by a 4-byte ack;
-  the fitted slope is that direction's bandwidth. One slow NIC, cable or
-  shaped link shows up as the pairs that touch it;
-* an alpha/beta model: least squares on ``time = alpha + beta * bytes``; for
-  the all-reduce, on times against *bus* bytes (bytes x factor), so beta is
-  the per-byte cost of the link rather than of the algorithm.
+* :func:`run_probe`, what ``lorasync probe`` runs in each worker and what
+  ``--comm auto`` runs at attach (``quick=True``):
 
-Every rank returns the same dict (the probe JSON of docs/contracts.md). The
-sweep decides when to stop from timings all-reduced across ranks, and pairs
-from a control message the sender sends, so all ranks always agree on what
-comes next: a probe is bounded by its time budget and, should a peer die, by
-the process group's timeout; it never waits forever.
+  - a collective sweep: all-reduce (optionally all-gather, broadcast) from a
+    few KiB up to ``max_bytes``, with warm-up and repeats; each size is a
+    record of median/min/max time and nccl-tests' algbw and busbw
+    (``algbw = bytes / time``; ``busbw = algbw * factor``, factor 2(n-1)/n
+    for all-reduce, (n-1)/n for all-gather, 1 for broadcast), so the numbers
+    compare with nccl-tests and with the link rate;
+  - a pair matrix: for every ordered pair (src, dst) in turn, with all other
+    ranks idle at a barrier, a small ping-pong (latency = half the round
+    trip) and a one-way stream of growing messages, each answered by a
+    4-byte ack; the fitted slope is that direction's bandwidth. One slow
+    NIC, cable or shaped link shows up as the pairs that touch it;
+  - an alpha/beta model of the all-reduce
+    (:func:`lorasync.plan.linkfit.allreduce_model`).
 
-``run_probe`` is what ``lorasync probe`` runs in each worker and what the
-trainer's ``--comm auto`` calls in its own process group (``quick=True``).
+  Every rank returns the same dict (the probe JSON of docs/contracts.md).
+  The sweep decides when to stop from timings all-reduced across ranks, and
+  pairs from a control message the sender sends, so all ranks always agree
+  on what comes next: a probe is bounded by its time budget and, should a
+  peer die, by the process group's timeout; it never waits forever.
+
+* :func:`time_link` / :func:`link_model`, on one :class:`~lorasync.comm.wire.Wire`:
+  three ``SMALL_PROBE_BYTES`` all-reduces (latency; the fastest counts) and
+  one of ``nbytes`` (bandwidth; never below ``MIN_PROBE_BYTES``); each rank
+  keeps the fastest rank's times (the others may have waited for it to
+  arrive).  Always the backend's own ring, the algorithm the model is
+  fitted on.  ``auto`` probes its links with these while it trains (the
+  node's group and the leaders' group separately when it runs
+  hierarchically), and a Wire asked to choose its all-reduce algorithm per
+  message (``allreduce_algo=auto``) gets its alpha and beta from here
+  (:func:`algo_chooser`).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import socket
 import statistics
 import time
-from typing import NamedTuple, Sequence
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
 
 from lorasync.errors import ConfigError
-from lorasync.units import fmt_rate
+from lorasync.plan.costmodel import allreduce_choice
+from lorasync.plan.linkfit import (MIN_PROBE_BYTES, SMALL_PROBE_BYTES, allreduce_model,
+                                   busbw_factor, fit_alpha_beta)
+from lorasync.units import fmt_bytes
 
 __all__ = [
-    "DEFAULT_MAX_BYTES",
-    "AlphaBeta",
-    "AllReduceModel",
-    "fit_alpha_beta",
-    "allreduce_model",
-    "busbw_factor",
-    "sweep_sizes",
-    "run_probe",
-    "format_report",
+    "DEFAULT_MAX_BYTES", "sweep_sizes", "run_probe",
+    "time_link", "link_model", "algo_chooser",
 ]
 
 DEFAULT_MAX_BYTES = 64 << 20
-MIN_BYTES = 4 << 10
+SWEEP_MIN_BYTES = 4 << 10
 DEFAULT_PAIR_MAX_BYTES = 4 << 20
 _NOISY_SPREAD = 0.5  # (max - min) / median above this: flag the record as noisy
 
 
-# -- pure helpers --------------------------------------------------------------
-class AlphaBeta(NamedTuple):
-    """time(bytes) = alpha_s + beta_s_per_byte * bytes."""
-
-    alpha_s: float
-    beta_s_per_byte: float
-    r2: float
-
-    @property
-    def bandwidth_Bps(self) -> float | None:
-        return 1.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None
-
-    def predict(self, nbytes: float) -> float:
-        return self.alpha_s + self.beta_s_per_byte * nbytes
-
-
-def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
-    """Least-squares fit of ``time = alpha + beta * bytes``, in two stages.
-
-    beta: ordinary least squares over all points. Sizes grow geometrically,
-    so the large transfers, where bandwidth decides the time, carry the
-    slope; small points cannot bend it (a shaper's token bucket lets the
-    first few KB through at line rate, which a relative-error fit would read
-    as a fast link).
-
-    alpha: given beta, the least-squares intercept under *relative* error
-    (weights 1/time^2), so the small messages, where latency decides the
-    time, carry it; the plain intercept would be noise from the largest
-    transfer (milliseconds of jitter against microseconds of latency).
-
-    alpha is clamped to >= 0; a slope <= 0 (times not growing with size)
-    gives beta = 0 and no bandwidth.
-    """
-    if len(sizes) != len(times):
-        raise ValueError(f"sizes and times differ in length ({len(sizes)} vs {len(times)})")
-    if len(sizes) < 2 or len(set(sizes)) < 2:
-        raise ValueError(f"sizes: need at least 2 distinct sizes to fit alpha and beta, got {list(sizes)}")
-    if any(t <= 0 or not math.isfinite(t) for t in times):
-        raise ValueError(f"times: every time must be positive and finite, got {list(times)}")
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"sizes: must be >= 0, got {list(sizes)}")
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx)
-    w = [1.0 / (t * t) for t in times]
-    alpha = max(0.0, sum(wi * (y - beta * x) for wi, x, y in zip(w, sizes, times)) / sum(w))
-    ss_tot = sum((y - my) ** 2 for y in times)
-    ss_res = sum((y - alpha - beta * x) ** 2 for x, y in zip(sizes, times))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return AlphaBeta(alpha, beta, r2)
-
-
-class AllReduceModel(NamedTuple):
-    """Ring all-reduce of B bytes on n ranks: ``2(n-1) alpha_s + 2(n-1)/n B / bandwidth_Bps``."""
-
-    #: latency per message (one step of the ring)
-    alpha_s: float
-    #: never None: times that did not grow with size give the largest bus
-    #: bandwidth measured, a lower bound on the link
-    bandwidth_Bps: float
-    #: the whole all-reduce's latency, 2(n-1) alpha_s
-    allreduce_alpha_s: float
-    r2: float
-    bandwidth_from: str
-
-
-def allreduce_model(sizes: Sequence[float], times: Sequence[float], world_size: int
-                    ) -> AllReduceModel:
-    """The alpha-beta model of a group from all-reduce timings (payload bytes,
-    seconds): :func:`fit_alpha_beta` on bus bytes (the bytes each rank moves,
-    2(n-1)/n of the payload), alpha per ring step.  ``lorasync probe``'s sweep
-    and ``auto``'s two-size live probe both fit with this."""
-    n = int(world_size)
-    if n < 2:
-        raise ValueError(f"world_size: an all-reduce model needs at least 2 ranks, got {world_size}")
-    f = busbw_factor("all_reduce", n)
-    fit = fit_alpha_beta([b * f for b in sizes], times)
-    steps = 2 * (n - 1)  # ring all-reduce: n-1 reduce-scatter + n-1 all-gather messages
-    if fit.bandwidth_Bps is None:  # times flat in size: latency-bound up to the largest size
-        bw = max(b * f / t for b, t in zip(sizes, times))
-        source = "largest busbw (times did not grow with size)"
-    else:
-        bw, source = fit.bandwidth_Bps, "fit"
-    return AllReduceModel(fit.alpha_s / steps, bw, fit.alpha_s, fit.r2, source)
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
-    if collective == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    if collective in ("broadcast", "reduce"):
-        return 1.0
-    raise ValueError(f"collective: unknown {collective!r}; use all_reduce, all_gather or broadcast")
-
-
-def sweep_sizes(max_bytes: int, min_bytes: int = MIN_BYTES, factor: int = 4) -> list[int]:
+# -- sizes ----------------------------------------------------------------------
+def sweep_sizes(max_bytes: int, min_bytes: int = SWEEP_MIN_BYTES, factor: int = 4) -> list[int]:
     """min_bytes, x4, ... up to max_bytes (which is included when not on the grid)."""
     if max_bytes < min_bytes:
         return [max_bytes]
@@ -165,23 +78,6 @@ def sweep_sizes(max_bytes: int, min_bytes: int = MIN_BYTES, factor: int = 4) -> 
     if out[-1] != max_bytes:
         out.append(max_bytes)
     return out
-
-
-def _fmt_s(t: float | None) -> str:
-    if t is None:
-        return "-"
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:g} {unit}"
-    return f"{n} B"
 
 
 # -- the distributed part ---------------------------------------------------------
@@ -398,22 +294,21 @@ def _pairs(ctx: _Ctx, sizes: list[int], repeats: int, min_reps: int, budget_s: f
     return sorted((p for part in gathered for p in part), key=lambda p: (p["src"], p["dst"]))
 
 
-def _rank_info(ctx: _Ctx) -> dict:
-    from lorasync.net.hostinfo import HostInfo  # reads /sys and runs `ip`: only here
-    try:
-        host = HostInfo()
-        ifname, addr = host.endpoint()
-        iface = host.interface(ifname) if ifname else None
-        mtu = iface.mtu if iface else None
-    except Exception:  # never fail a probe over a label
-        ifname = addr = mtu = None
-    return {"rank": ctx.me, "host": socket.gethostname(), "ifname": ifname, "addr": addr, "mtu": mtu}
+def _rank_info(ctx: _Ctx, describe: Callable[[], dict] | None) -> dict:
+    info = {"rank": ctx.me, "host": socket.gethostname(), "ifname": None, "addr": None, "mtu": None}
+    if describe is not None:
+        try:
+            info.update({k: v for k, v in describe().items() if k in ("ifname", "addr", "mtu")})
+        except Exception:  # never fail a probe over a label
+            pass
+    return info
 
 
 def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
               repeats: int | None = None, warmup: int | None = None, pairs: bool | None = None,
               pair_max_bytes: int | None = None, time_budget_s: float | None = None,
-              collectives: Sequence[str] = ("all_reduce",)) -> dict:
+              collectives: Sequence[str] = ("all_reduce",),
+              describe_rank: Callable[[], dict] | None = None) -> dict:
     """Probe the links of ``group`` (default: the world) and return the probe JSON.
 
     Call on every rank of an initialised process group; every rank gets the
@@ -423,17 +318,16 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     ``time_budget_s`` (default 60 s sweep + 60 s pairs).
     ``pairs`` defaults to on, and in quick mode to on only for up to 8 ranks;
     quick pairs stop once their budget is spent (``pairs_complete`` says whether
-    every pair was measured): auto's quick probe of 8 ranks on 4 nodes 103 ms
-    apart took 256 s, most of it, by estimate, the 56 pairs, each followed by
-    a barrier as slow as the 8-rank ring (about 3 s there).
+    every pair was measured): n(n-1) pairs, each followed by a barrier as
+    slow as the group's ring, add up on a long-latency link.
+    ``describe_rank``: this rank's interface, address and MTU
+    (``{"ifname", "addr", "mtu"}``) for the probe JSON's ``ranks``; without
+    it they are None.
     """
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("run_probe needs an initialised process group (dist.init_process_group)")
-    if max_bytes < MIN_BYTES:
-        raise ConfigError("max_bytes", max_bytes, f"must be at least {MIN_BYTES} bytes")
+    if max_bytes < SWEEP_MIN_BYTES:
+        raise ConfigError("max_bytes", max_bytes, f"must be at least {SWEEP_MIN_BYTES} bytes")
     for c in collectives:
         busbw_factor(c, 2)  # validates the name
     ctx = _Ctx(dist, torch, group)
@@ -460,7 +354,7 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
         raise ConfigError("repeats", repeats, "must be at least 1")
 
     info: list = [None] * ctx.n
-    dist.all_gather_object(info, _rank_info(ctx), group=group)
+    dist.all_gather_object(info, _rank_info(ctx, describe_rank), group=group)
     sweep: list[dict] = []
     for c in collectives:
         sweep += _sweep(ctx, c, sizes, warmup=warmup, repeats=repeats, min_reps=min_reps,
@@ -488,13 +382,13 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
             slow_bw = min(p["bandwidth_Bps"] for p in pair_list)
             if slow_bw < model["bandwidth_Bps"]:
                 model.update(bandwidth_Bps=slow_bw, beta_s_per_byte=1.0 / slow_bw,
-                             bandwidth_from=f"slowest pair (the sweep stopped at {_fmt_bytes(big)})")
+                             bandwidth_from=f"slowest pair (the sweep stopped at {fmt_bytes(big, binary=True)})")
     slowest = None
     if pair_list:
         p = min(pair_list, key=lambda q: q["bandwidth_Bps"])
         slowest = {"src": p["src"], "dst": p["dst"], "bandwidth_Bps": p["bandwidth_Bps"],
                    "latency_s": p["latency_s"]}
-    warnings = [f"{r['collective']} {_fmt_bytes(r['bytes'])}: spread {r['spread']:.0%} of the median (noisy)"
+    warnings = [f"{r['collective']} {fmt_bytes(r['bytes'], binary=True)}: spread {r['spread']:.0%} of the median (noisy)"
                 for r in sweep if r["spread"] > _NOISY_SPREAD]
     result = {
         "world_size": ctx.n, "backend": ctx.backend, "quick": quick, "time": time.time(),
@@ -510,52 +404,49 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     return result
 
 
-# -- text ---------------------------------------------------------------------------
-def format_report(res: dict) -> str:
-    """The probe JSON as a table for people."""
-    lines = [f"lorasync probe: {res['world_size']} ranks, {res['backend']}, "
-             f"{'quick, ' if res.get('quick') else ''}{res.get('elapsed_s', 0):.1f} s"]
-    for r in res.get("ranks") or []:
-        lines.append(f"  rank {r['rank']}: {r['host']} {r.get('ifname') or '?'} "
-                     f"{r.get('addr') or '?'} mtu {r.get('mtu') or '?'}")
-    if res.get("sweep"):
-        lines.append("")
-        lines.append(f"{'collective':<11} {'bytes':>9} {'time':>10} {'min':>10} {'max':>10} "
-                     f"{'algbw':>11} {'busbw':>11}")
-        for r in res["sweep"]:
-            lines.append(f"{r['collective']:<11} {_fmt_bytes(r['bytes']):>9} {_fmt_s(r['time_s']):>10} "
-                         f"{_fmt_s(r['time_s_min']):>10} {_fmt_s(r['time_s_max']):>10} "
-                         f"{fmt_rate(r['algbw_Bps'], 'bytes'):>11} {fmt_rate(r['busbw_Bps'], 'bytes'):>11}")
-    m = res.get("model")
-    if m:
-        lines.append(f"fitted link (all_reduce, busbw-corrected): latency {_fmt_s(m['latency_s'])} per "
-                     f"message, bandwidth {fmt_rate(m['bandwidth_Bps'], 'bytes')} (r2 {m['r2']:.3f})")
-    pairs = res.get("pairs") or []
-    if pairs:
-        n = res["world_size"]
-        bw = {(p["src"], p["dst"]): p for p in pairs}
-        lines.append("")
-        lines.append("pair bandwidth, src (row) -> dst (column):")
-        lines.append("      " + "".join(f"{d:>11}" for d in range(n)))
-        for s in range(n):
-            cells = [fmt_rate(bw[(s, d)]["bandwidth_Bps"], 'bytes') if (s, d) in bw else "-" for d in range(n)]
-            lines.append(f"{s:>5} " + "".join(f"{c:>11}" for c in cells))
-        lines.append("pair latency (one way):")
-        for s in range(n):
-            cells = [_fmt_s(bw[(s, d)]["latency_s"]) if (s, d) in bw else "-" for d in range(n)]
-            lines.append(f"{s:>5} " + "".join(f"{c:>11}" for c in cells))
-        if res.get("pairs_complete") is False:
-            lines.append(f"{len(pairs)} of {n * (n - 1)} pairs measured: the quick probe's "
-                         "budget ran out (--time-budget S, or the full probe, for all)")
-    sp = res.get("slowest_pair")
-    if sp:
-        ranks = {r["rank"]: r for r in res.get("ranks") or []}
+# -- short timed all-reduces on one Wire ---------------------------------------------
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
-        def who(r):
-            i = ranks.get(r, {})
-            return f"rank {r} ({i.get('host', '?')} {i.get('addr') or ''})".replace(" )", ")")
-        lines.append(f"slowest pair: {who(sp['src'])} -> {who(sp['dst'])}: "
-                     f"{fmt_rate(sp['bandwidth_Bps'], 'bytes')}, latency {_fmt_s(sp['latency_s'])}")
-    for w in res.get("warnings") or []:
-        lines.append(f"warning: {w}")
-    return "\n".join(lines)
+
+def time_link(wire, nbytes: int, device: torch.device, count: bool = True
+              ) -> tuple[float, float, float]:
+    """(small all-reduce s, large all-reduce s, seconds spent): the fastest
+    rank's times, the same on every rank of the wire's group."""
+    small = torch.zeros(SMALL_PROBE_BYTES // 4, device=device)
+    large = torch.zeros(max(nbytes, MIN_PROBE_BYTES) // 4, device=device)
+    t_start = time.perf_counter()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        wire.all_reduce(small, count=count, algo="ring")
+        _sync(device)
+        ts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    wire.all_reduce(large, count=count, algo="ring")
+    _sync(device)
+    tl = time.perf_counter() - t0
+    out = torch.tensor([-min(ts), -tl, time.perf_counter() - t_start], dtype=torch.float64,
+                       device=device)
+    wire.all_reduce(out, op=dist.ReduceOp.MAX, count=count)
+    return -float(out[0]), -float(out[1]), float(out[2])
+
+
+def link_model(wire, nbytes: int, device: torch.device, count: bool = True
+               ) -> tuple[float, float, float]:
+    """(alpha_s per message, bandwidth_Bps, seconds spent) of the wire's group."""
+    ts, tl, spent = time_link(wire, nbytes, device, count)
+    m = allreduce_model([SMALL_PROBE_BYTES, max(nbytes, MIN_PROBE_BYTES)], [ts, tl], wire.size)
+    return m.alpha_s, m.bandwidth_Bps, spent
+
+
+def algo_chooser(wire, device: torch.device) -> Callable[[int], str]:
+    """The cost model's all-reduce algorithm per payload size on this wire's
+    link (measured now; not counted as sync traffic)."""
+    alpha, bw, _ = link_model(wire, MIN_PROBE_BYTES, device, count=False)
+    return functools.partial(_choice, n=wire.size, alpha_s=alpha, bandwidth_Bps=bw)
+
+
+def _choice(nbytes: int, *, n: int, alpha_s: float, bandwidth_Bps: float) -> str:
+    return allreduce_choice(nbytes, n, alpha_s, bandwidth_Bps)

@@ -17,9 +17,9 @@ Protocol, one TCP connection per part, the first byte saying which:
   most 10 s) chosen by the client, for a long-running server (the overlay's
   supervisor serves ``lorasync tunnel status`` this way).
 
-Run as ``python -m lorasync.net.linktest serve ADDR WINDOW MAX_BYTES`` (prints
+Run as ``python -m lorasync.overlay.linktest serve ADDR WINDOW MAX_BYTES`` (prints
 its port, serves pings until one data connection has been measured, exits)
-and ``python -m lorasync.net.linktest measure ADDR PORT WINDOW`` (prints one
+and ``python -m lorasync.overlay.linktest measure ADDR PORT WINDOW`` (prints one
 JSON object: bytes, seconds, rate_bps, rtt_s, rtt_min_s, connect_s).
 """
 
@@ -185,7 +185,7 @@ def measure(addr: str, port: int, window: float, pings: int = PINGS,
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: python -m lorasync.net.linktest serve ADDR WINDOW MAX_BYTES | "
+    usage = ("usage: python -m lorasync.overlay.linktest serve ADDR WINDOW MAX_BYTES | "
              "measure ADDR PORT WINDOW [--send-window]")
     send_window = "--send-window" in argv
     argv = [a for a in argv if a != "--send-window"]

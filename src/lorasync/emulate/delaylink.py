@@ -12,7 +12,7 @@ Rate is not limited here; the kernel's htb classes on the veth links do that
 (see ``cluster.py``).  The delay is the same for every packet, so a FIFO is
 already in deadline order and no heap is needed.
 
-Run by ``Cluster.up`` as ``ip netns exec HUB python -m lorasync.net.delaylink``;
+Run by ``Cluster.up`` as ``ip netns exec HUB python -m lorasync.emulate.delaylink``;
 it prints ``ready`` once the device exists and exits on SIGTERM.
 """
 
@@ -107,7 +107,7 @@ def serve(fd: int, delay_s: float, loss: float, mtu: int = 65535,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lorasync.net.delaylink", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m lorasync.emulate.delaylink", description=__doc__)
     p.add_argument("--dev", required=True, help="TUN device name to create in this namespace")
     p.add_argument("--delay", type=float, default=0.0, help="one-way delay in seconds")
     p.add_argument("--loss", type=float, default=0.0, help="drop probability per packet, 0..1")

@@ -1,0 +1,42 @@
+"""What the network rooms do to the host itself: where their runtime state
+lives, whether a process is still running, and the root check.
+
+Emulated clusters (:mod:`lorasync.emulate`), overlay tunnels
+(:mod:`lorasync.overlay`) and TCP tuning (:mod:`lorasync.netdiag.tune`)
+change the host and keep state that other processes (``down``, ``status``)
+read back; this module is the one home of those few host facts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lorasync.errors import EnvironmentProblem
+
+__all__ = ["RUN_DIR", "CLUSTERS_DIR", "TUNNELS_DIR", "pid_alive", "require_root"]
+
+#: runtime state (gone at reboot, as the namespaces and tunnels it describes)
+RUN_DIR = Path("/run/lorasync")
+#: one ``NAME.json`` per emulated cluster (``LORASYNC_STATE_DIR`` overrides)
+CLUSTERS_DIR = Path(os.environ.get("LORASYNC_STATE_DIR", RUN_DIR / "clusters"))
+#: one ``IFNAME.json`` and event log per overlay tunnel (``LORASYNC_TUNNEL_DIR`` overrides)
+TUNNELS_DIR = Path(os.environ.get("LORASYNC_TUNNEL_DIR", RUN_DIR / "tunnels"))
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Running (a zombie counts as gone; it is its parent's to reap)."""
+    if not pid:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def require_root(what: str, fix: str) -> None:
+    """Raise :class:`EnvironmentProblem` unless this process is root:
+    ``"{what} needs root ...: {fix}"``."""
+    if os.geteuid() != 0:
+        raise EnvironmentProblem(f"{what}: {fix}")

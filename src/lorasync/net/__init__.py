@@ -1,1 +1,0 @@
-"""Networks: emulated clusters (namespaces, shaped links), probe, doctor, tuning."""

@@ -1,0 +1,164 @@
+"""Every fit of a link from timings: alpha (latency) and bandwidth (pure).
+
+What the measurements in :mod:`lorasync.comm.probe` time, this turns into
+numbers the cost model takes:
+
+* :func:`fit_alpha_beta`: ``time = alpha + beta * bytes`` from any timings
+  (a sweep, a pair's stream);
+* :func:`allreduce_model`: the same fit on all-reduce timings, on *bus*
+  bytes, so that beta is the link's per-byte cost, not the algorithm's;
+  ``lorasync probe``'s sweep, ``auto``'s two-size live probe and a probe JSON
+  without a fitted model (:func:`fit_sweep`) all go through it;
+* :func:`passive_bandwidth`: the link as the syncs a strategy makes anyway
+  saw it, without probe traffic.
+
+The sizes the live probe times (``SMALL_PROBE_BYTES``, ``MIN_PROBE_BYTES``,
+``MAX_PROBE_BYTES``) are defined here once: the fit needs both, and the
+measurements take them from here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, NamedTuple, Sequence
+
+from lorasync import catalog
+from lorasync.plan.costmodel import Net, path_terms
+
+__all__ = [
+    "SMALL_PROBE_BYTES", "MIN_PROBE_BYTES", "MAX_PROBE_BYTES",
+    "AlphaBeta", "AllReduceModel", "fit_alpha_beta", "allreduce_model", "busbw_factor",
+    "fit_sweep", "passive_bandwidth",
+]
+
+#: the latency probe's all-reduce: small enough that bandwidth does not count
+SMALL_PROBE_BYTES = 1024
+#: the bandwidth probe's smallest all-reduce: a token-bucket shaper (tbf/htb,
+#: 32 KiB bursts here) lets the first KiBs through at line rate, so smaller
+#: transfers would read a cut link as a fast one
+MIN_PROBE_BYTES = 256 << 10
+#: the bandwidth probe's largest all-reduce (a fast link needs no more to time well)
+MAX_PROBE_BYTES = 4 << 20
+
+
+class AlphaBeta(NamedTuple):
+    """time(bytes) = alpha_s + beta_s_per_byte * bytes."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+    r2: float
+
+    @property
+    def bandwidth_Bps(self) -> float | None:
+        return 1.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None
+
+    def predict(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
+    """Least-squares fit of ``time = alpha + beta * bytes``, in two stages.
+
+    beta: ordinary least squares over all points. Sizes grow geometrically,
+    so the large transfers, where bandwidth decides the time, carry the
+    slope; small points cannot bend it (a shaper's token bucket lets the
+    first few KB through at line rate, which a relative-error fit would read
+    as a fast link).
+
+    alpha: given beta, the least-squares intercept under *relative* error
+    (weights 1/time^2), so the small messages, where latency decides the
+    time, carry it; the plain intercept would be noise from the largest
+    transfer (milliseconds of jitter against microseconds of latency).
+
+    alpha is clamped to >= 0; a slope <= 0 (times not growing with size)
+    gives beta = 0 and no bandwidth.
+    """
+    if len(sizes) != len(times):
+        raise ValueError(f"sizes and times differ in length ({len(sizes)} vs {len(times)})")
+    if len(sizes) < 2 or len(set(sizes)) < 2:
+        raise ValueError(f"sizes: need at least 2 distinct sizes to fit alpha and beta, got {list(sizes)}")
+    if any(t <= 0 or not math.isfinite(t) for t in times):
+        raise ValueError(f"times: every time must be positive and finite, got {list(times)}")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"sizes: must be >= 0, got {list(sizes)}")
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx)
+    w = [1.0 / (t * t) for t in times]
+    alpha = max(0.0, sum(wi * (y - beta * x) for wi, x, y in zip(w, sizes, times)) / sum(w))
+    ss_tot = sum((y - my) ** 2 for y in times)
+    ss_res = sum((y - alpha - beta * x) ** 2 for x, y in zip(sizes, times))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return AlphaBeta(alpha, beta, r2)
+
+
+class AllReduceModel(NamedTuple):
+    """Ring all-reduce of B bytes on n ranks: ``2(n-1) alpha_s + 2(n-1)/n B / bandwidth_Bps``."""
+
+    #: latency per message (one step of the ring)
+    alpha_s: float
+    #: never None: times that did not grow with size give the largest bus
+    #: bandwidth measured, a lower bound on the link
+    bandwidth_Bps: float
+    #: the whole all-reduce's latency, 2(n-1) alpha_s
+    allreduce_alpha_s: float
+    r2: float
+    bandwidth_from: str
+
+
+def allreduce_model(sizes: Sequence[float], times: Sequence[float], world_size: int
+                    ) -> AllReduceModel:
+    """The alpha-beta model of a group from all-reduce timings (payload bytes,
+    seconds): :func:`fit_alpha_beta` on bus bytes (the bytes each rank moves,
+    2(n-1)/n of the payload), alpha per ring step."""
+    n = int(world_size)
+    if n < 2:
+        raise ValueError(f"world_size: an all-reduce model needs at least 2 ranks, got {world_size}")
+    f = busbw_factor("all_reduce", n)
+    fit = fit_alpha_beta([b * f for b in sizes], times)
+    steps = 2 * (n - 1)  # ring all-reduce: n-1 reduce-scatter + n-1 all-gather messages
+    if fit.bandwidth_Bps is None:  # times flat in size: latency-bound up to the largest size
+        bw = max(b * f / t for b, t in zip(sizes, times))
+        source = "largest busbw (times did not grow with size)"
+    else:
+        bw, source = fit.bandwidth_Bps, "fit"
+    return AllReduceModel(fit.alpha_s / steps, bw, fit.alpha_s, fit.r2, source)
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"collective: unknown {collective!r}; use all_reduce, all_gather or broadcast")
+
+
+def fit_sweep(sweep: Sequence[Mapping], world_size: int) -> AllReduceModel | None:
+    """:func:`allreduce_model` of the all-reduce records of a probe's sweep
+    (``bytes``, ``time_s``), or None when fewer than two sizes were timed."""
+    pts = [(float(s["bytes"]), float(s["time_s"])) for s in sweep
+           if s.get("collective") == "all_reduce" and s.get("bytes") and s.get("time_s")]
+    if world_size < 2 or len({b for b, _ in pts}) < 2:
+        return None
+    return allreduce_model([b for b, _ in pts], [t for _, t in pts], world_size)
+
+
+def passive_bandwidth(transfers: Sequence[tuple[str, float, float]], world_size: int,
+                      alpha_s: float) -> float:
+    """Bytes per second the link gave the fastest of ``transfers`` (kind,
+    payload bytes, seconds; collectives timed on an idle wire), or 0.0 when
+    none is big enough to tell: at least ``MIN_PROBE_BYTES`` on the
+    critical path (a shaper's burst flatters smaller ones) and longer than
+    its latency terms."""
+    net = Net(alpha_s=alpha_s, bandwidth_Bps=1.0, world_size=world_size)
+    best = 0.0
+    for kind, payload, seconds in transfers:
+        msgs, nbytes = path_terms(catalog.Collective(kind, float(payload)), net)
+        busy = seconds - msgs * alpha_s
+        if nbytes >= MIN_PROBE_BYTES and busy > 0:
+            best = max(best, nbytes / busy)
+    return best
