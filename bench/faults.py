@@ -393,9 +393,10 @@ def main() -> None:
     if "tunnel" in kinds and not a.overlay:
         ap.error("--faults tunnel: the nodes have no tunnel without --overlay")
 
-    from lorasync.emulate.cluster import emulated, parse_emulate, parse_rate
+    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.units import parse_rate_bps
 
-    a.rate_bps = parse_rate(a.rate)
+    a.rate_bps = int(parse_rate_bps(a.rate, "--rate", bare_bits=True))
     spec = parse_emulate(f"nodes={a.nodes},rate={a.rate},name=faults"
                          + (f",delay={a.delay}" if a.delay else "")
                          + (",overlay=wireguard" if a.overlay else ""))

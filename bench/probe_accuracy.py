@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 
-from lorasync.netdiag.tune import parse_rate
+from lorasync.units import parse_rate_bps
 from lorasync.units import fmt_rate
 
 PREFIX = f"lsync-bench-pa{os.getpid()}"
@@ -43,7 +43,7 @@ def build(n: int, rate: str, mtu: int) -> list[str]:
     names.append(br)
     sh("ip", "-n", br, "link", "add", "br0", "type", "bridge")
     sh("ip", "-n", br, "link", "set", "br0", "up")
-    rate_bps = parse_rate(rate)
+    rate_bps = parse_rate_bps(rate)
     burst = max(32 << 10, int(rate_bps / 8 / 250))  # >= 4 ms of traffic: tbf needs rate/HZ
     for i in range(n):
         ns = f"{PREFIX}-n{i}"
@@ -74,7 +74,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("needs root (network namespaces, tc)", file=sys.stderr)
         return 2
-    rate_bps = parse_rate(args.rate)
+    rate_bps = parse_rate_bps(args.rate)
     names: list[str] = []
     procs: list[subprocess.Popen] = []
     try:

@@ -2,8 +2,8 @@
 
 The one place for the units every command accepts, so that ``--rate 100mbit``
 means the same to ``plan``, ``tune``, ``doctor``, ``cluster`` and ``bench``
-(``net.cluster`` and ``net.tune`` call these parsers and only add their own
-range checks):
+(the emulated cluster's tc ranges are arguments of these parsers, not parsers
+of their own):
 
 * rates (:func:`parse_rate_bps` -> bits/s, :func:`parse_rate_Bps` -> bytes/s):
 
@@ -27,12 +27,14 @@ range checks):
   are decimal and ``Ki Mi Gi Ti`` binary, as for rates (``4M`` is 4,000,000 bytes,
   ``4MiB`` 4,194,304).
 * counts: ``921600``, ``921_600``, ``0.92M``, ``7B``-style suffixes k/M/G.
+* shares (:func:`parse_fraction`): ``0.1%``, ``1%`` (packet loss).
 
 Every parser raises ``lorasync.errors.ConfigError(field, value, fix)``.
 
 Printing: :func:`fmt_rate` is the one rate formatter (bits, bytes, both, or
-tc's own spelling that the parsers read back); :func:`fmt_bytes`,
-:func:`fmt_duration` and :func:`fmt_count` the others.
+tc's own spelling that the parsers read back); :func:`fmt_bytes` (decimal or
+binary), :func:`fmt_duration` and :func:`fmt_count` the others.  Nothing else
+in lorasync parses or prints these units.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ import re
 from lorasync.errors import ConfigError
 
 __all__ = [
-    "parse_rate_bps", "parse_rate_Bps", "parse_rate", "parse_duration", "parse_size",
-    "parse_count", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count", "RATE_STYLES",
+    "parse_rate_bps", "parse_rate_Bps", "parse_duration", "parse_size", "parse_count",
+    "parse_fraction", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count", "RATE_STYLES",
 ]
 
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -129,13 +131,19 @@ def _compact_Bps(Bps: float) -> str:
     return f"{Bps:g}B/s"
 
 
-def parse_rate_bps(text, field: str = "rate", *, bare_bits: bool = False) -> float:
+def parse_rate_bps(text, field: str = "rate", *, bare_bits: bool = False,
+                   within_bps: tuple[float, float] | None = None) -> float:
     """A link rate -> BITS per second (``"100mbit"`` -> 1e8).
 
     ``bare_bits``: a bare number (``"8000"``, or an int/float) is bits/s, as
-    in tc; otherwise a unit is required.
+    in tc; otherwise a unit is required.  ``within_bps``: the range the
+    caller can use, inclusive (tc/htb shapes 8kbit..100gbit).
     """
-    return _rate_bits(text, field, bare_bits)
+    rate = _rate_bits(text, field, bare_bits)
+    if within_bps is not None and not within_bps[0] <= rate <= within_bps[1]:
+        lo, hi = (fmt_rate(x, "tc", unit="bit") for x in within_bps)
+        raise ConfigError(field, text, f"must be between {lo} and {hi}")
+    return rate
 
 
 def parse_rate_Bps(text, field: str = "rate", *, bare_bits: bool = False) -> float:
@@ -144,24 +152,20 @@ def parse_rate_Bps(text, field: str = "rate", *, bare_bits: bool = False) -> flo
     return _rate_bits(text, field, bare_bits) / 8.0
 
 
-def parse_rate(text, field: str = "rate") -> float:
-    """Bytes per second: the planner's historical name for :func:`parse_rate_Bps`."""
-    return parse_rate_Bps(text, field)
-
-
 _TIME = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9,
          "min": 60.0, "h": 3600.0}
 _DURATION_FIX = "write a number and a unit, e.g. 30ms, 0.03s or 200us"
 
 
 def parse_duration(text, field: str = "time", bare_seconds: bool = False,
-                   allow_zero: bool = True, *, bare: str | None = None) -> float:
+                   allow_zero: bool = True, *, bare: str | None = None,
+                   maximum_s: float | None = None) -> float:
     """A duration -> seconds.
 
     A bare number (or an int/float) is refused unless the caller says what it
     is: ``bare="s"`` (or the older ``bare_seconds=True``) or ``bare="ms"``
     (tc's convention).  Negative durations are refused, zero unless
-    ``allow_zero``.
+    ``allow_zero``, and more than ``maximum_s``.
     """
     if bare_seconds:
         bare = bare or "s"
@@ -186,7 +190,29 @@ def parse_duration(text, field: str = "time", bare_seconds: bool = False,
         seconds = value * _TIME[u]
     if seconds < 0 or (seconds == 0 and not allow_zero):
         raise ConfigError(field, text, "must be > 0" if not allow_zero else "must be >= 0")
+    if maximum_s is not None and seconds > maximum_s:
+        raise ConfigError(field, text, f"must be between 0 and {maximum_s:g}s")
     return seconds
+
+
+def parse_fraction(text, field: str = "share", *, below: float = 1.0) -> float:
+    """A share written as a percentage (``"0.1%"`` -> 0.001; ``"0"`` is none),
+    or, from code, an int/float that is the share itself; at least 0 and
+    below ``below``."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        s = str(text).strip()
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)%", s)
+        if m:
+            value = float(m.group(1)) / 100
+        elif re.fullmatch(r"0*\.?0*", s) and s:
+            value = 0.0
+        else:
+            raise ConfigError(field, text, "write a percentage such as 0.1% or 1%")
+    if not 0 <= value < below:
+        raise ConfigError(field, text, f"must be at least 0% and below {below * 100:g}%")
+    return value
 
 
 def parse_size(text, field: str = "size", *, minimum: int = 1) -> int:

@@ -6,13 +6,26 @@ import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.emulate import cluster as cl
-from lorasync.emulate.cluster import Cluster, ClusterSpec, parse_delay, parse_emulate, parse_loss, parse_rate
+from lorasync.emulate.cluster import Cluster, ClusterSpec, parse_emulate
 from lorasync.units import fmt_rate
+
+
+def parse_rate(text):
+    return ClusterSpec(nodes=2, rate_bps=text).rate_bps
+
+
+def parse_delay(text):
+    return ClusterSpec(nodes=2, delay_s=text).delay_s
+
+
+def parse_loss(text):
+    return ClusterSpec(nodes=2, loss=text).loss
 
 
 # The spellings (mbit, MB/s, refused mbps, ...) are tested once, for every
 # command, in test_units.py; here only what is cluster's own: tc's range,
-# bare numbers (bits, ms), int/float input, the field names.
+# bare numbers (bits, ms), int/float input, the field names, as a ClusterSpec
+# reads them.
 
 @pytest.mark.parametrize("text,bps", [
     ("8000", 8000), ("8000bit", 8000), (10**6, 10**6), (1.5e6, 1_500_000), ("100gbit", 100 * 10**9),

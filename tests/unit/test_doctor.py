@@ -10,10 +10,10 @@ from lorasync import cli
 from lorasync.netdiag.doctor import (Finding, exit_code, format_findings, live_checks, merge_findings,
                                  nccl_ifname_matches, static_checks, worst)
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.netdiag.tune import Link
+from lorasync.plan.planner import Link
 
 HOSTS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hosts")
-LAN_10G = Link(10e9, 1e-3, "given")
+LAN_10G = Link(rate_Bps=10e9 / 8, rtt_s=1e-3, source="given")
 
 
 def host(name, **env):
@@ -122,7 +122,7 @@ def test_jumbo_frames_available_but_unused():
 
 
 def test_tcp_settings_sized_for_bdp():
-    wan = Link(1e9, 40e-3, "given")  # BDP 5 MB -> buffers up to 16 MiB
+    wan = Link(rate_Bps=1e9 / 8, rtt_s=40e-3, source="given")  # BDP 5 MB -> buffers up to 16 MiB
     fs = by_check(static_checks(host("loopback-hostname"), nnodes=2, link=wan))
     rmem = fs["sysctl:net.ipv4.tcp_rmem"][0]
     assert rmem.severity == "warn" and "recommended 4096 131072 16777216" in rmem.found

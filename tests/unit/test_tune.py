@@ -10,11 +10,11 @@ from lorasync import cli
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.netdiag import tune
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.netdiag.tune import Link
+from lorasync.plan.planner import Link
 from lorasync.units import fmt_rate
 
 HOSTS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hosts")
-WAN = Link(1e9, 40e-3, "given")  # BDP 5 MB: 16 MiB buffers
+WAN = Link(rate_Bps=1e9 / 8, rtt_s=40e-3, source="given")  # BDP 5 MB: 16 MiB buffers
 
 
 @pytest.fixture
@@ -46,33 +46,50 @@ def values(root):
 # The spellings are tested once, for every command, in test_units.py; here
 # tune's own: the field names, bits/s, a unit always required.
 
+def _rate_bps(text):
+    return tune.link_from_options(HostInfo(os.path.join(HOSTS, "good")), text, "1ms", None).rate_bps
+
+
+def _rtt_s(text):
+    return tune.link_from_options(HostInfo(os.path.join(HOSTS, "good")), "1gbit", text, None).rtt_s
+
+
 @pytest.mark.parametrize("text,bps", [("100mbit", 100e6), ("10gbit", 10e9), ("125MB/s", 1e9)])
 def test_parse_rate(text, bps):
-    assert tune.parse_rate(text) == pytest.approx(bps)
+    assert _rate_bps(text) == pytest.approx(bps)
 
 
 @pytest.mark.parametrize("text", ["100", "fast", "-1mbit", "0mbit", "10 furlongs", "12.5mbps"])
 def test_parse_rate_rejects(text):
     with pytest.raises(ConfigError, match="--rate"):
-        tune.parse_rate(text)
+        _rate_bps(text)
 
 
 def test_parse_duration_and_tc_rate():
-    assert tune.parse_duration("40ms") == pytest.approx(0.04)
+    assert _rtt_s("40ms") == pytest.approx(0.04)
     with pytest.raises(ConfigError, match="--rtt"):
-        tune.parse_duration("40")
+        _rtt_s("40")
     with pytest.raises(ConfigError, match="--rtt"):
-        tune.parse_duration("-1ms")
+        _rtt_s("-1ms")
     tc = lambda bps: fmt_rate(bps, "tc", unit="bit")  # noqa: E731  (what doctor's advice writes)
     assert tc(10e9) == "10gbit" and tc(100e6) == "100mbit" and tc(1.5e6) == "1.5mbit"
     for bps in (10e9, 100e6, 1.5e6, 123e3):  # what the advice writes, --rate reads back
-        assert tune.parse_rate(tc(bps)) == pytest.approx(bps, rel=1e-3)
+        assert _rate_bps(tc(bps)) == pytest.approx(bps, rel=1e-3)
+
+
+def test_link_options_one_source():
+    host = HostInfo(os.path.join(HOSTS, "good"))
+    assert tune.link_from_options(host, None, None, None) is None
+    with pytest.raises(ConfigError, match="--from-probe"):
+        tune.link_from_options(host, "1gbit", None, "probe.json")
+    part = tune.link_from_options(host, "1gbit", None, None)
+    assert part.rtt_s == tune.default_link(host).rtt_s and part.source.startswith("partly")
 
 
 def test_scope_table_matches_what_the_kernel_does_here():
     assert tune.SYSCTL_SCOPE["net.core.rmem_max"][0] == "global"
     assert tune.SYSCTL_SCOPE["net.ipv4.tcp_rmem"][0] == "netns"
-    recs = tune.recommend(HostInfo(os.path.join(HOSTS, "good")), Link(100e9, 0.1, "given"))
+    recs = tune.recommend(HostInfo(os.path.join(HOSTS, "good")), Link(rate_Bps=100e9 / 8, rtt_s=0.1, source="given"))
     assert {r.key for r in recs} <= set(tune.SYSCTL_SCOPE)
 
 
@@ -92,13 +109,13 @@ def test_recommendations_sized_for_bdp(stock):
 
 def test_never_lowers_and_small_links_need_little():
     good = HostInfo(os.path.join(HOSTS, "good"))  # 64 MiB buffers already
-    recs = tune.recommend(good, Link(100e6, 1e-3, "given"))
+    recs = tune.recommend(good, Link(rate_Bps=100e6 / 8, rtt_s=1e-3, source="given"))
     assert not any(r.change for r in recs)
     assert all(r.recommended.split()[-1] == r.current.split()[-1] for r in recs if r.key.endswith("mem_max"))
 
 
 def test_huge_bdp_capped():
-    assert tune.buffer_target(Link(400e9, 0.2, "given")) == 1 << 30
+    assert tune.buffer_target(Link(rate_Bps=400e9 / 8, rtt_s=0.2, source="given")) == 1 << 30
 
 
 def test_netns_detection(stock, child_ns):
@@ -107,7 +124,7 @@ def test_netns_detection(stock, child_ns):
 
 
 def test_in_child_ns_only_per_namespace_settings_apply(child_ns):
-    recs = {r.key: r for r in tune.recommend(HostInfo(child_ns), Link(10e9, 40e-3, "given"))}
+    recs = {r.key: r for r in tune.recommend(HostInfo(child_ns), Link(rate_Bps=10e9 / 8, rtt_s=40e-3, source="given"))}
     for key in ("net.core.rmem_max", "net.core.wmem_max", "net.core.netdev_max_backlog"):
         assert recs[key].change and not recs[key].applicable and "on the host" in recs[key].note
     assert recs["net.core.netdev_max_backlog"].current is None
@@ -118,7 +135,7 @@ def test_in_child_ns_only_per_namespace_settings_apply(child_ns):
 
 
 def test_emit_script(child_ns):
-    link = Link(10e9, 40e-3, "given")
+    link = Link(rate_Bps=10e9 / 8, rtt_s=40e-3, source="given")
     text = tune.emit_script(tune.recommend(HostInfo(child_ns), link), link)
     lines = text.splitlines()
     assert lines[0] == "#!/bin/sh" and "set -e" in lines
@@ -134,7 +151,7 @@ def test_apply_then_revert_restores_everything(child_ns, tmp_path):
     before = values(child_ns)
     backup = str(tmp_path / "b" / "backup.json")
     host = HostInfo(child_ns)
-    res = tune.apply(host, tune.recommend(host, Link(10e9, 40e-3, "given")), backup)
+    res = tune.apply(host, tune.recommend(host, Link(rate_Bps=10e9 / 8, rtt_s=40e-3, source="given")), backup)
     changed = {c["key"] for c in res["changed"]}
     assert changed == {"net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.ipv4.tcp_slow_start_after_idle",
                        "net.ipv4.tcp_mtu_probing"}
@@ -146,7 +163,7 @@ def test_apply_then_revert_restores_everything(child_ns, tmp_path):
     assert saved["netns_inode"] == 4026532999 and saved["values"]["net.ipv4.tcp_rmem"] == "4096 131072 6291456"
     # a second apply with other targets keeps the first saved (original) values
     host = HostInfo(child_ns)
-    tune.apply(host, tune.recommend(host, Link(100e9, 0.1, "given")), backup)
+    tune.apply(host, tune.recommend(host, Link(rate_Bps=100e9 / 8, rtt_s=0.1, source="given")), backup)
     assert json.load(open(backup))["values"]["net.ipv4.tcp_rmem"] == "4096 131072 6291456"
     res = tune.revert(HostInfo(child_ns), backup)
     assert {r["key"] for r in res["restored"]} == changed

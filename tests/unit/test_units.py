@@ -1,18 +1,20 @@
 """The one table of rate and duration spellings (lorasync.units), and the
 check that every command that takes a rate or a time reads it the same way:
 ``cluster`` (bits/s, tc's 8kbit..100gbit, bare numbers = bits and ms),
-``tune``/``doctor`` (bits/s, --rate/--rtt) and ``plan`` (bytes/s).  The callers'
-own tests check only their ranges and conventions."""
+``tune``/``doctor`` (--rate/--rtt) and ``plan`` (bytes/s), each through the
+one parser with its own range.  The callers' own tests check only their
+ranges and conventions."""
 
 from __future__ import annotations
 
 import pytest
 
 from lorasync.errors import ConfigError
-from lorasync.emulate import cluster
+from lorasync.emulate.cluster import ClusterSpec
 from lorasync.netdiag import tune
+from lorasync.netdiag.hostinfo import HostInfo
 from lorasync import units
-from lorasync.units import parse_duration, parse_rate, parse_rate_Bps, parse_rate_bps
+from lorasync.units import parse_duration, parse_fraction, parse_rate_Bps, parse_rate_bps
 
 # text -> bits per second
 RATES = [
@@ -51,7 +53,6 @@ BARE_DURATIONS = ["30", "0.5"]
 def test_rate_in_bits_and_bytes(text, bps):
     assert parse_rate_bps(text) == pytest.approx(bps)
     assert parse_rate_Bps(text) == pytest.approx(bps / 8)
-    assert parse_rate(text) == parse_rate_Bps(text)  # the planner's name: bytes/s
 
 
 @pytest.mark.parametrize("text, hint", BAD_RATES)
@@ -124,20 +125,40 @@ def test_duration_zero_and_sign():
 
 # --------------------------------------------------------------------------- every caller agrees
 
+def _tune_rate(text):
+    return tune.link_from_options(HostInfo(), text, "1ms", None).rate_bps
+
+
+def _tune_rtt(text):
+    return tune.link_from_options(HostInfo(), "1gbit", text, None).rtt_s
+
+
+def _cluster_rate(text):
+    return ClusterSpec(nodes=2, rate_bps=text).rate_bps
+
+
+def _cluster_delay(text):
+    return ClusterSpec(nodes=2, delay_s=text).delay_s
+
+
+def _plan_rate(text):
+    return parse_rate_Bps(text, "rate") * 8
+
+
 @pytest.mark.parametrize("text, bps", RATES)
 def test_callers_read_a_rate_the_same(text, bps):
-    assert tune.parse_rate(text) == pytest.approx(bps)
+    assert _tune_rate(text) == pytest.approx(bps)
+    assert _plan_rate(text) == pytest.approx(bps)
     if 8000 <= bps <= 100e9:
-        assert cluster.parse_rate(text) == int(bps)
+        assert _cluster_rate(text) == int(bps)
     else:
         with pytest.raises(ConfigError, match="between"):
-            cluster.parse_rate(text)
+            _cluster_rate(text)
 
 
 @pytest.mark.parametrize("text, hint", BAD_RATES)
 def test_callers_refuse_a_rate_the_same(text, hint):
-    for parse, field in ((tune.parse_rate, "--rate"), (cluster.parse_rate, "rate"),
-                         (units.parse_rate, "rate")):
+    for parse, field in ((_tune_rate, "--rate"), (_cluster_rate, "rate"), (_plan_rate, "rate")):
         with pytest.raises(ConfigError) as e:
             parse(text)
         assert e.value.field == field and hint in e.value.fix
@@ -145,20 +166,41 @@ def test_callers_refuse_a_rate_the_same(text, hint):
 
 @pytest.mark.parametrize("text, s", DURATIONS)
 def test_callers_read_a_duration_the_same(text, s):
-    assert tune.parse_duration(text) == pytest.approx(s)
+    assert _tune_rtt(text) == pytest.approx(s)
     if s <= 5:
-        assert cluster.parse_delay(text) == pytest.approx(s)
+        assert _cluster_delay(text) == pytest.approx(s)
     else:
         with pytest.raises(ConfigError, match="between"):
-            cluster.parse_delay(text)
+            _cluster_delay(text)
 
 
 @pytest.mark.parametrize("text, hint", BAD_DURATIONS)
 def test_callers_refuse_a_duration_the_same(text, hint):
-    for parse, field in ((tune.parse_duration, "--rtt"), (cluster.parse_delay, "delay")):
+    for parse, field in ((_tune_rtt, "--rtt"), (_cluster_delay, "delay")):
         with pytest.raises(ConfigError) as e:
             parse(text)
         assert e.value.field == field and hint in e.value.fix
+
+
+@pytest.mark.parametrize("text, share", [("0.1%", 0.001), ("1%", 0.01), ("0", 0.0), ("0%", 0.0),
+                                         (0.02, 0.02)])
+def test_fraction(text, share):
+    assert parse_fraction(text, "loss", below=0.5) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("text, hint", [("0.1", "percentage"), ("60%", "below 50%"),
+                                        ("lots", "percentage"), ("-1%", "percentage")])
+def test_fraction_refused(text, hint):
+    with pytest.raises(ConfigError) as e:
+        parse_fraction(text, "loss", below=0.5)
+    assert e.value.field == "loss" and hint in e.value.fix
+
+
+def test_rate_range_names_both_ends():
+    with pytest.raises(ConfigError, match="between 8kbit and 100gbit"):
+        parse_rate_bps("1kbit", within_bps=(8000, 100e9))
+    with pytest.raises(ConfigError, match="between 0 and 5s"):
+        parse_duration("6s", "delay", maximum_s=5.0)
 
 
 @pytest.mark.parametrize("text,value", [

@@ -23,7 +23,7 @@ import argparse
 import json
 import subprocess
 
-from lorasync.units import fmt_rate
+from lorasync.units import fmt_rate, parse_rate_bps
 
 __all__ = ["add_arguments", "run"]
 
@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
     cmd = args.cluster_cmd
     if cmd == "up":
-        pairs = dict(cl._parse_pair(p) for p in args.pair_rate)
+        pairs = dict(cl.parse_pair_rate(p) for p in args.pair_rate)
         nat = [x.strip() for item in args.nat for x in item.replace("+", ",").split(",") if x.strip()]
-        spec = cl.ClusterSpec(nodes=args.nodes, rate_bps=args.rate and cl.parse_rate(args.rate),
-                              delay_s=cl.parse_delay(args.delay), loss=cl.parse_loss(args.loss),
+        spec = cl.ClusterSpec(nodes=args.nodes, rate_bps=args.rate or None,
+                              delay_s=args.delay, loss=args.loss,
                               pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu,
                               nat=nat, overlay=args.overlay)
         c = cl.Cluster.up(spec)
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         c = cl.Cluster.load(args.name)
         node = None if args.node is None else c.node(args.node).index
         c.set_rate(args.rate, node)
-        print(f"rate {fmt_rate(cl.parse_rate(args.rate), 'tc', unit='bit')} on "
+        print(f"rate {fmt_rate(parse_rate_bps(args.rate, bare_bits=True), 'tc', unit='bit')} on "
               + ("all nodes" if node is None else f"node{node}"))
         return 0
     raise AssertionError(cmd)
@@ -140,7 +140,7 @@ def _print_status(st: dict) -> None:
     conf = st["configured"]
     if "measured" in st:
         m = st["measured"]
-        rate = f"{m['rate_bps'] / 1e6:.1f} Mbit/s"
+        rate = fmt_rate(m["rate_bps"], unit="bit")
         if conf["rate_bps"]:
             rate += f" ({m['rate_bps'] / conf['rate_bps']:.2f}x of {fmt_rate(conf['rate_bps'], 'tc', unit='bit')})"
         rtt = f"{m['rtt_s'] * 1e3:.2f} ms"

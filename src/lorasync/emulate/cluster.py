@@ -66,7 +66,7 @@ from typing import Callable, Iterator, Sequence
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import CLUSTERS_DIR, pid_alive
 from lorasync.launch.agent import agent_argv
-from lorasync.units import fmt_rate, parse_duration, parse_rate_bps
+from lorasync.units import fmt_rate, parse_duration, parse_fraction, parse_rate_bps
 
 __all__ = [
     "Cluster",
@@ -76,10 +76,8 @@ __all__ = [
     "down",
     "emulated",
     "launch_on_cluster",
-    "parse_delay",
     "parse_emulate",
-    "parse_loss",
-    "parse_rate",
+    "parse_pair_rate",
 ]
 
 PREFIX = "lsync"
@@ -91,56 +89,39 @@ _MAX_GSO = 65536  # largest skb TCP hands a veth; queues must hold a few
 
 # ---------------------------------------------------------------- parsing
 
-def parse_rate(text: str | int | float, field: str = "rate") -> int:
-    """``"100mbit"`` -> 100_000_000 (bits/s), for tc.
-
-    The units are :mod:`lorasync.units`' (the same for every command;
-    ``mbps`` is refused as ambiguous); as in tc a bare number is bits/s.
-    Only the range is this module's: tc/htb shapes 8kbit..100gbit.
-    """
-    value = parse_rate_bps(text, field, bare_bits=True)
-    if not 8000 <= value <= 100e9:
-        raise ConfigError(field, text, "must be between 8kbit and 100gbit")
-    return int(value)
+#: what tc/htb shapes, bits/s
+TC_RATES_bps = (8000, 100e9)
+#: the delay forwarder holds packets up to this long, one way
+MAX_DELAY_S = 5.0
+#: loss this high or more is no link
+MAX_LOSS = 0.5
 
 
-def parse_delay(text: str | int | float, field: str = "delay") -> float:
-    """``"20ms"`` -> 0.02 (seconds), units as :func:`lorasync.units.parse_duration`;
-    a bare number in a string is ms, like tc; an int/float is seconds (``ClusterSpec.delay_s``).
-    """
+def _rate(text: str | int | float, field: str = "rate") -> int:
+    """bits/s for tc: a bare number is bits/s, as in tc."""
+    return int(parse_rate_bps(text, field, bare_bits=True, within_bps=TC_RATES_bps))
+
+
+def _delay(text: str | int | float, field: str = "delay") -> float:
+    """seconds, one way: a bare number in a string is ms, like tc; an
+    int/float is seconds (``ClusterSpec.delay_s``)."""
     numeric = isinstance(text, (int, float)) and not isinstance(text, bool)
-    value = parse_duration(text, field, bare="s" if numeric else "ms")
-    if not 0 <= value <= 5:
-        raise ConfigError(field, text, "must be between 0 and 5s")
-    return value
+    return parse_duration(text, field, bare="s" if numeric else "ms", maximum_s=MAX_DELAY_S)
 
 
-def parse_loss(text: str | int | float, field: str = "loss") -> float:
-    """``"0.1%"`` -> 0.001 (probability per packet); a percent sign is required."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        s = str(text).strip()
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)%", s)
-        if m:
-            value = float(m.group(1)) / 100
-        elif re.fullmatch(r"0*\.?0*", s) and s:
-            value = 0.0
-        else:
-            raise ConfigError(field, text, "write a percentage such as 0.1% or 1%")
-    if not 0 <= value < 0.5:
-        raise ConfigError(field, text, "must be at least 0% and below 50%")
-    return value
+def _loss(text: str | int | float, field: str = "loss") -> float:
+    return parse_fraction(text, field, below=MAX_LOSS)
 
 
-def _parse_pair(text: str, field: str = "pair-rate") -> tuple[tuple[int, int], int]:
+def parse_pair_rate(text: str, field: str = "pair-rate") -> tuple[tuple[int, int], int]:
+    """``"0-1=10mbit"`` -> ((0, 1), 10_000_000): the rate between two nodes."""
     m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*[=:]\s*(\S+)\s*", str(text))
     if not m:
         raise ConfigError(field, text, "write I-J=RATE, e.g. 0-1=10mbit")
     i, j = int(m.group(1)), int(m.group(2))
     if i == j:
         raise ConfigError(field, text, "a pair needs two different nodes")
-    return (min(i, j), max(i, j)), parse_rate(m.group(3), field)
+    return (min(i, j), max(i, j)), _rate(m.group(3), field)
 
 
 @dataclasses.dataclass
@@ -176,11 +157,11 @@ class ClusterSpec:
 
     def __post_init__(self):
         if isinstance(self.rate_bps, str):
-            self.rate_bps = parse_rate(self.rate_bps)
+            self.rate_bps = _rate(self.rate_bps)
         if isinstance(self.delay_s, str):
-            self.delay_s = parse_delay(self.delay_s)
+            self.delay_s = _delay(self.delay_s)
         if isinstance(self.loss, str):
-            self.loss = parse_loss(self.loss)
+            self.loss = _loss(self.loss)
         if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
             raise ConfigError("nodes", self.nodes, "give a whole number of nodes, at least 1")
         if not _NAME_RE.match(str(self.name)):
@@ -194,9 +175,9 @@ class ClusterSpec:
         if self.nodes > net.num_addresses - 3:
             raise ConfigError("nodes", self.nodes, f"at most {net.num_addresses - 3} fit in {self.subnet}")
         if self.rate_bps is not None:
-            self.rate_bps = parse_rate(self.rate_bps)
-        self.delay_s = parse_delay(self.delay_s)
-        self.loss = parse_loss(self.loss)
+            self.rate_bps = _rate(self.rate_bps)
+        self.delay_s = _delay(self.delay_s)
+        self.loss = _loss(self.loss)
         pairs = {}
         for key, rate in dict(self.pair_rates).items():
             if isinstance(key, str):
@@ -205,7 +186,7 @@ class ClusterSpec:
             if i == j or j >= self.nodes:
                 raise ConfigError("pair-rate", f"{key[0]}-{key[1]}",
                                   f"name two different nodes between 0 and {self.nodes - 1}")
-            pairs[(i, j)] = parse_rate(rate, "pair-rate")
+            pairs[(i, j)] = _rate(rate, "pair-rate")
         self.pair_rates = pairs
         if self.mtu is not None and not 576 <= int(self.mtu) <= 65000:
             raise ConfigError("mtu", self.mtu, "must be between 576 and 65000")
@@ -305,13 +286,13 @@ def parse_emulate(text: str) -> ClusterSpec:
                 raise ConfigError("nodes", value, "give a whole number of nodes, at least 1")
             kw["nodes"] = int(value)
         elif key == "rate":
-            kw["rate_bps"] = parse_rate(value)
+            kw["rate_bps"] = _rate(value)
         elif key == "delay":
-            kw["delay_s"] = parse_delay(value)
+            kw["delay_s"] = _delay(value)
         elif key == "loss":
-            kw["loss"] = parse_loss(value)
+            kw["loss"] = _loss(value)
         elif key in ("pair", "pair_rate"):
-            pair, rate = _parse_pair(value, "pair")
+            pair, rate = parse_pair_rate(value, "pair")
             kw["pair_rates"][pair] = rate
         elif key in ("name", "subnet"):
             kw[key] = value
@@ -764,7 +745,7 @@ class Cluster:
         The new rates go to the state file, so ``status`` and other processes
         see them.
         """
-        bps = parse_rate(rate)
+        bps = _rate(rate)
         targets = range(len(self.nodes)) if node is None else [self._index(node)]
         for i in targets:
             n, was = self.nodes[i], self.node_rates[i]

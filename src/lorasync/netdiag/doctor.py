@@ -21,7 +21,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 
 from lorasync.netdiag.hostinfo import HostInfo, is_loopback_address, is_public_address
-from lorasync.netdiag.tune import Link, default_link, recommend
+from lorasync.netdiag.tune import default_link, recommend
+from lorasync.plan.planner import Link
 from lorasync.units import fmt_rate
 
 __all__ = [
@@ -614,8 +615,8 @@ def live_checks(facts: list[dict], probe: dict | None = None) -> list[Finding]:
         def who(r):
             f = facts[r] if r < n else {}
             return f"rank {r} ({f.get('hostname')} {f.get('addr')})"
-        text = (f"slowest link {who(sp['src'])} -> {who(sp['dst'])}: {sp['bandwidth_Bps'] / 1e6:.3g} MB/s, "
-                f"fastest pair {fastest / 1e6:.3g} MB/s")
+        text = (f"slowest link {who(sp['src'])} -> {who(sp['dst'])}: "
+                f"{fmt_rate(sp['bandwidth_Bps'], 'bytes')}, fastest pair {fmt_rate(fastest, 'bytes')}")
         # a rank in every slow pair is the slow node, not the link
         slow = [p for p in pairs if p["bandwidth_Bps"] < 0.5 * fastest]
         if slow:

@@ -52,18 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _link(args, host):
-    from lorasync.netdiag.tune import Link, default_link, link_from_probe, parse_duration, parse_rate
+    from lorasync.netdiag.tune import link_from_options
 
-    if args.from_probe:
-        if args.rate or args.rtt:
-            raise ConfigError("--from-probe", args.from_probe, "give either --from-probe or --rate/--rtt")
-        return link_from_probe(args.from_probe)
-    if args.rate or args.rtt:
-        base = default_link(host)
-        rate = parse_rate(args.rate) if args.rate else base.rate_bps
-        rtt = parse_duration(args.rtt) if args.rtt else base.rtt_s
-        return Link(rate, rtt, "given" if args.rate and args.rtt else "partly given, rest assumed")
-    return None
+    return link_from_options(host, args.rate, args.rtt, args.from_probe)
 
 
 def _nccl(args, link) -> list:

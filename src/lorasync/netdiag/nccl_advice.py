@@ -12,6 +12,7 @@ by how much.  NCCL_PROTO is never advised (the model has no protocol term).
 from __future__ import annotations
 
 from lorasync.netdiag.doctor import Finding
+from lorasync.units import fmt_duration, fmt_rate
 
 __all__ = ["nccl_findings"]
 
@@ -36,8 +37,8 @@ def nccl_findings(*, nnodes: int, ranks_per_node: int, rate_bps: float, rtt_s: f
     step = nccl_advice(net, wl, strategy)
     if step is None:
         return []
-    where = (f"{nnodes} node(s) x {ranks_per_node} GPU(s), {rate_bps / 1e9:g} Gbit/s, "
-             f"RTT {rtt_s * 1e3:g} ms")
+    where = (f"{nnodes} node(s) x {ranks_per_node} GPU(s), {fmt_rate(rate_bps, unit='bit')}, "
+             f"RTT {fmt_duration(rtt_s)}")
     gain = f"{100 * step.gain:+.1f}% predicted" if step.gain is not None else "gain unknown"
     if step.worthwhile:
         return [Finding("nccl-algo", "info", f"{where}: tree all-reduce {gain} over the ring",

@@ -28,16 +28,13 @@ from typing import Callable
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import require_root
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.units import parse_duration as _parse_duration
-from lorasync.units import fmt_rate, parse_rate_bps
+from lorasync.plan.planner import Link
+from lorasync.units import fmt_bytes, parse_duration, parse_rate_bps
 
 __all__ = [
     "SYSCTL_SCOPE",
-    "Link",
-    "Recommendation",
-    "parse_rate",
-    "parse_duration",
-    "format_bytes",
+    "SysctlAdvice",
+    "link_from_options",
     "link_from_probe",
     "link_from_probe_data",
     "default_link",
@@ -72,25 +69,10 @@ _MIN_BUF = 4 * _MIB  # below this, autotuning defaults are already enough
 _MAX_BUF = 1 << 30  # beyond this, memory pressure hurts more than the window helps
 
 
-@dataclass(frozen=True)
-class Link:
-    """The link settings are sized for."""
-
-    rate_bps: float  # bits per second
-    rtt_s: float
-    source: str  # "given", "probe FILE", "assumed (...)"
-
-    @property
-    def bdp_bytes(self) -> float:
-        return self.rate_bps / 8 * self.rtt_s
-
-    def describe(self) -> str:
-        return (f"{fmt_rate(self.rate_bps, unit='bit')}, RTT {self.rtt_s * 1e3:.3g} ms, "
-                f"BDP {format_bytes(self.bdp_bytes)} ({self.source})")
-
-
 @dataclass
-class Recommendation:
+class SysctlAdvice:
+    """What ``tune`` recommends for one sysctl, and whether it can apply it here."""
+
     key: str
     current: str | None  # None: not visible here
     recommended: str
@@ -103,27 +85,6 @@ class Recommendation:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# -- units -------------------------------------------------------------------
-def parse_rate(text: str, field: str = "--rate") -> float:
-    """A link rate in bits per second (``100mbit``, ``1Gb/s``, ``12.5MB/s``):
-    :func:`lorasync.units.parse_rate_bps`, the rule every command shares
-    (``mbps`` is refused as ambiguous; a unit is required)."""
-    return parse_rate_bps(text, field)
-
-
-def parse_duration(text: str, field: str = "--rtt") -> float:
-    """A duration in seconds (``40ms``, ``0.5s``, ``250us``), unit required:
-    :func:`lorasync.units.parse_duration`."""
-    return _parse_duration(text, field)
-
-
-def format_bytes(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= div:
-            return f"{n / div:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 # -- which link --------------------------------------------------------------
@@ -147,7 +108,7 @@ def link_from_probe_data(data: dict, source: str = "measured by the probe") -> L
     lats = sorted(p.get("latency_min_s") or p["latency_s"] for p in data.get("pairs") or []
                   if p.get("latency_min_s") or p.get("latency_s"))
     one_way = lats[len(lats) // 2] if lats else float(model["latency_s"])
-    return Link(bw * 8, max(2 * one_way, 1e-6), source)
+    return Link(rate_Bps=bw, rtt_s=max(2 * one_way, 1e-6), source=source)
 
 
 def default_link(host: HostInfo) -> Link:
@@ -155,7 +116,25 @@ def default_link(host: HostInfo) -> Link:
     candidate interface's speed (1 Gbit/s if no driver says) and a LAN RTT."""
     speeds = [i.speed_mbps for i in host.candidate_interfaces() if i.speed_mbps]
     rate = max(speeds) * 1e6 if speeds else 1e9
-    return Link(rate, 1e-3, "assumed: interface speed and 1 ms RTT; pass --rate/--rtt or --from-probe")
+    return Link(rate_Bps=rate / 8, rtt_s=1e-3,
+                source="assumed: interface speed and 1 ms RTT; pass --rate/--rtt or --from-probe")
+
+
+def link_from_options(host: HostInfo, rate: str | None, rtt: str | None,
+                      from_probe: str | None) -> Link | None:
+    """The link ``--rate``/``--rtt`` or ``--from-probe`` describe (what is not
+    given, assumed as :func:`default_link`), or None when none is given."""
+    given_rate, given_rtt = rate is not None, rtt is not None
+    if from_probe:
+        if given_rate or given_rtt:
+            raise ConfigError("--from-probe", from_probe, "give either --from-probe or --rate/--rtt")
+        return link_from_probe(from_probe)
+    if not (given_rate or given_rtt):
+        return None
+    base = default_link(host)
+    return Link(rate_Bps=parse_rate_bps(rate, "--rate") / 8 if given_rate else base.rate_Bps,
+                rtt_s=parse_duration(rtt, "--rtt") if given_rtt else base.rtt_s,
+                source="given" if given_rate and given_rtt else "partly given, rest assumed")
 
 
 # -- recommendations -----------------------------------------------------------
@@ -170,13 +149,13 @@ def buffer_target(link: Link) -> int:
     return int(min(max(_pow2_at_least(2 * link.bdp_bytes), _MIN_BUF), _MAX_BUF))
 
 
-def recommend(host: HostInfo, link: Link) -> list[Recommendation]:
+def recommend(host: HostInfo, link: Link) -> list[SysctlAdvice]:
     """Current vs recommended value and the reason, for every setting we tune."""
     ns = host.netns()
     in_child_ns = ns.initial is not True  # unknown counts as child: never touch the host
     target = buffer_target(link)
-    bdp = format_bytes(link.bdp_bytes)
-    recs: list[Recommendation] = []
+    bdp = fmt_bytes(link.bdp_bytes, binary=True)
+    recs: list[SysctlAdvice] = []
 
     def add(key: str, recommended: str, reason: str, severity: str, note: str = ""):
         current = host.sysctl(key)
@@ -192,14 +171,14 @@ def recommend(host: HostInfo, link: Link) -> list[Recommendation]:
             why = "not writable here" if current is not None else "not present here"
             if scope == "netns" and in_child_ns and current is not None:
                 why += " (expected per-namespace on this kernel; check SYSCTL_SCOPE)"
-        recs.append(Recommendation(key, current, recommended, reason, severity, scope,
+        recs.append(SysctlAdvice(key, current, recommended, reason, severity, scope,
                                    change, applicable and change, why if change else ""))
 
     for key, what in (("net.core.rmem_max", "receive"), ("net.core.wmem_max", "send")):
         cur = _int(host.sysctl(key))
         add(key, str(max(cur or 0, target)),
             f"caps the {what} buffer a program sets with SO_{'RCV' if what == 'receive' else 'SND'}BUF; "
-            f"{format_bytes(target)} covers 2 x BDP ({bdp})", "info")
+            f"{fmt_bytes(target, binary=True)} covers 2 x BDP ({bdp})", "info")
     for key, what in (("net.ipv4.tcp_rmem", "receive"), ("net.ipv4.tcp_wmem", "send")):
         cur = (host.sysctl(key) or "4096 131072 6291456").split()
         lo, mid, hi = (int(x) for x in cur[:3])
@@ -247,7 +226,7 @@ def _shell_value(v: str) -> str:
 
 
 # -- emit ------------------------------------------------------------------------
-def emit_script(recs: list[Recommendation], link: Link) -> str:
+def emit_script(recs: list[SysctlAdvice], link: Link) -> str:
     """A sh script of ``sysctl -w`` lines making exactly the changes ``apply``
     would make here; changes that cannot be made here are comments."""
     lines = ["#!/bin/sh",
@@ -333,7 +312,7 @@ def _try_write(host: HostInfo, key: str, value: str, writer: Writer) -> list[str
         return [str(exc)]
 
 
-def apply(host: HostInfo, recs: list[Recommendation], backup: str | None = None, *,
+def apply(host: HostInfo, recs: list[SysctlAdvice], backup: str | None = None, *,
           writer: Writer = _write_file) -> dict:
     """Make every applicable recommended change, or none.
 

@@ -43,18 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _link(args, host):
-    from lorasync.netdiag.tune import Link, default_link, link_from_probe, parse_duration, parse_rate
+    from lorasync.netdiag.tune import default_link, link_from_options
 
-    if args.from_probe:
-        if args.rate or args.rtt:
-            raise ConfigError("--from-probe", args.from_probe, "give either --from-probe or --rate/--rtt")
-        return link_from_probe(args.from_probe)
-    base = default_link(host)
-    if args.rate or args.rtt:
-        return Link(parse_rate(args.rate) if args.rate else base.rate_bps,
-                    parse_duration(args.rtt) if args.rtt else base.rtt_s,
-                    "given" if args.rate and args.rtt else "partly given, rest assumed")
-    return base
+    return (link_from_options(host, args.rate, args.rtt, args.from_probe)
+            or default_link(host))
 
 
 def _table(recs) -> str:

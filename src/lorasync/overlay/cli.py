@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from lorasync.units import fmt_bytes, fmt_rate
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -147,15 +149,6 @@ def _ago(s):
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago"
 
 
-def _bytes(b):
-    if b is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= scale:
-            return f"{b / scale:.1f} {unit}"
-    return f"{b} B"
-
-
 def _status(args) -> int:
     from lorasync.overlay import tunnel
 
@@ -185,11 +178,11 @@ def format_status(sts: list[dict]) -> str:
         for p in t["peers"]:
             hs = "(hub's)" if p["relayed"] else _ago(p["handshake_age_s"])
             rtt = f"{p['rtt_s'] * 1e3:.2f} ms" if p.get("rtt_s") is not None else "-"
-            rate = f"{p['rate_bps'] / 1e6:.1f} Mbit/s" if p.get("rate_bps") is not None else \
+            rate = fmt_rate(p["rate_bps"], unit="bit") if p.get("rate_bps") is not None else \
                 ("unreachable" if p.get("measure_error") else "-")
             lines.append(f"  {p['name']:12} {p['address']:12} {p['route']:14} "
-                         f"{(p['endpoint'] or '-'):22} {hs:11} {_bytes(p['rx_bytes']):>9} "
-                         f"{_bytes(p['tx_bytes']):>9} {rtt:>9} {rate:>13}")
+                         f"{(p['endpoint'] or '-'):22} {hs:11} {fmt_bytes(p['rx_bytes']) if p['rx_bytes'] is not None else '-':>9} "
+                         f"{fmt_bytes(p['tx_bytes']) if p['tx_bytes'] is not None else '-':>9} {rtt:>9} {rate:>13}")
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ from lorasync.plan.planner import (
     what_if_net,
 )
 from lorasync.units import (
-    fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate, parse_size,
+    fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate_Bps, parse_size,
 )
 
 
@@ -233,7 +233,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         raise ConfigError("--ranks-per-node", g, "--intra-rate, --intra-latency and --layout "
                           "describe several ranks per node: give --ranks-per-node G > 1")
     ranks = None if args.nodes is None else args.nodes * g
-    rate = parse_rate(args.rate, "--rate") if args.rate else None
+    rate = parse_rate_Bps(args.rate, "--rate") if args.rate else None
     rtt = parse_duration(args.rtt, "--rtt") if args.rtt else None
     window = parse_size(args.tcp_window, "--tcp-window")
     if not 0 < args.link_efficiency <= 1:
@@ -271,7 +271,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         if net.world_size % g:
             raise ConfigError("--ranks-per-node", g, f"must divide the probe's world size "
                               f"{net.world_size} (or give --nodes)")
-        irate = parse_rate(args.intra_rate or _DEFAULT_INTRA_RATE, "--intra-rate")
+        irate = parse_rate_Bps(args.intra_rate or _DEFAULT_INTRA_RATE, "--intra-rate")
         ialpha = parse_duration(args.intra_latency or _DEFAULT_INTRA_ALPHA, "--intra-latency")
         if not args.intra_rate:
             notes.append(f"intra-node link assumed {_DEFAULT_INTRA_RATE} (PCIe 4.0 x16; NVLink "

@@ -86,7 +86,8 @@ VARIANT_TIE = 0.01
 
 @dataclass(frozen=True)
 class Link:
-    """What is known about the link beyond the alpha-beta fit (used for advice)."""
+    """What is known about the link beyond the alpha-beta fit: what the
+    planner's advice and ``tune``'s TCP settings are sized for."""
 
     #: round-trip time; None when unknown
     rtt_s: float | None = None
@@ -95,8 +96,29 @@ class Link:
     efficiency: float = LINK_EFFICIENCY
     tcp_window_bytes: float = DEFAULT_TCP_WINDOW
     rdma: bool = False
-    #: "what-if" (described by the user) or "probe" (measured)
+    #: where the figures come from: "what-if" (described by the user), "probe"
+    #: (measured), or tune's words ("given", "probe FILE", "assumed: ...")
     source: str = "what-if"
+
+    @property
+    def rate_bps(self) -> float | None:
+        """The line rate in bits/s, as links are named."""
+        return None if self.rate_Bps is None else self.rate_Bps * 8
+
+    @property
+    def bdp_bytes(self) -> float | None:
+        """Bandwidth-delay product: what TCP must have in flight to fill the link."""
+        if self.rate_Bps is None or self.rtt_s is None:
+            return None
+        return self.rate_Bps * self.rtt_s
+
+    def describe(self) -> str:
+        """``1 Gbit/s, RTT 40 ms, BDP 4.77 MiB (given)``."""
+        parts = [fmt_rate(self.rate_Bps) if self.rate_Bps is not None else "rate unknown",
+                 f"RTT {self.rtt_s * 1e3:.3g} ms" if self.rtt_s is not None else "RTT unknown"]
+        if self.bdp_bytes is not None:
+            parts.append(f"BDP {fmt_bytes(self.bdp_bytes, binary=True)}")
+        return ", ".join(parts) + f" ({self.source})"
 
 
 @dataclass(frozen=True)
