@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)

@@ -10,11 +10,12 @@ read back; this module is the one home of those few host facts.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from lorasync.errors import EnvironmentProblem
 
-__all__ = ["RUN_DIR", "CLUSTERS_DIR", "TUNNELS_DIR", "pid_alive", "require_root"]
+__all__ = ["RUN_DIR", "CLUSTERS_DIR", "TUNNELS_DIR", "pid_alive", "require_root", "as_root"]
 
 #: runtime state (gone at reboot, as the namespaces and tunnels it describes)
 RUN_DIR = Path("/run/lorasync")
@@ -35,8 +36,18 @@ def pid_alive(pid: int | None) -> bool:
     return state != "Z"
 
 
+def as_root(args: str) -> str:
+    """The command line that runs ``lorasync ARGS`` as root from here: sudo
+    does not keep a venv's PATH, so the lorasync this process runs, by its
+    full path."""
+    exe = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(exe) == "lorasync":
+        return f"sudo {exe} {args}"
+    return f"sudo {sys.executable} -m lorasync {args}"
+
+
 def require_root(what: str, fix: str) -> None:
     """Raise :class:`EnvironmentProblem` unless this process is root:
-    ``"{what} needs root ...: {fix}"``."""
+    ``"{what}: {fix}"``."""
     if os.geteuid() != 0:
         raise EnvironmentProblem(f"{what}: {fix}")

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.hostops import CLUSTERS_DIR, pid_alive
+from lorasync.hostops import CLUSTERS_DIR, as_root, pid_alive, require_root
 from lorasync.launch.agent import agent_argv
 from lorasync.units import fmt_rate, parse_duration, parse_fraction, parse_rate_bps
 
@@ -317,9 +317,8 @@ def parse_emulate(text: str) -> ClusterSpec:
 # ---------------------------------------------------------------- host commands
 
 def _require_host(need_tun: bool = False) -> None:
-    if os.geteuid() != 0:
-        raise EnvironmentProblem("an emulated cluster needs root (network namespaces, tc): "
-                                 "run as root, e.g. sudo lorasync cluster up ...")
+    require_root("an emulated cluster needs root (network namespaces, tc)",
+                 f"run as root, e.g. {as_root('cluster up ...')}")
     for tool in ("ip", "tc"):
         if not shutil.which(tool):
             raise EnvironmentProblem(f"'{tool}' not found: install iproute2 (apt-get install iproute2)")

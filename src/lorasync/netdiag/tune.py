@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.hostops import require_root
+from lorasync.hostops import as_root, require_root
 from lorasync.netdiag.hostinfo import HostInfo
 from lorasync.plan.planner import Link
 from lorasync.units import fmt_bytes, parse_duration, parse_rate_bps
@@ -272,7 +272,8 @@ def default_backup_path(host: HostInfo) -> str:
 def _require_root(host: HostInfo, what: str) -> None:
     if not host.fake:   # a fake root (--root DIR) is the caller's own files
         require_root(f"tune {what} writes /proc/sys and needs root",
-                     "run it with sudo (or use --emit and apply the script yourself)")
+                     f"run it as root, e.g. {as_root('tune ' + what + ' ...')} "
+                     "(or use --emit and apply the script yourself)")
 
 
 def _save_json(path: str, data: dict) -> None:

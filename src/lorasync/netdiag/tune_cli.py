@@ -2,8 +2,8 @@
 
     lorasync tune --rate 100mbit --rtt 40ms              # --check: current, recommended, why
     lorasync tune --from-probe probe.json --emit > tune.sh
-    sudo lorasync tune --rate 10gbit --rtt 2ms --apply  # all or nothing, with a backup
-    sudo lorasync tune --revert                         # back to the values before --apply
+    sudo .venv/bin/lorasync tune --rate 10gbit --rtt 2ms --apply  # all or nothing, with a backup
+    sudo .venv/bin/lorasync tune --revert                         # back to the values before --apply
 
 Inside a network namespace (``ip netns exec NS lorasync tune --apply``)
 only the per-namespace settings change; host-global ones are listed with

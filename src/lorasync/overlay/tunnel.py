@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
-from lorasync.hostops import TUNNELS_DIR, pid_alive, require_root
+from lorasync.hostops import TUNNELS_DIR, as_root, pid_alive, require_root
 from lorasync.overlay import linktest
 from lorasync.overlay import wireguard as wg
 
@@ -736,7 +736,7 @@ def supervise_main(argv: list[str] | None = None) -> int:
 def check_root() -> None:
     """A tunnel needs root: raise the error that says so, unless we are root."""
     require_root("a tunnel needs root (TUN device, addresses, routes)",
-                 "run as root, e.g. sudo lorasync tunnel up ...")
+                 f"run as root, e.g. {as_root('tunnel up ...')}")
 
 
 def states() -> list[dict]:
