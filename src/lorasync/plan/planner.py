@@ -4,9 +4,10 @@ Pure: measurements in (a ``Net``, a ``Workload``, what is known about the
 link), ranked predictions, a recommendation and ordered advice out.
 
 * ``rank(net, workload)``: every strategy's ``Prediction``, fastest first.
-* ``choose(Measurements) -> Recommendation``: the seam for the online
-  controller (``plan/auto.py``), which calls it every K steps with fresh link
-  and compute measurements.  The rule: the best predicted throughput, but a
+* ``choose(Measurements) -> Recommendation``: the seam for ``auto``
+  (:mod:`lorasync.plan.policy` decides with it, :mod:`lorasync.comm.auto`
+  runs the decisions), every K steps with fresh link and compute
+  measurements.  The rule: the best predicted throughput, but a
   lossless strategy when one is within ``lossless_margin`` (5%) of the best,
   and fp32 all-reduce when it is within ``exact_margin`` (1%) of that; with
   ``current`` set, keep the strategy in use unless the pick beats it by more
