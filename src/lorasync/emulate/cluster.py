@@ -695,23 +695,24 @@ class Cluster:
         """(Re)build both ends' qdiscs of node ``index`` from ``self.spec``."""
         n, spec = self.nodes[index], self.spec
         pairs = {(j if i == index else i): r for (i, j), r in spec.pair_rates.items() if index in (i, j)}
-        rate = self.node_rates[index]
+        rate_bps = self.node_rates[index]
         # by the address the other node's packets carry (its router's, behind NAT)
-        self._shape_dev(n.netns, n.ifname, rate, {self.nodes[j].outside: r for j, r in sorted(pairs.items())})
-        self._shape_dev(self.hub_netns, f"p{index}", rate, {})
+        self._shape_dev(n.netns, n.ifname, rate_bps,
+                        {self.nodes[j].outside: r for j, r in sorted(pairs.items())})
+        self._shape_dev(self.hub_netns, f"p{index}", rate_bps, {})
 
-    def _shape_dev(self, ns: str, dev: str, rate: int | None, by_dst: dict[str, int]) -> None:
+    def _shape_dev(self, ns: str, dev: str, rate_bps: int | None, by_dst: dict[str, int]) -> None:
         _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-        if rate is None and not by_dst:
+        if rate_bps is None and not by_dst:
             return
         # unclassified traffic goes to 1:10 (shaped) or, unshaped, straight through (default 0)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
-              "default", "10" if rate else "0"])
+              "default", "10" if rate_bps else "0"])
         parent = "1:"
-        if rate:
+        if rate_bps:
             _run(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1",
-                  "htb", *self._htb_args(rate)])
-            self._leaf(ns, dev, "1:1", 10, rate)
+                  "htb", *self._htb_args(rate_bps)])
+            self._leaf(ns, dev, "1:1", 10, rate_bps)
             parent = "1:1"
         for k, (addr, prate) in enumerate(by_dst.items()):
             minor = 100 + k
@@ -719,22 +720,22 @@ class Cluster:
             _run(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip",
                   "prio", "1", "u32", "match", "ip", "dst", f"{addr}/32", "flowid", f"1:{minor}"])
 
-    def _leaf(self, ns: str, dev: str, parent: str, minor: int, rate: int) -> None:
+    def _leaf(self, ns: str, dev: str, parent: str, minor: int, rate_bps: int) -> None:
         _run(["tc", "-n", ns, "class", "add", "dev", dev, "parent", parent, "classid", f"1:{minor}",
-              "htb", *self._htb_args(rate)])
+              "htb", *self._htb_args(rate_bps)])
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", f"1:{minor}", "handle",
-              f"{minor}:", "bfifo", "limit", str(self._queue_limit(rate))])
+              f"{minor}:", "bfifo", "limit", str(self._queue_limit(rate_bps))])
 
-    def _queue_limit(self, rate: int) -> int:
+    def _queue_limit(self, rate_bps: int) -> int:
         # a bounded queue (about 100 ms, at least a few full-size packets), as a switch
         # port has; htb's default pfifo of 1000 packets would hold seconds of data
-        return max(2 * max(_MAX_GSO, self.spec.link_mtu), int(rate / 8 * 0.1))
+        return max(2 * max(_MAX_GSO, self.spec.link_mtu), int(rate_bps / 8 * 0.1))
 
-    def _htb_args(self, rate: int) -> list[str]:
-        # burst: 1 ms at rate, at least one full-size packet, so fast links are not
+    def _htb_args(self, rate_bps: int) -> list[str]:
+        # burst: 1 ms at the rate, at least one full-size packet, so fast links are not
         # held back by timer granularity and slow ones do not overshoot by much
-        burst = max(self.spec.link_mtu + 100, _MAX_GSO // 2, int(rate / 8 * 0.001))
-        return ["rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", str(burst), "cburst", str(burst),
+        burst = max(self.spec.link_mtu + 100, _MAX_GSO // 2, int(rate_bps / 8 * 0.001))
+        return ["rate", f"{rate_bps}bit", "ceil", f"{rate_bps}bit", "burst", str(burst), "cburst", str(burst),
                 "quantum", str(min(200000, max(self.spec.link_mtu + 100, 1600)))]
 
     def set_rate(self, rate: str | int, node: int | str | None = None) -> None:
