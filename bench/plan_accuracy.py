@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from lorasync.bench_cli import Row, _probe, _run_row, predict_rows, describe_net
+from lorasync.bench.progressive import Row, _probe, _run_row, predict_rows, describe_net
 from lorasync.emulate.cluster import emulated, parse_emulate
 
 #: options that make a short run show the steady state the cost model predicts

@@ -116,7 +116,7 @@ def headline() -> str:
 
 def bench_profile(prof: str) -> str:
     """One profile's progressive-optimization table with its verdicts."""
-    from lorasync.bench_cli import format_table, verdicts
+    from lorasync.bench.progressive import format_table, verdicts
 
     res = _bench()
     if prof not in res:

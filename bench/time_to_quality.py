@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from lorasync.bench_cli import _probe  # noqa: E402
+from lorasync.bench.progressive import _probe  # noqa: E402
 from lorasync.plan.costmodel import (  # noqa: E402
     MODELS, MiB, Workload, head_share, lora_matrices, predict,
 )

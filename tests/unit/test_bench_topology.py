@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.bench_topology import dilate, format_table, row_specs, summarize, verdicts
+from lorasync.bench.topology import dilate, format_table, row_specs, summarize, verdicts
 from lorasync.errors import ConfigError
 
 
@@ -88,7 +88,7 @@ def test_the_faster_no_sync_run_is_the_ceiling_and_the_models_compute(tmp_path, 
     # 8 workers on 2 cores vary by 20% and more between no-sync runs minutes apart: a slow
     # one put rows over 100% and every prediction 30% slow; the faster counts
     import json
-    from lorasync.bench_topology import rescore
+    from lorasync.bench.topology import rescore
     (tmp_path / "results.json").write_text(json.dumps(_saved_run(unshaped, profile)))
     result = rescore(str(tmp_path))
     prof = result["profiles"]["10mbit"]
@@ -103,7 +103,7 @@ def test_the_faster_no_sync_run_is_the_ceiling_and_the_models_compute(tmp_path, 
 
 
 def test_rescore_names_a_directory_without_results(tmp_path):
-    from lorasync.bench_topology import rescore
+    from lorasync.bench.topology import rescore
     with pytest.raises(ConfigError, match="--rescore"):
         rescore(str(tmp_path))
 
@@ -114,7 +114,7 @@ def test_a_run_scores_each_profile_and_writes_its_results(tmp_path, monkeypatch)
     import argparse
     import contextlib
     import json
-    import lorasync.bench_topology as bt
+    import lorasync.bench.topology as bt
     import lorasync.emulate.cluster as cluster
 
     def fake_train(c, row, common, out, timeout):

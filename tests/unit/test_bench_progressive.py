@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.bench_cli import (
+from lorasync.bench.progressive import (
     Row, _cells, _profiles, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
     profile_rows, verdicts,
 )
@@ -98,7 +98,7 @@ def test_failed_row_shows_its_status_and_no_prediction():
 def test_auto_steady_state_after_its_last_switch(tmp_path):
     import json
 
-    from lorasync.bench_cli import after_last_switch
+    from lorasync.bench.progressive import after_last_switch
 
     recs = []
     for step in range(1, 8):

@@ -43,7 +43,7 @@ strategy's quality; ``bench/strategies.py --steps 60`` measures that.
 
 Several workers per node (``--nproc-per-node G``): flat against
 hierarchical sync for each strategy on N x G workers, with the links dilated
-by the measured compute slowdown (:mod:`lorasync.bench_topology`):
+by the measured compute slowdown (:mod:`lorasync.bench.topology`):
 
     lorasync bench --nodes 4 --nproc-per-node 2 --profiles 10mbit,100mbit+20ms
 """
@@ -464,7 +464,7 @@ def run(args) -> int:
     from lorasync.emulate.cluster import emulated, parse_emulate
 
     if getattr(args, "rescore", ""):
-        from lorasync.bench_topology import rescore
+        from lorasync.bench.topology import rescore
         result = rescore(args.rescore)
         print("\n".join(p["markdown"] for p in result["profiles"].values()))
         print(f"\nrewritten: {args.rescore}/results.md, results.json", file=sys.stderr)
@@ -473,7 +473,7 @@ def run(args) -> int:
         raise EnvironmentProblem("lorasync bench: emulated clusters need root (network "
                                  "namespaces); run it as root")
     if getattr(args, "nproc_per_node", 1) > 1:
-        from lorasync.bench_topology import run_topology
+        from lorasync.bench.topology import run_topology
         return run_topology(args)
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")

@@ -297,7 +297,7 @@ def format_table(title: str, cells: list[dict], ceiling_sps: float | None) -> st
 
 def run_topology(args) -> int:
     """The bench at nodes x nproc_per_node (see the module docstring)."""
-    from lorasync.bench_cli import _profiles
+    from lorasync.bench.progressive import _profiles
     from lorasync.emulate.cluster import emulated, parse_emulate
 
     if os.geteuid() != 0:

@@ -1,0 +1,1 @@
+"""The ``lorasync bench`` machinery: sync strategies measured on emulated links."""
