@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorasync.bench.progressive import (
-    Row, _cells, _profiles, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
+    Row, _cells, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
     profile_rows, verdicts,
 )
 from lorasync.errors import ConfigError
@@ -35,13 +35,6 @@ def test_the_ceiling_runs_first_and_last_across_profiles():
     keys = [[r.key for r in profile_rows("fp16", 3, i, 3)] for i in range(3)]
     assert keys == [["ceiling", "fp16"], ["fp16"], ["fp16", "ceiling_end"]]
     assert [r.key for r in profile_rows("fp16", 3, 0, 1)] == ["ceiling", "fp16", "ceiling_end"]
-
-
-def test_profiles_parse_rate_and_delay():
-    assert _profiles("10mbit, 100mbit+20ms") == [("10mbit", "rate=10mbit"),
-                                                 ("100mbit+20ms", "rate=100mbit,delay=20ms")]
-    with pytest.raises(ConfigError):
-        _profiles(" , ")
 
 
 def test_row_strategy_reads_options_and_bucket():

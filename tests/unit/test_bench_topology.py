@@ -1,10 +1,10 @@
-"""The topology bench's pure parts: rows, time dilation, per-step figures, verdicts."""
+"""The topology bench's pure parts: rows, per-step figures, verdicts, rescoring."""
 
 from __future__ import annotations
 
 import pytest
 
-from lorasync.bench.topology import dilate, format_table, row_specs, summarize, verdicts
+from lorasync.bench.topology import format_table, row_specs, summarize, verdicts
 from lorasync.errors import ConfigError
 
 
@@ -26,11 +26,6 @@ def test_rows_pair_every_strategy_flat_and_hierarchical():
                                                              "int8/node", "auto"]
     with pytest.raises(ConfigError, match="--rows"):
         row_specs(9, "bogus")
-
-
-def test_dilation_slows_the_link_and_stretches_the_delay():
-    assert dilate("10mbit", "", 4.0) == ("2500000bit", "")
-    assert dilate("100mbit", "20ms", 4.0) == ("25000000bit", "80.000ms")
 
 
 def _rec(step, rank, step_s, comm, inter, intra=0, samples=4):

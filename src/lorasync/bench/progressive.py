@@ -57,6 +57,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from lorasync.bench.profiles import parse_profiles, round_trip
 from lorasync.errors import ConfigError, EnvironmentProblem
 
 __all__ = ["add_arguments", "run"]
@@ -106,18 +107,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rescore", default="", metavar="DIR",
                    help="topology bench: score a saved run (DIR/results.json) again with this "
                         "version's cost model and ceiling rule, running nothing")
-
-
-def _profiles(text: str) -> list[tuple[str, str]]:
-    """'10mbit,100mbit+20ms' -> [(label, emulate spec tail)]."""
-    out = []
-    for item in [t.strip() for t in text.split(",") if t.strip()]:
-        rate, _, delay = item.partition("+")
-        spec = f"rate={rate}" + (f",delay={delay}" if delay else "")
-        out.append((item, spec))
-    if not out:
-        raise ConfigError("--profiles", text, "give at least one profile, e.g. 10mbit")
-    return out
 
 
 def profile_rows(wanted: str, steps: int, index: int, profiles: int) -> list[Row]:
@@ -326,20 +315,13 @@ def _tune(cluster, rate: str, delay: str, out: str, action: str) -> None:
         backup = os.path.join(out, f"tune-backup-{n.name}.json")
         args = [sys.executable, "-m", "lorasync", "tune", "--backup", backup]
         if action == "apply":
-            args += ["--apply", "--rate", rate] + (["--rtt", _rtt(delay)] if delay else [])
+            args += ["--apply", "--rate", rate] + (["--rtt", round_trip(delay)] if delay else [])
         else:
             args += ["--revert"]
         p = subprocess.run(cluster.exec_argv(n.index, args), capture_output=True, text=True)
         if p.returncode not in (0, 1):
             raise EnvironmentProblem(f"lorasync tune --{action} failed in {n.name}: "
                                      f"{p.stderr.strip().splitlines()[-1:]}")
-
-
-def _rtt(delay: str) -> str:
-    """One-way delay of the emulated link -> round-trip time."""
-    from lorasync.emulate.cluster import parse_delay
-
-    return f"{2 * parse_delay(delay) * 1000:g}ms"
 
 
 def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb: float,
@@ -477,7 +459,7 @@ def run(args) -> int:
         return run_topology(args)
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
-    profiles = _profiles(args.profiles)
+    profiles = parse_profiles(args.profiles)
     # a name of its own: a user's `default` cluster (or another bench) stays untouched
     tag = f"bench{os.getpid() % 100000}"
     specs = [(label, parse_emulate(f"nodes={args.nodes},{tail},name={tag}"))

@@ -47,9 +47,10 @@ import subprocess
 import sys
 import time
 
+from lorasync.bench.profiles import dilate, parse_profiles
 from lorasync.errors import ConfigError, EnvironmentProblem
 
-__all__ = ["run_topology", "rescore", "row_specs", "dilate", "verdicts"]
+__all__ = ["run_topology", "rescore", "row_specs", "verdicts"]
 
 STRATEGY_ROWS = ("allreduce", "fp16", "int8", "topk", "powersgd", "diloco")
 
@@ -91,15 +92,6 @@ def row_specs(steps: int, wanted: str = "all") -> list[dict]:
         rows = [r for r in rows if r["key"] == "ceiling" or r["key"] in keys
                 or r["strategy"] in keys]
     return rows
-
-
-def dilate(rate: str, delay: str, s: float) -> tuple[str, str]:
-    """``rate`` / s and ``delay`` x s, as --emulate values."""
-    from lorasync.emulate.cluster import parse_delay, parse_rate
-
-    r = max(8000, int(parse_rate(rate) / s))
-    d = f"{parse_delay(delay) * s * 1000:.3f}ms" if delay else ""
-    return f"{r}bit", d
 
 
 def _tx_bytes(cluster) -> list[int]:
@@ -297,7 +289,6 @@ def format_table(title: str, cells: list[dict], ceiling_sps: float | None) -> st
 
 def run_topology(args) -> int:
     """The bench at nodes x nproc_per_node (see the module docstring)."""
-    from lorasync.bench.progressive import _profiles
     from lorasync.emulate.cluster import emulated, parse_emulate
 
     if os.geteuid() != 0:
@@ -307,7 +298,7 @@ def run_topology(args) -> int:
         raise ConfigError("--nodes", n, "use at least 2 nodes with --nproc-per-node")
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
-    profiles = _profiles(args.profiles)
+    profiles = parse_profiles(args.profiles)
     rows = row_specs(args.steps, args.rows)
     tag = f"bt{os.getpid() % 100000}"
     out = os.path.abspath(args.output_dir or os.path.join(
