@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lorasync.bench.progressive import (
-    Row, _cells, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
-    profile_rows, verdicts,
+    Row, _cells, _row_strategy, _rows, measured_step_s, predict_rows, profile_rows,
 )
+from lorasync.bench.tables import progressive_table, progressive_verdicts
 from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import Net
 
@@ -68,10 +68,10 @@ def test_predicted_column_and_verdicts():
     assert ddp["plan_error"] == pytest.approx(ddp["measured_step_s"] / ddp["predicted_step_s"] - 1)
     assert "plan_error" not in by["auto"].extra
     cells = [_cells(r, by["ceiling"], by["ddp"]) for r in rows]
-    lines = verdicts(cells)
+    lines = progressive_verdicts(cells)
     assert lines[0].startswith("plan vs measured step time: ") and " 3/3 rows within 15%" in lines[0]
     assert "= 97% of the best fixed lorasync row (+ periodic sync" in lines[1]
-    table = format_table("10mbit", cells)
+    table = progressive_table("10mbit", cells)
     assert "| s/step measured / planned |" in table
     assert f"{ddp['measured_step_s']:.2f} / {ddp['predicted_step_s']:.2f}" in table
 
@@ -84,8 +84,8 @@ def test_failed_row_shows_its_status_and_no_prediction():
     predict_rows(rows, Net(alpha_s=0, bandwidth_Bps=1e7, world_size=2), rows[0].summary,
                  "tiny", 4)
     cells = [_cells(r, rows[0], None) for r in rows]
-    assert "| plain DDP | hung: stopped after 240 s |" in format_table("x", cells)
-    assert verdicts(cells) == []  # ceiling alone: no plan rows, no auto
+    assert "| plain DDP | hung: stopped after 240 s |" in progressive_table("x", cells)
+    assert progressive_verdicts(cells) == []  # ceiling alone: no plan rows, no auto
 
 
 def test_auto_steady_state_after_its_last_switch(tmp_path):

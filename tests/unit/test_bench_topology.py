@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.bench.topology import format_table, row_specs, summarize, verdicts
+from lorasync.bench.tables import topology_table, topology_verdicts
+from lorasync.bench.topology import row_specs, summarize
 from lorasync.errors import ConfigError
 
 
@@ -52,14 +53,14 @@ def test_verdicts_state_each_target_with_its_number():
              "topk/node": ok(inter_bytes_per_node=100.0, eth0_bytes_per_step=300.0),
              "diloco/flat": ok(sync_s=0.3, plan_error=0.1),
              "diloco/node": ok(sync_s=0.1, plan_error=-0.2)}
-    v = verdicts(cells, 10.0, "10mbit")
+    v = topology_verdicts(cells, 10.0, "10mbit")
     assert any("auto: 92% of the no-sync ceiling" in x for x in v)
     assert any("topk: flat/hierarchical inter-node payload per node 2.00x, eth0 bytes 2.33x"
                in x for x in v)
     assert any("3.00x (target >= 1.5x" in x for x in v)
     assert any("1/2 rows within 15%, worst -20% (diloco/node)" in x for x in v)
-    table = format_table("t", [dict(cells["topk/flat"], key="topk/flat", label="topk [flat]",
-                                    samples_per_s=5.0, sync_s=0.2, step_s=1.0)], 10.0)
+    table = topology_table("t", [dict(cells["topk/flat"], key="topk/flat", label="topk [flat]",
+                                      samples_per_s=5.0, sync_s=0.2, step_s=1.0)], 10.0)
     assert "| topk [flat] | 5.00 | 50% | 0.200 |" in table
 
 

@@ -58,13 +58,12 @@ import time
 from dataclasses import dataclass, field
 
 from lorasync.bench.profiles import parse_profiles, round_trip
+from lorasync.bench.tables import progressive_table, progressive_verdicts
 from lorasync.errors import ConfigError, EnvironmentProblem
 
 __all__ = ["add_arguments", "run"]
 
 DEFAULT_PROFILES = "1gbit,100mbit,10mbit,100mbit+20ms"
-#: rows of fixed lorasync strategies (auto is compared with the best of them)
-FIXED_ROWS = ("ddp", "tcp", "fp16", "best", "overlap", "periodic")
 
 
 @dataclass
@@ -280,33 +279,6 @@ def predict_rows(rows: list[Row], net, ceiling: dict, model: str, batch: int) ->
                          plan_error=measured / pred.step_s - 1)
 
 
-def verdicts(cells: list[dict]) -> list[str]:
-    """Lines under a profile's table: plan accuracy, auto vs the best fixed row."""
-    out = []
-    errs = [c for c in cells if c.get("plan_error") is not None
-            and c.get("key") not in ("ceiling", "ceiling_end")]
-    if errs:
-        worst = max(errs, key=lambda c: abs(c["plan_error"]))
-        within = sum(abs(c["plan_error"]) <= 0.15 for c in errs)
-        out.append(f"plan vs measured step time: {within}/{len(errs)} rows within 15%, worst "
-                   f"{100 * worst['plan_error']:+.0f}% ({worst['row']})")
-    fixed = [c for c in cells if c.get("samples_per_s") and c.get("key") in FIXED_ROWS]
-    auto = next((c for c in cells if c.get("key") == "auto" and c.get("samples_per_s")), None)
-    if auto and fixed:
-        best = max(fixed, key=lambda c: c["samples_per_s"])
-        ref = best["samples_per_s"]
-        line = (f"auto ({auto.get('final_strategy') or auto['strategy']} at the end): {auto['samples_per_s']:.2f} samples/s = "
-                f"{100 * auto['samples_per_s'] / ref:.0f}% of the best fixed lorasync row "
-                f"({best['row']}, {ref:.2f})")
-        steady = auto.get("samples_per_s_after_switch")
-        if steady:
-            line += (f"; after its choice at step {auto['last_switch_step']} "
-                     f"({auto['steps_after_switch']} steps): {steady:.2f} = "
-                     f"{100 * steady / ref:.0f}%")
-        out.append(line)
-    return out
-
-
 def _tune(cluster, rate: str, delay: str, out: str, action: str) -> None:
     """Per-namespace TCP tuning in every node, reverted after the row."""
     import subprocess
@@ -376,34 +348,6 @@ def _cells(row: Row, ceiling: Row, ddp: Row | None) -> dict:
         "exact_match": ea.get("exact_match"), "eval_n": ea.get("n"),
         **row.extra,
     }
-
-
-def _fmt(v, pct=False, digits=2):
-    if v is None:
-        return "-"
-    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
-
-
-def format_table(profile: str, cells: list[dict]) -> str:
-    head = ("| row | samples/s | speedup vs DDP | scaling eff. | exposed sync | wire MB/step "
-            "| s/step measured / planned | eval loss | exact-match |\n"
-            "|---|---|---|---|---|---|---|---|---|")
-    lines = [f"\n### {profile}\n", head]
-    for c in cells:
-        if "samples_per_s" not in c:
-            lines.append(f"| {c['row']} | {c['status']} | | | | | | | |")
-            continue
-        em = "-" if c["exact_match"] is None else \
-            f"{100 * c['exact_match']:.0f}% (n={c['eval_n']})"
-        label = c["row"] + (f" [{c['strategy']}]" if c["row"].startswith("+ best") else "")
-        plan = "-" if c.get("predicted_step_s") is None else (
-            f"{c['measured_step_s']:.2f} / {c['predicted_step_s']:.2f} "
-            f"({100 * c['plan_error']:+.0f}%)")
-        lines.append(f"| {label} | {_fmt(c['samples_per_s'])} | "
-                     f"{_fmt(c['speedup'])}x | {_fmt(c['efficiency'], pct=True)} | "
-                     f"{_fmt(c['sync_share'], pct=True)} | {_fmt(c['wire_mb'], digits=3)} | "
-                     f"{plan} | {_fmt(c['eval_loss'], digits=3)} | {em} |")
-    return "\n".join(lines)
 
 
 def _chart(results: dict, path: str) -> None:
@@ -548,8 +492,8 @@ def run(args) -> int:
         m = status.get("measured") or {}
         title = label + (f" (measured node0->node1: {m['rate_bps'] / 1e6:.1f} Mbit/s TCP goodput, "
                          f"RTT {1000 * m['rtt_s']:.2f} ms)" if m else "")
-        markdown.append(format_table(title, cells) + "\n\n" + "\n".join(
-            f"- {line}" for line in [probe_text, ref_text, *verdicts(cells)]))
+        markdown.append(progressive_table(title, cells) + "\n\n" + "\n".join(
+            f"- {line}" for line in [probe_text, ref_text, *progressive_verdicts(cells)]))
         print(markdown[-1], flush=True)
     text = "\n".join(markdown) + f"\n\nbench wall time: {(time.time() - t_start) / 60:.1f} min\n"
     with open(os.path.join(out, "results.md"), "w") as fh:

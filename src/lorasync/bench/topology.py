@@ -48,9 +48,10 @@ import sys
 import time
 
 from lorasync.bench.profiles import dilate, parse_profiles
+from lorasync.bench.tables import topology_table, topology_verdicts
 from lorasync.errors import ConfigError, EnvironmentProblem
 
-__all__ = ["run_topology", "rescore", "row_specs", "verdicts"]
+__all__ = ["run_topology", "rescore", "row_specs"]
 
 STRATEGY_ROWS = ("allreduce", "fp16", "int8", "topk", "powersgd", "diloco")
 
@@ -221,72 +222,6 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
             "predicted_link_bytes": p.link_bytes}
 
 
-def verdicts(cells: dict[str, dict], ceiling_sps: float | None, profile: str) -> list[str]:
-    """The issue's targets, each with its number."""
-    out = []
-
-    def get(k, f):
-        c = cells.get(k) or {}
-        return c.get(f) if c.get("status") == "ok" else None
-
-    if ceiling_sps:
-        a = get("auto", "samples_per_s")
-        if a:
-            out.append(f"auto: {a / ceiling_sps:.0%} of the no-sync ceiling "
-                       f"(target >= 90% on the 10 Mbit/s profile; ended on "
-                       f"{cells['auto'].get('strategy_end')})")
-    for s in ("topk", "int8"):
-        f, h = get(f"{s}/flat", "inter_bytes_per_node"), get(f"{s}/node", "inter_bytes_per_node")
-        fe, he = get(f"{s}/flat", "eth0_bytes_per_step"), get(f"{s}/node", "eth0_bytes_per_step")
-        if f and h:
-            out.append(f"{s}: flat/hierarchical inter-node payload per node {f / h:.2f}x, "
-                       f"eth0 bytes {fe / he:.2f}x (target >= 2x)" if fe and he else
-                       f"{s}: flat/hierarchical inter-node payload {f / h:.2f}x")
-    f, h = get("diloco/flat", "sync_s"), get("diloco/node", "sync_s")
-    ha = get("diloco/node+algo", "sync_s")
-    hl = get("diloco/node+leaders", "sync_s")
-    if f and h:
-        line = (f"DiLoCo sync time per step: flat {f:.3f} s, hierarchical {h:.3f} s: "
-                f"{f / h:.2f}x")
-        if hl:
-            line += f"; outer sync by the leaders {hl:.3f} s: {f / hl:.2f}x"
-        if ha:
-            line += f"; hierarchical with the algorithm per message {ha:.3f} s: {f / ha:.2f}x"
-        out.append(line + " (target >= 1.5x on the +20 ms profile)")
-    errs = [(k, c["plan_error"]) for k, c in cells.items() if c.get("plan_error") is not None]
-    if errs:
-        within = sum(abs(e) <= 0.15 for _, e in errs)
-        worst = max(errs, key=lambda x: abs(x[1]))
-        out.append(f"cost model vs measured step time: {within}/{len(errs)} rows within 15%, "
-                   f"worst {100 * worst[1]:+.0f}% ({worst[0]})")
-    return [f"{profile}: {line}" for line in out]
-
-
-def _fmt(v, digits=2, pct=False):
-    if v is None:
-        return "-"
-    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
-
-
-def format_table(title: str, cells: list[dict], ceiling_sps: float | None) -> str:
-    lines = [f"\n### {title}\n",
-             "| row | samples/s | eff. | sync s/step | inter-node MB/step/node | eth0 MB/step "
-             "(all nodes, sync only) | s/step measured / planned |",
-             "|---|---|---|---|---|---|---|"]
-    for c in cells:
-        if c.get("status") != "ok":
-            lines.append(f"| {c['label']} | {c.get('status')} | | | | | |")
-            continue
-        eff = c["samples_per_s"] / ceiling_sps if ceiling_sps else None
-        plan = "-" if c.get("predicted_step_s") is None else (
-            f"{c['step_s']:.2f} / {c['predicted_step_s']:.2f} ({100 * c['plan_error']:+.0f}%)")
-        label = c["label"] + (f" [{c['strategy_end']}]" if c["key"] == "auto" else "")
-        lines.append(f"| {label} | {_fmt(c['samples_per_s'])} | {_fmt(eff, pct=True)} | "
-                     f"{_fmt(c['sync_s'], 3)} | {_fmt(c['inter_bytes_per_node'] / 1e6, 3)} | "
-                     f"{_fmt(c.get('eth0_bytes_per_step', 0) / 1e6, 3)} | {plan} |")
-    return "\n".join(lines)
-
-
 def run_topology(args) -> int:
     """The bench at nodes x nproc_per_node (see the module docstring)."""
     from lorasync.emulate.cluster import emulated, parse_emulate
@@ -417,15 +352,15 @@ def score_profile(result: dict, label: str) -> str:
                            ceil["step_s"], result["model"], result["batch_size"], n, g)
         if pred:
             cell.update(pred, plan_error=cell["step_s"] / pred["predicted_step_s"] - 1)
-    v = prof["verdicts"] = verdicts({c["key"]: c for c in prof["rows"]}, ceil["samples_per_s"],
-                                    label)
+    v = prof["verdicts"] = topology_verdicts({c["key"]: c for c in prof["rows"]},
+                                             ceil["samples_per_s"], label)
     drate, ddelay = prof["emulated_rate"], prof["emulated_delay"]
     title = (f"{label}: emulated as {drate}" + (f" + {ddelay} one-way" if ddelay else "")
              + f" (dilation x{s:.2f})")
     ceil_text = (f"no-sync ceiling: {ceil['samples_per_s']:.2f} samples/s, step "
                  f"{ceil['step_s']:.2f} s (the faster no-sync run: {ceil['from']}; the "
                  "efficiency and the cost model's compute time)")
-    prof["markdown"] = (format_table(title, prof["rows"], ceil["samples_per_s"]) + "\n\n"
+    prof["markdown"] = (topology_table(title, prof["rows"], ceil["samples_per_s"]) + "\n\n"
                         + "\n".join(f"- {x}" for x in [result["dilation_text"], ceil_text, *v]))
     return prof["markdown"]
 
