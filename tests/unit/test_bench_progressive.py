@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.bench.progressive import (
-    Row, _cells, _row_strategy, _rows, measured_step_s, predict_rows, profile_rows,
-)
+from lorasync.bench.progressive import _cells, _rows, profile_rows
+from lorasync.bench.rows import Row, measured_step_s, predict_rows, row_strategy
 from lorasync.bench.tables import progressive_table, progressive_verdicts
 from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import Net
@@ -39,11 +38,11 @@ def test_the_ceiling_runs_first_and_last_across_profiles():
 
 def test_row_strategy_reads_options_and_bucket():
     by = {r.key: r for r in _rows("all", steps=9)}
-    assert _row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
-    assert _row_strategy(by["periodic"]) == (
+    assert row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
+    assert row_strategy(by["periodic"]) == (
         "diloco", {"period": 8, "streaming": True, "delta_dtype": "fp16"}, 1.0)
-    assert _row_strategy(by["auto"]) is None          # switches: no single prediction
-    assert _row_strategy(by["torch_powersgd"]) is None
+    assert row_strategy(by["auto"]) is None          # switches: no single prediction
+    assert row_strategy(by["torch_powersgd"]) is None
 
 
 def test_mean_step_counts_every_measured_step():
@@ -91,7 +90,7 @@ def test_failed_row_shows_its_status_and_no_prediction():
 def test_auto_steady_state_after_its_last_switch(tmp_path):
     import json
 
-    from lorasync.bench.progressive import after_last_switch
+    from lorasync.bench.rows import after_last_switch
 
     recs = []
     for step in range(1, 8):

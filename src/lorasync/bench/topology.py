@@ -48,6 +48,7 @@ import sys
 import time
 
 from lorasync.bench.profiles import dilate, parse_profiles
+from lorasync.bench.rows import prepare_run
 from lorasync.bench.tables import topology_table, topology_verdicts
 from lorasync.errors import ConfigError, EnvironmentProblem
 
@@ -236,15 +237,8 @@ def run_topology(args) -> int:
     profiles = parse_profiles(args.profiles)
     rows = row_specs(args.steps, args.rows)
     tag = f"bt{os.getpid() % 100000}"
-    out = os.path.abspath(args.output_dir or os.path.join(
-        "bench", "results", "topology-" + time.strftime("%Y%m%d-%H%M%S")))
-    os.makedirs(out, exist_ok=True)
-    if args.model == "smollm2-135m":
-        from lorasync.train.model import ensure_embedded
-        ensure_embedded(log=lambda m: print(m, file=sys.stderr))
-    common = ["--model", args.model, "--max-steps", str(args.steps), "--batch-size",
-              str(args.batch_size), "--eval-size", str(args.eval_size), "--no-eval-before",
-              "--ckpt-interval", "0", "--no-progress", "--warmup-steps", "0", "--bucket-mb", "1"]
+    out, common = prepare_run(args, "topology-")
+    common += ["--bucket-mb", "1"]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.time()
     timeout = args.row_timeout
