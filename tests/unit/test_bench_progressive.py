@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.bench.progressive import _cells, _rows, profile_rows
+from lorasync.bench.progressive import profile_rows, row_cell, select_rows
 from lorasync.bench.rows import Row, measured_step_s, predict_rows, row_strategy
 from lorasync.bench.tables import progressive_table, progressive_verdicts
 from lorasync.errors import ConfigError
@@ -20,14 +20,14 @@ def _summary(sps, strategy="allreduce", world=2):
 
 
 def test_periodic_row_syncs_inside_the_measured_steps():
-    by = {r.key: r for r in _rows("all", steps=9)}
+    by = {r.key: r for r in select_rows("all", steps=9)}
     assert "period=8" in by["periodic"].args and "H=8" in by["periodic"].label
     # fewer steps: the period shrinks so one sync still lands after the warm-up step
-    by = {r.key: r for r in _rows("all", steps=5)}
+    by = {r.key: r for r in select_rows("all", steps=5)}
     assert "period=4" in by["periodic"].args
-    assert [r.key for r in _rows("ddp", 9)] == ["ceiling", "ddp", "ceiling_end"]
+    assert [r.key for r in select_rows("ddp", 9)] == ["ceiling", "ddp", "ceiling_end"]
     with pytest.raises(ConfigError, match="--rows"):
-        _rows("ddp,nope")
+        select_rows("ddp,nope")
 
 
 def test_the_ceiling_runs_first_and_last_across_profiles():
@@ -37,7 +37,7 @@ def test_the_ceiling_runs_first_and_last_across_profiles():
 
 
 def test_row_strategy_reads_options_and_bucket():
-    by = {r.key: r for r in _rows("all", steps=9)}
+    by = {r.key: r for r in select_rows("all", steps=9)}
     assert row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
     assert row_strategy(by["periodic"]) == (
         "diloco", {"period": 8, "streaming": True, "delta_dtype": "fp16"}, 1.0)
@@ -51,7 +51,7 @@ def test_mean_step_counts_every_measured_step():
 
 
 def test_predicted_column_and_verdicts():
-    rows = _rows("ddp,fp16,periodic,auto", steps=9)
+    rows = select_rows("ddp,fp16,periodic,auto", steps=9)
     by = {r.key: r for r in rows}
     net = Net(alpha_s=1e-4, bandwidth_Bps=1.15e6, world_size=2)   # ~10 Mbit/s
     by["ceiling"].summary = _summary(6.4, "none")
@@ -66,7 +66,7 @@ def test_predicted_column_and_verdicts():
     assert ddp["predicted_step_s"] == pytest.approx(1.25 + 3.2, rel=0.1)
     assert ddp["plan_error"] == pytest.approx(ddp["measured_step_s"] / ddp["predicted_step_s"] - 1)
     assert "plan_error" not in by["auto"].extra
-    cells = [_cells(r, by["ceiling"], by["ddp"]) for r in rows]
+    cells = [row_cell(r, by["ceiling"], by["ddp"]) for r in rows]
     lines = progressive_verdicts(cells)
     assert lines[0].startswith("plan vs measured step time: ") and " 3/3 rows within 15%" in lines[0]
     assert "= 97% of the best fixed lorasync row (+ periodic sync" in lines[1]
@@ -82,7 +82,7 @@ def test_failed_row_shows_its_status_and_no_prediction():
     rows[1].status = "hung: stopped after 240 s"
     predict_rows(rows, Net(alpha_s=0, bandwidth_Bps=1e7, world_size=2), rows[0].summary,
                  "tiny", 4)
-    cells = [_cells(r, rows[0], None) for r in rows]
+    cells = [row_cell(r, rows[0], None) for r in rows]
     assert "| plain DDP | hung: stopped after 240 s |" in progressive_table("x", cells)
     assert progressive_verdicts(cells) == []  # ceiling alone: no plan rows, no auto
 

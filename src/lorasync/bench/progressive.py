@@ -1,117 +1,35 @@
-"""The progressive-optimization benchmark on emulated links.
+"""The progressive-optimization bench: one worker per emulated node, each row one step more.
 
-For each link profile an emulated 2-node cluster is brought up (network
-namespaces, shaped veth links, a userspace delay link where delay is asked
-for) and every row runs ``lorasync train`` on it through torchrun's c10d
-rendezvous, the same path as real multi-node training.  Rows, each adding
-one step to the one above:
-
-    no sync (ceiling)        the same ranks with no gradient sync at all
-    plain DDP                fp32, DDP's defaults (25 MB buckets, buffer
-                             broadcast before every forward)
-    + TCP tuning             `lorasync tune --apply` in every node
-    + fp16 compression
-    + best compressor        the planner's pick among int8/topk/powersgd (the
-                             compressors that kept eval quality at 60 steps)
-    + overlap                the same with 1 MB buckets (sync hides behind backward)
-    + periodic sync          DiLoCo, fp16 outer sync streamed behind the next step
-    auto                     lorasync picks (when --comm auto is available)
-    torch fp16 hook, torch PowerSGD rank 1   what users would pick instead
-    RDMA                     only where RDMA hardware is detected
-
-Scaling efficiency = samples/s of a row / samples/s of the no-sync ceiling,
-measured in the same invocation: the ceiling sends nothing, so it does not
-depend on the link; it runs first (first profile) and last (last profile),
-and the faster of the two is every profile's reference.  Every row runs under a timeout; a row that hangs
-or fails is reported as such.
-
-Each profile also checks the planner: a quick ``lorasync probe`` on the
-emulated link gives the network model, the ceiling's step time gives the
-compute time, and every row of a lorasync strategy gets the cost model's
-predicted step time next to the measured one (issue target: within 15%).
-Under each table: the plan's worst error, and ``auto`` against the best
-fixed lorasync row.
-
-The default 9 steps are 1 warm-up step and 8 measured ones, so the periodic
-row (period 8, streaming) syncs exactly once inside the measured window and
-its figures are the amortized ones (with fewer steps its period shrinks to
-fit).  Eval loss / exact-match after so few steps say little about a
-strategy's quality; ``bench/strategies.py --steps 60`` measures that.
-
-    lorasync bench                                   # default profiles
-    lorasync bench --profiles 10mbit,100mbit+20ms --steps 12
-
-Several workers per node (``--nproc-per-node G``): flat against
-hierarchical sync for each strategy on N x G workers, with the links dilated
-by the measured compute slowdown (:mod:`lorasync.bench.topology`):
-
-    lorasync bench --nodes 4 --nproc-per-node 2 --profiles 10mbit,100mbit+20ms
+Owns which rows run (``select_rows``, and ``profile_rows``: the no-sync
+ceiling first and last across the profiles), the planner's pick for the
+compressor rows, a row's cell in results.json (speedup against plain DDP,
+efficiency against the fastest no-sync run), and the run over every link
+profile that writes results.md, results.json and the chart.  What each row
+measures and why: ``lorasync bench --help`` (:mod:`lorasync.bench.cli`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
+from lorasync.bench.chart import efficiency_chart
 from lorasync.bench.profiles import parse_profiles
 from lorasync.bench.rows import (
     Row, measured_step_s, predict_rows, prepare_run, probe_link, run_row, tune_nodes,
 )
 from lorasync.bench.tables import progressive_table, progressive_verdicts
-from lorasync.errors import ConfigError, EnvironmentProblem
+from lorasync.errors import ConfigError
 
-__all__ = ["add_arguments", "run"]
-
-DEFAULT_PROFILES = "1gbit,100mbit,10mbit,100mbit+20ms"
+__all__ = ["select_rows", "profile_rows", "row_cell", "run_progressive"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profiles", default=DEFAULT_PROFILES,
-                   help="comma-separated link profiles RATE[+DELAY], e.g. 10mbit,100mbit+20ms "
-                        f"(default: {DEFAULT_PROFILES})")
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes")
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="G",
-                   help="workers per node (sharing its namespace); G > 1 runs the topology "
-                        "bench: flat against hierarchical sync for each strategy")
-    p.add_argument("--dilation", type=float, default=None, metavar="S",
-                   help="topology bench: scale links by this compute slowdown instead of "
-                        "measuring it (1: no dilation)")
-    p.add_argument("--steps", type=int, default=9, help="optimizer steps per row (the first "
-                   "is left out of throughput figures; 9 = warm-up + one DiLoCo period of 8)")
-    p.add_argument("--model", default="smollm2-135m", help="model for every row")
-    p.add_argument("--batch-size", type=int, default=4, help="examples per rank per step")
-    p.add_argument("--eval-size", type=int, default=8,
-                   help="eval examples for loss/exact-match after training (0: skip)")
-    p.add_argument("--rows", default="all",
-                   help="comma-separated row keys to run (ceiling is always run): "
-                        "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd "
-                        "(topology bench: strategy names, NAME/flat, NAME/node, auto, "
-                        "torch_powersgd)")
-    p.add_argument("--row-timeout", type=float, default=240.0,
-                   help="seconds before a row is stopped and reported as hung")
-    p.add_argument("--output-dir", default="",
-                   help="where results go (default: bench/results/<date>-<time>)")
-    p.add_argument("--rescore", default="", metavar="DIR",
-                   help="topology bench: score a saved run (DIR/results.json) again with this "
-                        "version's cost model and ceiling rule, running nothing")
-
-
-def profile_rows(wanted: str, steps: int, index: int, profiles: int) -> list[Row]:
-    """The rows of profile ``index`` of ``profiles``.  The no-sync ceiling does
-    not depend on the link (nothing is sent): it runs at the start of the first
-    profile and at the very end of the last one."""
-    rows = _rows(wanted, steps)
-    if index > 0:
-        rows = [r for r in rows if r.key != "ceiling"]
-    if index < profiles - 1:
-        rows = [r for r in rows if r.key != "ceiling_end"]
-    return rows
-
-
-def _rows(wanted: str, steps: int = 9) -> list[Row]:
+def select_rows(wanted: str, steps: int = 9) -> list[Row]:
+    """The bench's rows in order, or those of ``wanted`` (comma-separated keys)
+    with the two ceilings; the compressor rows get their arguments later, from
+    the planner."""
     ddp = ["--comm", "allreduce", "--bucket-mb", "25", "--broadcast-buffers"]
     # one full period inside the measured steps (all but the first)
     period = max(2, min(8, steps - 1))
@@ -144,7 +62,20 @@ def _rows(wanted: str, steps: int = 9) -> list[Row]:
     return rows
 
 
+def profile_rows(wanted: str, steps: int, index: int, profiles: int) -> list[Row]:
+    """The rows of profile ``index`` of ``profiles``.  The no-sync ceiling does
+    not depend on the link (nothing is sent): it runs at the start of the first
+    profile and at the very end of the last one."""
+    rows = select_rows(wanted, steps)
+    if index > 0:
+        rows = [r for r in rows if r.key != "ceiling"]
+    if index < profiles - 1:
+        rows = [r for r in rows if r.key != "ceiling_end"]
+    return rows
+
+
 def _rdma_devices() -> list[str]:
+    """RDMA devices of this host (none: the RDMA row says so)."""
     path = "/sys/class/infiniband"
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
@@ -177,12 +108,15 @@ def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb
 
 
 def _available(strategy: str) -> bool:
+    """Whether this lorasync has ``strategy`` (a row can name one yet to come)."""
     from lorasync.comm import strategy_names
 
     return strategy in strategy_names()
 
 
-def _cells(row: Row, ceiling: Row, ddp: Row | None) -> dict:
+def row_cell(row: Row, ceiling: Row, ddp: Row | None) -> dict:
+    """A row's figures as saved in results.json and shown in its table: speedup
+    against ``ddp``, efficiency against ``ceiling``, the row's extra figures."""
     s = row.summary
     if not s:
         return {"row": row.label, "key": row.key, "status": row.status}
@@ -203,57 +137,11 @@ def _cells(row: Row, ceiling: Row, ddp: Row | None) -> dict:
     }
 
 
-def _chart(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    profiles = list(results)
-    # rows by key (labels name the compressor picked, which differs by link)
-    keys: dict[str, str] = {}
-    for prof in profiles:
-        for c in results[prof]:
-            k = c.get("key") or c["row"]
-            if k in ("ceiling", "ceiling_end", "RDMA"):
-                continue  # the reference itself (100% by definition) and a status line
-            if k not in keys:
-                keys[k] = c["row"] if k not in ("best", "overlap") else \
-                    c["row"].split(" (")[0] + (" (1 MB buckets)" if k == "overlap" else "")
-    labels = list(keys.values())
-    fig = Figure(figsize=(11, 0.6 + 0.45 * len(labels) * len(profiles) / 2 + 2))
-    ax = fig.subplots()
-    h = 0.8 / len(profiles)
-    for i, prof in enumerate(profiles):
-        by = {(c.get("key") or c["row"]): c for c in results[prof]}
-        vals = [(by.get(k) or {}).get("efficiency") or 0 for k in keys]
-        ax.barh([j + i * h for j in range(len(labels))], [100 * v for v in vals], height=h,
-                label=prof)
-    ax.set_yticks([j + 0.4 - h / 2 for j in range(len(labels))], labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("scaling efficiency (% of the fastest no-sync run of the bench)")
-    ax.axvline(100, color="grey", lw=0.8, ls="--")
-    ax.legend(title="link", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title("lorasync bench: 2 emulated nodes, SmolLM2-135M + LoRA r=8")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def run(args) -> int:
+def run_progressive(args) -> int:
+    """The bench over every profile of ``args`` (root: the caller has checked);
+    writes results.md, results.json and chart.png into its results folder."""
     from lorasync.emulate.cluster import emulated, parse_emulate
 
-    if getattr(args, "rescore", ""):
-        from lorasync.bench.topology import rescore
-        result = rescore(args.rescore)
-        print("\n".join(p["markdown"] for p in result["profiles"].values()))
-        print(f"\nrewritten: {args.rescore}/results.md, results.json", file=sys.stderr)
-        return 0
-    if os.geteuid() != 0:
-        raise EnvironmentProblem("lorasync bench: emulated clusters need root (network "
-                                 "namespaces); run it as root")
-    if getattr(args, "nproc_per_node", 1) > 1:
-        from lorasync.bench.topology import run_topology
-        return run_topology(args)
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
     profiles = parse_profiles(args.profiles)
@@ -328,7 +216,7 @@ def run(args) -> int:
         if net is not None and ceiling.summary:
             predict_rows(rows, net, ceiling.summary, args.model, args.batch_size)
         ddp = next((r for r in rows if r.key == "ddp"), None)
-        cells = [_cells(r, ceiling, ddp) for r in rows]
+        cells = [row_cell(r, ceiling, ddp) for r in rows]
         devs = _rdma_devices()
         cells.append({"row": "RDMA", "status": (f"RDMA devices {', '.join(devs)}: run on the real "
                       "fabric with NCCL (emulated links are TCP)") if devs else
@@ -346,6 +234,6 @@ def run(args) -> int:
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                    "results": results}, fh, indent=1, default=str)
-    _chart(results, os.path.join(out, "chart.png"))
+    efficiency_chart(results, os.path.join(out, "chart.png"))
     print(f"\nresults: {out}/results.md, results.json, chart.png", file=sys.stderr)
     return 0
