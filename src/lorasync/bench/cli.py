@@ -22,8 +22,8 @@ one step to the one above:
 Scaling efficiency = samples/s of a row / samples/s of the no-sync ceiling,
 measured in the same invocation: the ceiling sends nothing, so it does not
 depend on the link; it runs first (first profile) and last (last profile),
-and the faster of the two is every profile's reference.  Every row runs under a timeout; a row that hangs
-or fails is reported as such.
+and the faster of the two is every profile's reference.  Every row runs
+under a timeout; a row that hangs or fails is reported as such.
 
 Each profile also checks the planner: a quick ``lorasync probe`` on the
 emulated link gives the network model, the ceiling's step time gives the

@@ -1,4 +1,11 @@
-"""``lorasync bench --nodes N --nproc-per-node G``: flat against hierarchical.
+"""The topology bench, ``lorasync bench --nodes N --nproc-per-node G``: flat against hierarchical.
+
+Owns its rows, the time dilation of its links, running and measuring a row
+on N x G workers, the cost model's step time for a row, scoring a profile
+(ceiling, predictions, verdicts, table), writing results.md and
+results.json, and ``rescore``: scoring a saved run again from its
+results.json with this version's cost model and ceiling rule, running
+nothing (``lorasync bench --rescore DIR``).
 
 Every row trains on an emulated cluster of N network namespaces with G
 workers in each (the workers of a node share its namespace, so their traffic
@@ -10,7 +17,7 @@ is local; traffic between nodes crosses the shaped links):
     torch PowerSGD hook (rank 1)                    flat: what users would pick
 
 Time dilation.  N*G workers on a few cores compute much slower than the two
-workers of the 2-node bench (8 on 2 cores: about 5x).  Against a link of the
+workers of the 2-node bench.  Against a link of the
 nominal rate, a slow computer makes the link look fast.  So the bench first
 measures the slowdown s: the no-sync step of N x G workers over that of 2 x 1
 (both unshaped, in this invocation), and emulates every link at rate / s and
@@ -29,12 +36,9 @@ intra-node link: a quick probe of node0's G workers).
 
 The ceiling, of each profile's efficiency and of the cost model's compute
 time, is the faster of two no-sync runs of N x G workers: the unshaped one at
-the start and the profile's own (its only traffic is start-up).  N x G
-workers on a few cores vary by 20% and more between runs minutes apart (the
-2-node bench likewise takes the faster of its first and last ceiling).
-``lorasync bench --rescore
-DIR`` scores a saved run again (predictions, ceiling, verdicts, tables) from
-its results.json, running nothing.
+the start and the profile's own (its only traffic is start-up): N x G
+workers on a few cores vary widely between runs minutes apart (the 2-node
+bench likewise takes the faster of its first and last ceiling).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from lorasync.bench.rows import prepare_run
 from lorasync.bench.tables import topology_table, topology_verdicts
 from lorasync.errors import ConfigError, EnvironmentProblem
 
-__all__ = ["run_topology", "rescore", "row_specs"]
+__all__ = ["row_specs", "summarize", "predict_row", "run_topology", "score_profile", "rescore"]
 
 STRATEGY_ROWS = ("allreduce", "fp16", "int8", "topk", "powersgd", "diloco")
 
