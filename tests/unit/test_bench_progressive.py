@@ -110,3 +110,47 @@ def test_auto_steady_state_after_its_last_switch(tmp_path):
     path.write_text("".join(json.dumps({**r, "switch": None}) + "\n" for r in recs))
     assert after_last_switch(str(path)) == {"final_strategy": "diloco"}   # no switch: its pick
     assert after_last_switch(str(tmp_path / "missing.jsonl")) == {}
+
+
+def test_a_run_scores_every_profile_against_the_fastest_ceiling(tmp_path, monkeypatch):
+    # the measuring parts stubbed (emulated clusters, probes, training): what the bench
+    # does with their figures, end to end
+    import argparse
+    import contextlib
+    import json
+
+    import lorasync.bench.progressive as bp
+    import lorasync.emulate.cluster as cluster
+
+    class FakeCluster:
+        def status(self, measure=True, seconds=1.0):
+            return {}
+
+    sps = {"ceiling": 6.0, "fp16": 3.2, "ceiling_end": 6.4}
+    ran = []
+
+    def fake_run_row(c, row, common, out, timeout):
+        ran.append(row.key)
+        row.status, row.extra["wall_s"] = "ok", 1.0
+        row.summary = _summary(sps[row.key], "none" if row.key.startswith("ceiling") else "fp16")
+
+    net = Net(alpha_s=1e-4, bandwidth_Bps=1.15e6, world_size=2)
+    monkeypatch.setattr(cluster, "emulated", lambda spec: contextlib.nullcontext(FakeCluster()))
+    monkeypatch.setattr(bp, "probe_link", lambda c, out, timeout: (net, "probe: stubbed"))
+    monkeypatch.setattr(bp, "run_row", fake_run_row)
+    monkeypatch.setattr(bp, "tune_nodes", lambda *a: None)
+    monkeypatch.setattr(bp, "_available", lambda strategy: True)
+    args = argparse.Namespace(nodes=2, steps=9, rows="fp16", model="tiny", batch_size=4,
+                              eval_size=0, row_timeout=10, profiles="10mbit,100mbit+20ms",
+                              output_dir=str(tmp_path))
+    assert bp.run_progressive(args) == 0
+    assert ran == ["ceiling", "fp16", "fp16", "ceiling_end"]
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert list(res) == ["10mbit", "100mbit+20ms"]
+    for cells in res.values():
+        fp16 = next(c for c in cells if c.get("key") == "fp16")
+        assert fp16["efficiency"] == pytest.approx(0.5) and fp16["predicted_step_s"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("| + fp16 compression | 3.20 | -x | 50% |") == 2   # no DDP row: no speedup
+    assert md.count("reference ceiling: 6.40 samples/s, the fastest of 2 no-sync runs") == 2
+    assert (tmp_path / "chart.png").stat().st_size > 1000
