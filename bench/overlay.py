@@ -88,18 +88,18 @@ def part_probe(args, out: str) -> dict:
 
 
 def _train(cluster, args, out: str, key: str, comm: list[str], tune: bool) -> dict:
-    from lorasync import bench_cli
+    from lorasync.bench.rows import Row, run_row, tune_nodes
 
-    row = bench_cli.Row(key, key, comm, tune=tune)
+    row = Row(key, key, comm, tune=tune)
     common = ["--model", args.model, "--max-steps", str(args.steps), "--batch-size", "4", "--eval-size", "0",
               "--no-eval-before", "--ckpt-interval", "0", "--no-progress", "--warmup-steps", "0"]
     if tune:
-        bench_cli._tune(cluster, "100mbit", "20ms", out, "apply")
+        tune_nodes(cluster, "100mbit", "20ms", out, "apply")
     try:
-        bench_cli._run_row(cluster, row, common, out, args.row_timeout)
+        run_row(cluster, row, common, out, args.row_timeout)
     finally:
         if tune:
-            bench_cli._tune(cluster, "100mbit", "20ms", out, "revert")
+            tune_nodes(cluster, "100mbit", "20ms", out, "revert")
     s = row.summary or {}
     return {"key": key, "status": row.status, "samples_per_s": s.get("samples_per_s"),
             "strategy": s.get("strategy"), "final_strategy": row.extra.get("final_strategy"),

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from lorasync.bench_cli import Row, _probe, _run_row, predict_rows, describe_net
+from lorasync.bench.rows import Row, describe_net, predict_rows, probe_link, run_row
 from lorasync.emulate.cluster import emulated, parse_emulate
 
 #: options that make a short run show the steady state the cost model predicts
@@ -124,10 +124,10 @@ def main() -> int:
                 + [Row("ceiling_end", "no sync (again)", ["--comm", "none"])])
         print(f"== {prof}", file=sys.stderr, flush=True)
         with emulated(spec) as cluster:
-            net, probe_text = _probe(cluster, pdir, a.row_timeout)
+            net, probe_text = probe_link(cluster, pdir, a.row_timeout)
             print(f"   {probe_text}", file=sys.stderr, flush=True)
             for row in rows:
-                _run_row(cluster, row, common, pdir, a.row_timeout)
+                run_row(cluster, row, common, pdir, a.row_timeout)
                 print(f"   {row.label}: {row.status} ({row.extra['wall_s']:.0f} s)",
                       file=sys.stderr, flush=True)
         ceiling = max((r for r in rows if r.key.startswith("ceiling") and r.summary),

@@ -116,14 +116,14 @@ def headline() -> str:
 
 def bench_profile(prof: str) -> str:
     """One profile's progressive-optimization table with its verdicts."""
-    from lorasync.bench_cli import format_table, verdicts
+    from lorasync.bench.tables import progressive_table, progressive_verdicts
 
     res = _bench()
     if prof not in res:
         raise Missing(f"bench/reference/bench/results.json (profile {prof})")
     cells = res[prof]
-    table = format_table(prof, cells).split("\n", 3)[3]  # without the heading
-    return table + "\n\n" + "\n".join(f"- {v}" for v in verdicts(cells))
+    table = progressive_table(prof, cells).split("\n", 3)[3]  # without the heading
+    return table + "\n\n" + "\n".join(f"- {v}" for v in progressive_verdicts(cells))
 
 
 def plan_accuracy() -> str:

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from lorasync.bench_cli import _probe  # noqa: E402
+from lorasync.bench.rows import probe_link  # noqa: E402
 from lorasync.plan.costmodel import (  # noqa: E402
     MODELS, MiB, Workload, head_share, lora_matrices, predict,
 )
@@ -509,7 +509,7 @@ def main() -> int:
         pdir = os.path.join(out, link)
         os.makedirs(pdir, exist_ok=True)
         with emulated(spec) as cluster:
-            net, probe_text = _probe(cluster, pdir, a.row_timeout)
+            net, probe_text = probe_link(cluster, pdir, a.row_timeout)
             log(f"   {probe_text}")
             if li == 0:
                 c = Run("ceiling", "no sync (ceiling)", fixed_args("ceiling")[0])

@@ -139,7 +139,7 @@ def main() -> int:
     if not sizes or any(x <= 0 or x % step for x in sizes):
         p.error(f"--sizes: every size must be a positive multiple of {step} bytes (the "
                 f"shards split a message into {a.nproc_per_node} equal {a.dtype} chunks)")
-    from lorasync.bench_topology import dilate
+    from lorasync.bench.profiles import dilate
     from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
 
     results = {}

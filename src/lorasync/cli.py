@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("lorasync.netdiag.doctor_cli", "find host and network problems, with fixes"),
     "tune": ("lorasync.netdiag.tune_cli", "check, emit, apply or revert TCP tuning"),
     "plan": ("lorasync.plan.cli", "predict and rank sync strategies for a network"),
-    "bench": ("lorasync.bench_cli", "progressive-optimization benchmark"),
+    "bench": ("lorasync.bench.cli", "progressive-optimization benchmark"),
     "report": ("lorasync.monitor.report_cli", "HTML report of one or more runs"),
 }
 

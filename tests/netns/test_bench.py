@@ -25,7 +25,7 @@ def test_bench_rows_predictions_and_cleanup(tmp_path):
     before = _bench_namespaces()
     out = tmp_path / "res"
     # one profile (each costs a probe and a run per row; which rows run in which
-    # profile of several is tests/unit/test_bench_cli.py's)
+    # profile of several is tests/unit/test_bench_progressive.py's)
     p = run_cli("bench", "--model", "tiny", "--profiles", "100mbit", "--rows", "fp16",
                 "--steps", "3", "--eval-size", "0", "--output-dir", out, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

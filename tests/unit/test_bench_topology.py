@@ -1,10 +1,11 @@
-"""The topology bench's pure parts: rows, time dilation, per-step figures, verdicts."""
+"""The topology bench's pure parts: rows, per-step figures, verdicts, rescoring."""
 
 from __future__ import annotations
 
 import pytest
 
-from lorasync.bench_topology import dilate, format_table, row_specs, summarize, verdicts
+from lorasync.bench.tables import topology_table, topology_verdicts
+from lorasync.bench.topology import row_specs, summarize
 from lorasync.errors import ConfigError
 
 
@@ -26,11 +27,6 @@ def test_rows_pair_every_strategy_flat_and_hierarchical():
                                                              "int8/node", "auto"]
     with pytest.raises(ConfigError, match="--rows"):
         row_specs(9, "bogus")
-
-
-def test_dilation_slows_the_link_and_stretches_the_delay():
-    assert dilate("10mbit", "", 4.0) == ("2500000bit", "")
-    assert dilate("100mbit", "20ms", 4.0) == ("25000000bit", "80.000ms")
 
 
 def _rec(step, rank, step_s, comm, inter, intra=0, samples=4):
@@ -57,14 +53,14 @@ def test_verdicts_state_each_target_with_its_number():
              "topk/node": ok(inter_bytes_per_node=100.0, eth0_bytes_per_step=300.0),
              "diloco/flat": ok(sync_s=0.3, plan_error=0.1),
              "diloco/node": ok(sync_s=0.1, plan_error=-0.2)}
-    v = verdicts(cells, 10.0, "10mbit")
+    v = topology_verdicts(cells, 10.0, "10mbit")
     assert any("auto: 92% of the no-sync ceiling" in x for x in v)
     assert any("topk: flat/hierarchical inter-node payload per node 2.00x, eth0 bytes 2.33x"
                in x for x in v)
     assert any("3.00x (target >= 1.5x" in x for x in v)
     assert any("1/2 rows within 15%, worst -20% (diloco/node)" in x for x in v)
-    table = format_table("t", [dict(cells["topk/flat"], key="topk/flat", label="topk [flat]",
-                                    samples_per_s=5.0, sync_s=0.2, step_s=1.0)], 10.0)
+    table = topology_table("t", [dict(cells["topk/flat"], key="topk/flat", label="topk [flat]",
+                                      samples_per_s=5.0, sync_s=0.2, step_s=1.0)], 10.0)
     assert "| topk [flat] | 5.00 | 50% | 0.200 |" in table
 
 
@@ -88,7 +84,7 @@ def test_the_faster_no_sync_run_is_the_ceiling_and_the_models_compute(tmp_path, 
     # 8 workers on 2 cores vary by 20% and more between no-sync runs minutes apart: a slow
     # one put rows over 100% and every prediction 30% slow; the faster counts
     import json
-    from lorasync.bench_topology import rescore
+    from lorasync.bench.topology import rescore
     (tmp_path / "results.json").write_text(json.dumps(_saved_run(unshaped, profile)))
     result = rescore(str(tmp_path))
     prof = result["profiles"]["10mbit"]
@@ -103,7 +99,7 @@ def test_the_faster_no_sync_run_is_the_ceiling_and_the_models_compute(tmp_path, 
 
 
 def test_rescore_names_a_directory_without_results(tmp_path):
-    from lorasync.bench_topology import rescore
+    from lorasync.bench.topology import rescore
     with pytest.raises(ConfigError, match="--rescore"):
         rescore(str(tmp_path))
 
@@ -114,7 +110,7 @@ def test_a_run_scores_each_profile_and_writes_its_results(tmp_path, monkeypatch)
     import argparse
     import contextlib
     import json
-    import lorasync.bench_topology as bt
+    import lorasync.bench.topology as bt
     import lorasync.emulate.cluster as cluster
 
     def fake_train(c, row, common, out, timeout):

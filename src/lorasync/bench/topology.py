@@ -1,4 +1,11 @@
-"""``lorasync bench --nodes N --nproc-per-node G``: flat against hierarchical.
+"""The topology bench, ``lorasync bench --nodes N --nproc-per-node G``: flat against hierarchical.
+
+Owns its rows, the time dilation of its links, running and measuring a row
+on N x G workers, the cost model's step time for a row, scoring a profile
+(ceiling, predictions, verdicts, table), writing results.md and
+results.json, and ``rescore``: scoring a saved run again from its
+results.json with this version's cost model and ceiling rule, running
+nothing (``lorasync bench --rescore DIR``).
 
 Every row trains on an emulated cluster of N network namespaces with G
 workers in each (the workers of a node share its namespace, so their traffic
@@ -10,7 +17,7 @@ is local; traffic between nodes crosses the shaped links):
     torch PowerSGD hook (rank 1)                    flat: what users would pick
 
 Time dilation.  N*G workers on a few cores compute much slower than the two
-workers of the 2-node bench (8 on 2 cores: about 5x).  Against a link of the
+workers of the 2-node bench.  Against a link of the
 nominal rate, a slow computer makes the link look fast.  So the bench first
 measures the slowdown s: the no-sync step of N x G workers over that of 2 x 1
 (both unshaped, in this invocation), and emulates every link at rate / s and
@@ -29,12 +36,9 @@ intra-node link: a quick probe of node0's G workers).
 
 The ceiling, of each profile's efficiency and of the cost model's compute
 time, is the faster of two no-sync runs of N x G workers: the unshaped one at
-the start and the profile's own (its only traffic is start-up).  N x G
-workers on a few cores vary by 20% and more between runs minutes apart (the
-2-node bench likewise takes the faster of its first and last ceiling).
-``lorasync bench --rescore
-DIR`` scores a saved run again (predictions, ceiling, verdicts, tables) from
-its results.json, running nothing.
+the start and the profile's own (its only traffic is start-up): N x G
+workers on a few cores vary widely between runs minutes apart (the 2-node
+bench likewise takes the faster of its first and last ceiling).
 """
 
 from __future__ import annotations
@@ -47,9 +51,12 @@ import subprocess
 import sys
 import time
 
+from lorasync.bench.profiles import dilate, parse_profiles
+from lorasync.bench.rows import prepare_run
+from lorasync.bench.tables import topology_table, topology_verdicts
 from lorasync.errors import ConfigError, EnvironmentProblem
 
-__all__ = ["run_topology", "rescore", "row_specs", "dilate", "verdicts"]
+__all__ = ["row_specs", "summarize", "predict_row", "run_topology", "score_profile", "rescore"]
 
 STRATEGY_ROWS = ("allreduce", "fp16", "int8", "topk", "powersgd", "diloco")
 
@@ -91,15 +98,6 @@ def row_specs(steps: int, wanted: str = "all") -> list[dict]:
         rows = [r for r in rows if r["key"] == "ceiling" or r["key"] in keys
                 or r["strategy"] in keys]
     return rows
-
-
-def dilate(rate: str, delay: str, s: float) -> tuple[str, str]:
-    """``rate`` / s and ``delay`` x s, as --emulate values."""
-    from lorasync.emulate.cluster import parse_delay, parse_rate
-
-    r = max(8000, int(parse_rate(rate) / s))
-    d = f"{parse_delay(delay) * s * 1000:.3f}ms" if delay else ""
-    return f"{r}bit", d
 
 
 def _tx_bytes(cluster) -> list[int]:
@@ -229,75 +227,8 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
             "predicted_link_bytes": p.link_bytes}
 
 
-def verdicts(cells: dict[str, dict], ceiling_sps: float | None, profile: str) -> list[str]:
-    """The issue's targets, each with its number."""
-    out = []
-
-    def get(k, f):
-        c = cells.get(k) or {}
-        return c.get(f) if c.get("status") == "ok" else None
-
-    if ceiling_sps:
-        a = get("auto", "samples_per_s")
-        if a:
-            out.append(f"auto: {a / ceiling_sps:.0%} of the no-sync ceiling "
-                       f"(target >= 90% on the 10 Mbit/s profile; ended on "
-                       f"{cells['auto'].get('strategy_end')})")
-    for s in ("topk", "int8"):
-        f, h = get(f"{s}/flat", "inter_bytes_per_node"), get(f"{s}/node", "inter_bytes_per_node")
-        fe, he = get(f"{s}/flat", "eth0_bytes_per_step"), get(f"{s}/node", "eth0_bytes_per_step")
-        if f and h:
-            out.append(f"{s}: flat/hierarchical inter-node payload per node {f / h:.2f}x, "
-                       f"eth0 bytes {fe / he:.2f}x (target >= 2x)" if fe and he else
-                       f"{s}: flat/hierarchical inter-node payload {f / h:.2f}x")
-    f, h = get("diloco/flat", "sync_s"), get("diloco/node", "sync_s")
-    ha = get("diloco/node+algo", "sync_s")
-    hl = get("diloco/node+leaders", "sync_s")
-    if f and h:
-        line = (f"DiLoCo sync time per step: flat {f:.3f} s, hierarchical {h:.3f} s: "
-                f"{f / h:.2f}x")
-        if hl:
-            line += f"; outer sync by the leaders {hl:.3f} s: {f / hl:.2f}x"
-        if ha:
-            line += f"; hierarchical with the algorithm per message {ha:.3f} s: {f / ha:.2f}x"
-        out.append(line + " (target >= 1.5x on the +20 ms profile)")
-    errs = [(k, c["plan_error"]) for k, c in cells.items() if c.get("plan_error") is not None]
-    if errs:
-        within = sum(abs(e) <= 0.15 for _, e in errs)
-        worst = max(errs, key=lambda x: abs(x[1]))
-        out.append(f"cost model vs measured step time: {within}/{len(errs)} rows within 15%, "
-                   f"worst {100 * worst[1]:+.0f}% ({worst[0]})")
-    return [f"{profile}: {line}" for line in out]
-
-
-def _fmt(v, digits=2, pct=False):
-    if v is None:
-        return "-"
-    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
-
-
-def format_table(title: str, cells: list[dict], ceiling_sps: float | None) -> str:
-    lines = [f"\n### {title}\n",
-             "| row | samples/s | eff. | sync s/step | inter-node MB/step/node | eth0 MB/step "
-             "(all nodes, sync only) | s/step measured / planned |",
-             "|---|---|---|---|---|---|---|"]
-    for c in cells:
-        if c.get("status") != "ok":
-            lines.append(f"| {c['label']} | {c.get('status')} | | | | | |")
-            continue
-        eff = c["samples_per_s"] / ceiling_sps if ceiling_sps else None
-        plan = "-" if c.get("predicted_step_s") is None else (
-            f"{c['step_s']:.2f} / {c['predicted_step_s']:.2f} ({100 * c['plan_error']:+.0f}%)")
-        label = c["label"] + (f" [{c['strategy_end']}]" if c["key"] == "auto" else "")
-        lines.append(f"| {label} | {_fmt(c['samples_per_s'])} | {_fmt(eff, pct=True)} | "
-                     f"{_fmt(c['sync_s'], 3)} | {_fmt(c['inter_bytes_per_node'] / 1e6, 3)} | "
-                     f"{_fmt(c.get('eth0_bytes_per_step', 0) / 1e6, 3)} | {plan} |")
-    return "\n".join(lines)
-
-
 def run_topology(args) -> int:
     """The bench at nodes x nproc_per_node (see the module docstring)."""
-    from lorasync.bench_cli import _profiles
     from lorasync.emulate.cluster import emulated, parse_emulate
 
     if os.geteuid() != 0:
@@ -307,18 +238,11 @@ def run_topology(args) -> int:
         raise ConfigError("--nodes", n, "use at least 2 nodes with --nproc-per-node")
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")
-    profiles = _profiles(args.profiles)
+    profiles = parse_profiles(args.profiles)
     rows = row_specs(args.steps, args.rows)
     tag = f"bt{os.getpid() % 100000}"
-    out = os.path.abspath(args.output_dir or os.path.join(
-        "bench", "results", "topology-" + time.strftime("%Y%m%d-%H%M%S")))
-    os.makedirs(out, exist_ok=True)
-    if args.model == "smollm2-135m":
-        from lorasync.train.model import ensure_embedded
-        ensure_embedded(log=lambda m: print(m, file=sys.stderr))
-    common = ["--model", args.model, "--max-steps", str(args.steps), "--batch-size",
-              str(args.batch_size), "--eval-size", str(args.eval_size), "--no-eval-before",
-              "--ckpt-interval", "0", "--no-progress", "--warmup-steps", "0", "--bucket-mb", "1"]
+    out, common = prepare_run(args, "topology-")
+    common += ["--bucket-mb", "1"]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.time()
     timeout = args.row_timeout
@@ -426,15 +350,15 @@ def score_profile(result: dict, label: str) -> str:
                            ceil["step_s"], result["model"], result["batch_size"], n, g)
         if pred:
             cell.update(pred, plan_error=cell["step_s"] / pred["predicted_step_s"] - 1)
-    v = prof["verdicts"] = verdicts({c["key"]: c for c in prof["rows"]}, ceil["samples_per_s"],
-                                    label)
+    v = prof["verdicts"] = topology_verdicts({c["key"]: c for c in prof["rows"]},
+                                             ceil["samples_per_s"], label)
     drate, ddelay = prof["emulated_rate"], prof["emulated_delay"]
     title = (f"{label}: emulated as {drate}" + (f" + {ddelay} one-way" if ddelay else "")
              + f" (dilation x{s:.2f})")
     ceil_text = (f"no-sync ceiling: {ceil['samples_per_s']:.2f} samples/s, step "
                  f"{ceil['step_s']:.2f} s (the faster no-sync run: {ceil['from']}; the "
                  "efficiency and the cost model's compute time)")
-    prof["markdown"] = (format_table(title, prof["rows"], ceil["samples_per_s"]) + "\n\n"
+    prof["markdown"] = (topology_table(title, prof["rows"], ceil["samples_per_s"]) + "\n\n"
                         + "\n".join(f"- {x}" for x in [result["dilation_text"], ceil_text, *v]))
     return prof["markdown"]
 

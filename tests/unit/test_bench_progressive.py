@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.bench_cli import (
-    Row, _cells, _profiles, _row_strategy, _rows, format_table, measured_step_s, predict_rows,
-    profile_rows, verdicts,
-)
+from lorasync.bench.progressive import profile_rows, row_cell, select_rows
+from lorasync.bench.rows import Row, measured_step_s, predict_rows, row_strategy
+from lorasync.bench.tables import progressive_table, progressive_verdicts
 from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import Net
 
@@ -21,14 +20,14 @@ def _summary(sps, strategy="allreduce", world=2):
 
 
 def test_periodic_row_syncs_inside_the_measured_steps():
-    by = {r.key: r for r in _rows("all", steps=9)}
+    by = {r.key: r for r in select_rows("all", steps=9)}
     assert "period=8" in by["periodic"].args and "H=8" in by["periodic"].label
     # fewer steps: the period shrinks so one sync still lands after the warm-up step
-    by = {r.key: r for r in _rows("all", steps=5)}
+    by = {r.key: r for r in select_rows("all", steps=5)}
     assert "period=4" in by["periodic"].args
-    assert [r.key for r in _rows("ddp", 9)] == ["ceiling", "ddp", "ceiling_end"]
+    assert [r.key for r in select_rows("ddp", 9)] == ["ceiling", "ddp", "ceiling_end"]
     with pytest.raises(ConfigError, match="--rows"):
-        _rows("ddp,nope")
+        select_rows("ddp,nope")
 
 
 def test_the_ceiling_runs_first_and_last_across_profiles():
@@ -37,20 +36,13 @@ def test_the_ceiling_runs_first_and_last_across_profiles():
     assert [r.key for r in profile_rows("fp16", 3, 0, 1)] == ["ceiling", "fp16", "ceiling_end"]
 
 
-def test_profiles_parse_rate_and_delay():
-    assert _profiles("10mbit, 100mbit+20ms") == [("10mbit", "rate=10mbit"),
-                                                 ("100mbit+20ms", "rate=100mbit,delay=20ms")]
-    with pytest.raises(ConfigError):
-        _profiles(" , ")
-
-
 def test_row_strategy_reads_options_and_bucket():
-    by = {r.key: r for r in _rows("all", steps=9)}
-    assert _row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
-    assert _row_strategy(by["periodic"]) == (
+    by = {r.key: r for r in select_rows("all", steps=9)}
+    assert row_strategy(by["ddp"]) == ("allreduce", {}, 25.0)
+    assert row_strategy(by["periodic"]) == (
         "diloco", {"period": 8, "streaming": True, "delta_dtype": "fp16"}, 1.0)
-    assert _row_strategy(by["auto"]) is None          # switches: no single prediction
-    assert _row_strategy(by["torch_powersgd"]) is None
+    assert row_strategy(by["auto"]) is None          # switches: no single prediction
+    assert row_strategy(by["torch_powersgd"]) is None
 
 
 def test_mean_step_counts_every_measured_step():
@@ -59,7 +51,7 @@ def test_mean_step_counts_every_measured_step():
 
 
 def test_predicted_column_and_verdicts():
-    rows = _rows("ddp,fp16,periodic,auto", steps=9)
+    rows = select_rows("ddp,fp16,periodic,auto", steps=9)
     by = {r.key: r for r in rows}
     net = Net(alpha_s=1e-4, bandwidth_Bps=1.15e6, world_size=2)   # ~10 Mbit/s
     by["ceiling"].summary = _summary(6.4, "none")
@@ -74,11 +66,11 @@ def test_predicted_column_and_verdicts():
     assert ddp["predicted_step_s"] == pytest.approx(1.25 + 3.2, rel=0.1)
     assert ddp["plan_error"] == pytest.approx(ddp["measured_step_s"] / ddp["predicted_step_s"] - 1)
     assert "plan_error" not in by["auto"].extra
-    cells = [_cells(r, by["ceiling"], by["ddp"]) for r in rows]
-    lines = verdicts(cells)
+    cells = [row_cell(r, by["ceiling"], by["ddp"]) for r in rows]
+    lines = progressive_verdicts(cells)
     assert lines[0].startswith("plan vs measured step time: ") and " 3/3 rows within 15%" in lines[0]
     assert "= 97% of the best fixed lorasync row (+ periodic sync" in lines[1]
-    table = format_table("10mbit", cells)
+    table = progressive_table("10mbit", cells)
     assert "| s/step measured / planned |" in table
     assert f"{ddp['measured_step_s']:.2f} / {ddp['predicted_step_s']:.2f}" in table
 
@@ -90,15 +82,15 @@ def test_failed_row_shows_its_status_and_no_prediction():
     rows[1].status = "hung: stopped after 240 s"
     predict_rows(rows, Net(alpha_s=0, bandwidth_Bps=1e7, world_size=2), rows[0].summary,
                  "tiny", 4)
-    cells = [_cells(r, rows[0], None) for r in rows]
-    assert "| plain DDP | hung: stopped after 240 s |" in format_table("x", cells)
-    assert verdicts(cells) == []  # ceiling alone: no plan rows, no auto
+    cells = [row_cell(r, rows[0], None) for r in rows]
+    assert "| plain DDP | hung: stopped after 240 s |" in progressive_table("x", cells)
+    assert progressive_verdicts(cells) == []  # ceiling alone: no plan rows, no auto
 
 
 def test_auto_steady_state_after_its_last_switch(tmp_path):
     import json
 
-    from lorasync.bench_cli import after_last_switch
+    from lorasync.bench.rows import after_last_switch
 
     recs = []
     for step in range(1, 8):
@@ -118,3 +110,47 @@ def test_auto_steady_state_after_its_last_switch(tmp_path):
     path.write_text("".join(json.dumps({**r, "switch": None}) + "\n" for r in recs))
     assert after_last_switch(str(path)) == {"final_strategy": "diloco"}   # no switch: its pick
     assert after_last_switch(str(tmp_path / "missing.jsonl")) == {}
+
+
+def test_a_run_scores_every_profile_against_the_fastest_ceiling(tmp_path, monkeypatch):
+    # the measuring parts stubbed (emulated clusters, probes, training): what the bench
+    # does with their figures, end to end
+    import argparse
+    import contextlib
+    import json
+
+    import lorasync.bench.progressive as bp
+    import lorasync.emulate.cluster as cluster
+
+    class FakeCluster:
+        def status(self, measure=True, seconds=1.0):
+            return {}
+
+    sps = {"ceiling": 6.0, "fp16": 3.2, "ceiling_end": 6.4}
+    ran = []
+
+    def fake_run_row(c, row, common, out, timeout):
+        ran.append(row.key)
+        row.status, row.extra["wall_s"] = "ok", 1.0
+        row.summary = _summary(sps[row.key], "none" if row.key.startswith("ceiling") else "fp16")
+
+    net = Net(alpha_s=1e-4, bandwidth_Bps=1.15e6, world_size=2)
+    monkeypatch.setattr(cluster, "emulated", lambda spec: contextlib.nullcontext(FakeCluster()))
+    monkeypatch.setattr(bp, "probe_link", lambda c, out, timeout: (net, "probe: stubbed"))
+    monkeypatch.setattr(bp, "run_row", fake_run_row)
+    monkeypatch.setattr(bp, "tune_nodes", lambda *a: None)
+    monkeypatch.setattr(bp, "_available", lambda strategy: True)
+    args = argparse.Namespace(nodes=2, steps=9, rows="fp16", model="tiny", batch_size=4,
+                              eval_size=0, row_timeout=10, profiles="10mbit,100mbit+20ms",
+                              output_dir=str(tmp_path))
+    assert bp.run_progressive(args) == 0
+    assert ran == ["ceiling", "fp16", "fp16", "ceiling_end"]
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert list(res) == ["10mbit", "100mbit+20ms"]
+    for cells in res.values():
+        fp16 = next(c for c in cells if c.get("key") == "fp16")
+        assert fp16["efficiency"] == pytest.approx(0.5) and fp16["predicted_step_s"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("| + fp16 compression | 3.20 | -x | 50% |") == 2   # no DDP row: no speedup
+    assert md.count("reference ceiling: 6.40 samples/s, the fastest of 2 no-sync runs") == 2
+    assert (tmp_path / "chart.png").stat().st_size > 1000

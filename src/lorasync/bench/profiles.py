@@ -1,0 +1,40 @@
+"""Link profiles of the benches: ``RATE[+DELAY]`` as given to ``--profiles``.
+
+Owns reading a ``--profiles`` list into emulated-link specs, the round-trip
+time of a profile's one-way delay, and time dilation (a link slowed by the
+compute slowdown of a larger emulated cluster).
+"""
+
+from __future__ import annotations
+
+from lorasync.errors import ConfigError
+
+__all__ = ["parse_profiles", "round_trip", "dilate"]
+
+
+def parse_profiles(text: str) -> list[tuple[str, str]]:
+    """'10mbit,100mbit+20ms' -> [(label, emulate spec tail)]."""
+    out = []
+    for item in [t.strip() for t in text.split(",") if t.strip()]:
+        rate, _, delay = item.partition("+")
+        spec = f"rate={rate}" + (f",delay={delay}" if delay else "")
+        out.append((item, spec))
+    if not out:
+        raise ConfigError("--profiles", text, "give at least one profile, e.g. 10mbit")
+    return out
+
+
+def round_trip(delay: str) -> str:
+    """One-way delay of the emulated link -> round-trip time."""
+    from lorasync.emulate.cluster import parse_delay
+
+    return f"{2 * parse_delay(delay) * 1000:g}ms"
+
+
+def dilate(rate: str, delay: str, s: float) -> tuple[str, str]:
+    """``rate`` / s and ``delay`` x s, as --emulate values."""
+    from lorasync.emulate.cluster import parse_delay, parse_rate
+
+    r = max(8000, int(parse_rate(rate) / s))
+    d = f"{parse_delay(delay) * s * 1000:.3f}ms" if delay else ""
+    return f"{r}bit", d

@@ -1,0 +1,197 @@
+"""A row of the 2-node bench: its spec, running it on an emulated cluster, reading its results.
+
+Owns the ``Row`` (``lorasync train`` arguments and what the run left), the
+``lorasync train`` arguments every row of a bench shares, running a row
+(and the TCP tuning of the nodes around tuned rows), the quick probe of the
+emulated link, and reading a row's summary and metrics: its mean step time,
+auto's steady state after its last switch, and the cost model's step time
+next to the measured one.  Used by the progressive bench and by the scripts
+in bench/ that run rows of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from lorasync.bench.profiles import round_trip
+from lorasync.errors import ConfigError, EnvironmentProblem
+
+__all__ = ["Row", "prepare_run", "run_row", "tune_nodes", "probe_link", "describe_net",
+           "after_last_switch", "row_strategy", "measured_step_s", "predict_rows"]
+
+
+@dataclass
+class Row:
+    """One row of the 2-node bench: ``lorasync train`` arguments (``args``), with
+    TCP tuning or without, and what its run left (status, summary.json, extra
+    figures such as the prediction)."""
+
+    key: str
+    label: str
+    args: list[str]
+    tune: bool = False
+    status: str = "pending"
+    summary: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def prepare_run(args, prefix: str = "") -> tuple[str, list[str]]:
+    """The results folder of a bench invocation (``--output-dir``, else
+    bench/results/PREFIX<date>-<time>; created) and the ``lorasync train``
+    arguments all its rows share; the embedded default model is fetched first."""
+    out = os.path.abspath(args.output_dir or os.path.join(
+        "bench", "results", prefix + time.strftime("%Y%m%d-%H%M%S")))
+    os.makedirs(out, exist_ok=True)
+    if args.model == "smollm2-135m":
+        from lorasync.train.model import ensure_embedded
+        ensure_embedded(log=lambda m: print(m, file=sys.stderr))
+    common = ["--model", args.model, "--max-steps", str(args.steps), "--batch-size",
+              str(args.batch_size), "--eval-size", str(args.eval_size), "--no-eval-before",
+              "--ckpt-interval", "0", "--no-progress", "--warmup-steps", "0"]
+    return out, common
+
+
+def run_row(cluster, row: Row, common: list[str], out: str, timeout: float) -> None:
+    """Train ``row`` on the emulated cluster: its summary, status and wall time
+    into ``row`` (a run past ``timeout`` is stopped and reported as hung)."""
+    from lorasync.emulate.cluster import launch_on_cluster
+
+    run_dir = os.path.join(out, row.key)
+    t0 = time.time()
+    rc = launch_on_cluster(cluster, ["train", *common, *row.args, "--output-dir", run_dir],
+                           timeout=timeout, log_dir=os.path.join(out, f"{row.key}-logs"))
+    row.extra["wall_s"] = time.time() - t0
+    if rc == 124:
+        row.status = f"hung: stopped after {timeout:.0f} s"
+    elif rc != 0:
+        row.status = f"failed (exit {rc}; see {row.key}-logs)"
+    else:
+        row.status = "ok"
+        row.summary = _read_json(os.path.join(run_dir, "summary.json"))
+        row.extra.update(after_last_switch(os.path.join(run_dir, "metrics.jsonl")))
+
+
+def tune_nodes(cluster, rate: str, delay: str, out: str, action: str) -> None:
+    """``lorasync tune --apply`` (for the link's rate and round trip) or
+    ``--revert`` (``action``) in every node's namespace, each node's backup in
+    ``out``: the bench applies it for a run of tuned rows and reverts it after."""
+    import subprocess
+
+    for n in cluster.nodes:
+        backup = os.path.join(out, f"tune-backup-{n.name}.json")
+        args = [sys.executable, "-m", "lorasync", "tune", "--backup", backup]
+        if action == "apply":
+            args += ["--apply", "--rate", rate] + (["--rtt", round_trip(delay)] if delay else [])
+        else:
+            args += ["--revert"]
+        p = subprocess.run(cluster.exec_argv(n.index, args), capture_output=True, text=True)
+        if p.returncode not in (0, 1):
+            raise EnvironmentProblem(f"lorasync tune --{action} failed in {n.name}: "
+                                     f"{p.stderr.strip().splitlines()[-1:]}")
+
+
+def probe_link(cluster, out: str, timeout: float):
+    """A quick ``lorasync probe`` on the emulated link -> (Net or None, text)."""
+    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.plan.planner import net_from_probe
+
+    path = os.path.join(out, "probe.json")
+    rc = launch_on_cluster(cluster, ["probe", "--quick", "--no-pairs", "--output", path],
+                           timeout=timeout, log_dir=os.path.join(out, "probe-logs"))
+    if rc != 0 or not os.path.isfile(path):
+        return None, f"probe failed (exit {rc}; see probe-logs): no predictions"
+    try:
+        net, _ = net_from_probe(_read_json(path))
+    except (ConfigError, ValueError) as exc:
+        return None, f"probe JSON not usable ({exc}): no predictions"
+    return net, describe_net(net)
+
+
+def describe_net(net) -> str:
+    """One line on the probed network model."""
+    from lorasync.units import fmt_duration, fmt_rate
+
+    return (f"probe: all-reduce bandwidth {fmt_rate(net.bandwidth_Bps)}, "
+            f"alpha {fmt_duration(net.alpha_s)}")
+
+
+def _read_json(path: str):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def after_last_switch(metrics_path: str) -> dict:
+    """For a run that switched strategy (auto): samples/s over the steps after
+    its last switch, so its steady state can be set beside the fixed rows
+    (the overall figure also holds auto's measuring steps)."""
+    try:
+        with open(metrics_path) as fh:
+            recs = [json.loads(line) for line in fh if line.strip()]
+    except (OSError, ValueError):
+        return {}
+    switched = [r["step"] for r in recs if r.get("switch")]
+    if not recs:
+        return {}
+    if not switched:   # auto kept its first pick (or what it measured with) throughout
+        return {"final_strategy": max(recs, key=lambda r: r["step"]).get("strategy")}
+    last = max(switched)
+    after = {}
+    for r in recs:
+        if r["step"] > last:
+            after.setdefault(r["step"], []).append(r)
+    final = max(recs, key=lambda r: r["step"]).get("strategy")
+    if not after:
+        return {"last_switch_step": last, "final_strategy": final}
+    # a step lasts as long as its slowest rank; samples of all ranks count
+    secs = sum(max(x["step_s"] for x in rs) for rs in after.values())
+    samples = sum(sum(x["samples"] for x in rs) for rs in after.values())
+    return {"last_switch_step": last, "final_strategy": final, "steps_after_switch": len(after),
+            "samples_per_s_after_switch": samples / secs if secs > 0 else None}
+
+
+def row_strategy(row: Row) -> tuple[str, dict, float] | None:
+    """(strategy, options, bucket MiB) of a row the cost model knows, else None."""
+    from lorasync.config import parse_options
+    from lorasync.catalog import NONE, STRATEGIES
+
+    a = row.args
+    name = a[a.index("--comm") + 1]
+    if name not in STRATEGIES and name != NONE:
+        return None  # auto (switches), torch's hooks
+    opts = parse_options([a[i + 1] for i, x in enumerate(a) if x == "--comm-opt"])
+    bucket = float(a[a.index("--bucket-mb") + 1]) if "--bucket-mb" in a else 1.0
+    return name, opts, bucket
+
+
+def measured_step_s(summary: dict, batch: int) -> float:
+    """Mean seconds per optimizer step over the measured steps (periodic syncs
+    included, unlike the median)."""
+    return summary["world_size"] * batch / summary["samples_per_s"]
+
+
+def predict_rows(rows: list[Row], net, ceiling: dict, model: str, batch: int) -> None:
+    """Put the cost model's step time next to each measured row (``row.extra``)."""
+    from lorasync.plan.costmodel import MODELS, MiB, Workload, head_share, lora_matrices, predict
+
+    compute = measured_step_s(ceiling, batch)
+    numel = int(ceiling["adapter_params"])
+    matrices = lora_matrices(MODELS[model]) if model in MODELS else None
+    head = head_share(MODELS[model]) if model in MODELS else 0.0
+    if matrices and sum(r * c for r, c in matrices) != numel:
+        matrices = None  # another adapter shape: PowerSGD falls back to its assumption
+    for row in rows:
+        spec = row_strategy(row) if row.summary else None
+        if spec is None:
+            continue
+        name, opts, bucket = spec
+        wl = Workload(adapter_params=numel, compute_s=compute, batch_size=batch,
+                      head_share=head, bucket_bytes=int(bucket * MiB), matrices=matrices,
+                      options={name: opts} if opts else {})
+        pred = predict(name, net, wl)
+        measured = measured_step_s(row.summary, batch)
+        row.extra.update(predicted_step_s=pred.step_s, measured_step_s=measured,
+                         plan_error=measured / pred.step_s - 1)

@@ -1,0 +1,145 @@
+"""How bench results read as text: a profile's markdown table and the verdicts under it.
+
+Owns the format of a number in a cell, the table of the progressive 2-node
+bench and that of the N x G topology bench, and the verdict lines of each:
+every target of the bench with its number, and how close the cost model
+came to the measured step times.  Pure: cells (the dicts the benches save
+in results.json) in, text out.
+"""
+
+from __future__ import annotations
+
+__all__ = ["fmt_number", "progressive_table", "progressive_verdicts", "topology_table",
+           "topology_verdicts"]
+
+#: rows of fixed lorasync strategies in the progressive bench (auto is compared
+#: with the best of them)
+FIXED_ROWS = ("ddp", "tcp", "fp16", "best", "overlap", "periodic")
+#: the cost model's target: predicted step time within this share of the measured one
+PLAN_TOLERANCE = 0.15
+
+
+def fmt_number(v, digits=2, pct=False) -> str:
+    """A cell's number: ``digits`` decimals, or a whole percentage; ``-`` for None."""
+    if v is None:
+        return "-"
+    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
+
+
+def _plan_accuracy(errors: list[tuple[str, float]]) -> str:
+    """'N/M rows within 15%, worst +E% (ROW)' for (row, measured / predicted - 1) pairs."""
+    within = sum(abs(e) <= PLAN_TOLERANCE for _, e in errors)
+    row, worst = max(errors, key=lambda x: abs(x[1]))
+    return (f"{within}/{len(errors)} rows within {PLAN_TOLERANCE:.0%}, worst "
+            f"{100 * worst:+.0f}% ({row})")
+
+
+def progressive_table(title: str, cells: list[dict]) -> str:
+    """A profile of the progressive bench: one line per row, under a ``###`` heading."""
+    head = ("| row | samples/s | speedup vs DDP | scaling eff. | exposed sync | wire MB/step "
+            "| s/step measured / planned | eval loss | exact-match |\n"
+            "|---|---|---|---|---|---|---|---|---|")
+    lines = [f"\n### {title}\n", head]
+    for c in cells:
+        if "samples_per_s" not in c:
+            lines.append(f"| {c['row']} | {c['status']} | | | | | | | |")
+            continue
+        em = "-" if c["exact_match"] is None else \
+            f"{100 * c['exact_match']:.0f}% (n={c['eval_n']})"
+        label = c["row"] + (f" [{c['strategy']}]" if c["row"].startswith("+ best") else "")
+        plan = "-" if c.get("predicted_step_s") is None else (
+            f"{c['measured_step_s']:.2f} / {c['predicted_step_s']:.2f} "
+            f"({100 * c['plan_error']:+.0f}%)")
+        lines.append(f"| {label} | {fmt_number(c['samples_per_s'])} | "
+                     f"{fmt_number(c['speedup'])}x | {fmt_number(c['efficiency'], pct=True)} | "
+                     f"{fmt_number(c['sync_share'], pct=True)} | "
+                     f"{fmt_number(c['wire_mb'], digits=3)} | "
+                     f"{plan} | {fmt_number(c['eval_loss'], digits=3)} | {em} |")
+    return "\n".join(lines)
+
+
+def progressive_verdicts(cells: list[dict]) -> list[str]:
+    """Lines under a profile's table: plan accuracy, auto vs the best fixed row."""
+    out = []
+    errs = [(c["row"], c["plan_error"]) for c in cells if c.get("plan_error") is not None
+            and c.get("key") not in ("ceiling", "ceiling_end")]
+    if errs:
+        out.append(f"plan vs measured step time: {_plan_accuracy(errs)}")
+    fixed = [c for c in cells if c.get("samples_per_s") and c.get("key") in FIXED_ROWS]
+    auto = next((c for c in cells if c.get("key") == "auto" and c.get("samples_per_s")), None)
+    if auto and fixed:
+        best = max(fixed, key=lambda c: c["samples_per_s"])
+        ref = best["samples_per_s"]
+        pick = auto.get("final_strategy") or auto["strategy"]
+        line = (f"auto ({pick} at the end): {auto['samples_per_s']:.2f} samples/s = "
+                f"{100 * auto['samples_per_s'] / ref:.0f}% of the best fixed lorasync row "
+                f"({best['row']}, {ref:.2f})")
+        steady = auto.get("samples_per_s_after_switch")
+        if steady:
+            line += (f"; after its choice at step {auto['last_switch_step']} "
+                     f"({auto['steps_after_switch']} steps): {steady:.2f} = "
+                     f"{100 * steady / ref:.0f}%")
+        out.append(line)
+    return out
+
+
+def topology_table(title: str, cells: list[dict], ceiling_sps: float | None) -> str:
+    """A profile of the topology bench: one line per row, efficiency against
+    ``ceiling_sps``, under a ``###`` heading."""
+    lines = [f"\n### {title}\n",
+             "| row | samples/s | eff. | sync s/step | inter-node MB/step/node | eth0 MB/step "
+             "(all nodes, sync only) | s/step measured / planned |",
+             "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if c.get("status") != "ok":
+            lines.append(f"| {c['label']} | {c.get('status')} | | | | | |")
+            continue
+        eff = c["samples_per_s"] / ceiling_sps if ceiling_sps else None
+        plan = "-" if c.get("predicted_step_s") is None else (
+            f"{c['step_s']:.2f} / {c['predicted_step_s']:.2f} ({100 * c['plan_error']:+.0f}%)")
+        label = c["label"] + (f" [{c['strategy_end']}]" if c["key"] == "auto" else "")
+        lines.append(f"| {label} | {fmt_number(c['samples_per_s'])} | "
+                     f"{fmt_number(eff, pct=True)} | {fmt_number(c['sync_s'], 3)} | "
+                     f"{fmt_number(c['inter_bytes_per_node'] / 1e6, 3)} | "
+                     f"{fmt_number(c.get('eth0_bytes_per_step', 0) / 1e6, 3)} | {plan} |")
+    return "\n".join(lines)
+
+
+def topology_verdicts(cells: dict[str, dict], ceiling_sps: float | None,
+                      profile: str) -> list[str]:
+    """The topology bench's targets, each with its number, for the cells of
+    one profile by row key."""
+    out = []
+
+    def get(k, f):
+        c = cells.get(k) or {}
+        return c.get(f) if c.get("status") == "ok" else None
+
+    if ceiling_sps:
+        a = get("auto", "samples_per_s")
+        if a:
+            out.append(f"auto: {a / ceiling_sps:.0%} of the no-sync ceiling "
+                       f"(target >= 90% on the 10 Mbit/s profile; ended on "
+                       f"{cells['auto'].get('strategy_end')})")
+    for s in ("topk", "int8"):
+        f, h = get(f"{s}/flat", "inter_bytes_per_node"), get(f"{s}/node", "inter_bytes_per_node")
+        fe, he = get(f"{s}/flat", "eth0_bytes_per_step"), get(f"{s}/node", "eth0_bytes_per_step")
+        if f and h:
+            out.append(f"{s}: flat/hierarchical inter-node payload per node {f / h:.2f}x, "
+                       f"eth0 bytes {fe / he:.2f}x (target >= 2x)" if fe and he else
+                       f"{s}: flat/hierarchical inter-node payload {f / h:.2f}x")
+    f, h = get("diloco/flat", "sync_s"), get("diloco/node", "sync_s")
+    ha = get("diloco/node+algo", "sync_s")
+    hl = get("diloco/node+leaders", "sync_s")
+    if f and h:
+        line = (f"DiLoCo sync time per step: flat {f:.3f} s, hierarchical {h:.3f} s: "
+                f"{f / h:.2f}x")
+        if hl:
+            line += f"; outer sync by the leaders {hl:.3f} s: {f / hl:.2f}x"
+        if ha:
+            line += f"; hierarchical with the algorithm per message {ha:.3f} s: {f / ha:.2f}x"
+        out.append(line + " (target >= 1.5x on the +20 ms profile)")
+    errs = [(k, c["plan_error"]) for k, c in cells.items() if c.get("plan_error") is not None]
+    if errs:
+        out.append(f"cost model vs measured step time: {_plan_accuracy(errs)}")
+    return [f"{profile}: {line}" for line in out]
