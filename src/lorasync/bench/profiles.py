@@ -8,8 +8,9 @@ compute slowdown of a larger emulated cluster).
 from __future__ import annotations
 
 from lorasync.errors import ConfigError
+from lorasync.units import parse_duration, parse_rate_bps
 
-__all__ = ["parse_profiles", "round_trip", "dilate"]
+__all__ = ["parse_profiles", "round_trip", "dilate", "rate_bps", "delay_s"]
 
 
 def parse_profiles(text: str) -> list[tuple[str, str]]:
@@ -26,15 +27,21 @@ def parse_profiles(text: str) -> list[tuple[str, str]]:
 
 def round_trip(delay: str) -> str:
     """One-way delay of the emulated link -> round-trip time."""
-    from lorasync.emulate.cluster import parse_delay
-
-    return f"{2 * parse_delay(delay) * 1000:g}ms"
+    return f"{2 * delay_s(delay) * 1000:g}ms"
 
 
 def dilate(rate: str, delay: str, s: float) -> tuple[str, str]:
     """``rate`` / s and ``delay`` x s, as --emulate values."""
-    from lorasync.emulate.cluster import parse_delay, parse_rate
-
-    r = max(8000, int(parse_rate(rate) / s))
-    d = f"{parse_delay(delay) * s * 1000:.3f}ms" if delay else ""
+    r = max(8000, int(rate_bps(rate) / s))
+    d = f"{delay_s(delay) * s * 1000:.3f}ms" if delay else ""
     return f"{r}bit", d
+
+
+def rate_bps(rate: str) -> float:
+    """A profile's rate, read as ``--emulate`` reads it (a bare number is bits/s, as in tc)."""
+    return parse_rate_bps(rate, "rate", bare_bits=True)
+
+
+def delay_s(delay: str) -> float:
+    """A profile's one-way delay, read as ``--emulate`` reads it (a bare number is ms, as in tc)."""
+    return parse_duration(delay, "delay", bare="ms")

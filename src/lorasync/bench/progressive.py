@@ -16,7 +16,7 @@ import sys
 import time
 
 from lorasync.bench.chart import efficiency_chart
-from lorasync.bench.profiles import parse_profiles
+from lorasync.bench.profiles import delay_s, parse_profiles, rate_bps
 from lorasync.bench.rows import (
     Row, measured_step_s, predict_rows, prepare_run, probe_link, run_row, tune_nodes,
 )
@@ -85,14 +85,13 @@ def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb
     """The planner's pick among the lossy per-step compressors that keep eval
     quality (auto's default candidates: onebit is left out) for this link, on
     the probed network where there is one, else the nominal rate."""
-    from lorasync.emulate.cluster import parse_delay, parse_rate
     from lorasync.plan.policy import DEFAULT_CANDIDATES
     from lorasync.catalog import LOSSLESS, PERIODIC
     from lorasync.plan.costmodel import GLOO_LANES, Workload
     from lorasync.plan.planner import rank, what_if_net
 
     if net is None:   # the bench runs gloo
-        net = what_if_net(nodes, parse_rate(rate) / 8, 2 * parse_delay(delay) if delay else 0.0,
+        net = what_if_net(nodes, rate_bps(rate) / 8, 2 * delay_s(delay) if delay else 0.0,
                           lanes=GLOO_LANES)
     wl = Workload(adapter_params=int(ceiling["adapter_params"]),
                   compute_s=measured_step_s(ceiling, batch), batch_size=batch,
