@@ -1024,7 +1024,7 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     try:
         for n in cluster.nodes:
             addr, ifname = route[n.index]
-            cmd = agent_argv(sys.executable, label=n.name, store_addr=addr if over else None,
+            cmd = agent_argv(sys.executable, label=n.name, store_addr=addr,
                              reach_timeout=reach_timeout, rdzv_wait=20.0)
             cmd += ["--nnodes", nnodes,
                     "--node-rank", str(n.index), "--nproc-per-node", str(nproc_per_node),

@@ -7,11 +7,11 @@ additions, each an option given before torchrun's own arguments:
 - its exit code: torchrun itself exits 1 whatever its workers returned; this
   keeps the worker's code (2 = a user error) the way
   :func:`lorasync.launch.run_torchrun` does in-process;
-- ``--lorasync-store-addr ADDR``: every c10d TCPStore this agent serves (the
-  rendezvous store on the host node, the workers' bootstrap store on the
-  rank-0 node) listens on ADDR only, not on every interface (torch binds
-  them to the wildcard address and has no option for it; the stores have no
-  authentication, so under the overlay nothing outside it may reach them);
+- ``--lorasync-store-addr ADDR``: every c10d TCPStore this agent and its
+  workers serve (the rendezvous store on the host node, the workers'
+  bootstrap store on the rank-0 node, rank 0's own store when restarts give
+  each round a fresh one) listens on ADDR only, not on every interface
+  (:mod:`lorasync.launch.stores`);
 - a mesh check after each rendezvous (``--lorasync-reach-timeout S``, on by
   default): every node listens on its ``--local-addr`` and connects to every
   other one, results go through the rendezvous store, and when a pair
@@ -28,13 +28,14 @@ additions, each an option given before torchrun's own arguments:
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import json
 import os
 import socket
 import sys
 import time
 from datetime import timedelta
+
+from lorasync.launch import stores
 
 __all__ = ["AgentOptions", "UnreachableNodes", "agent_argv", "exit_code", "main", "split_argv"]
 
@@ -98,47 +99,6 @@ def exit_code(codes: list[int | None]) -> int:
     """The agent's code from its failed workers' codes: 2 when any worker
     returned 2, else the first positive one, else 1 (killed by a signal)."""
     return 2 if 2 in codes else next((c for c in codes if c and c > 0), 1)
-
-
-# ---------------------------------------------------------------- stores on one address
-
-def _listening_socket(addr: str, port: int) -> int:
-    """A listening TCP socket on addr:port; returns its fd (the store takes it over)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((addr, port))
-        s.listen(1024)
-    except OSError as exc:
-        s.close()
-        raise UnreachableNodes(
-            f"cannot listen on {addr}:{port} for the c10d store ({exc.strerror}): "
-            + ("is the overlay up on this node (`lorasync tunnel status`)?"
-               if exc.errno == errno.EADDRNOTAVAIL else "is another job using that port?")) from None
-    return s.detach()
-
-
-def bind_stores(addr: str) -> None:
-    """Make every TCPStore server this process starts listen on ``addr`` only."""
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
-
-    original = dist.TCPStore
-
-    def tcp_store(host_name, port, *args, **kw):
-        if kw.get("is_master") and kw.get("master_listen_fd") is None:
-            kw["master_listen_fd"] = _listening_socket(addr, int(port))
-        return original(host_name, port, *args, **kw)
-
-    def create_server(self, master_addr, master_port):
-        # the workers' bootstrap store (rank 0's node); torch gives it the wildcard address
-        return original(host_name=master_addr, port=master_port, is_master=True, multi_tenant=True,
-                        master_listen_fd=_listening_socket(addr, int(master_port or 0)))
-
-    backend.TCPStore = tcp_store
-    dyn.DynamicRendezvousHandler._create_tcp_store_server = create_server
 
 
 # ---------------------------------------------------------------- the mesh check
@@ -257,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     label = opts.label or socket.gethostname()
     try:
         if opts.store_addr:
-            bind_stores(opts.store_addr)
+            os.environ[stores.ENV] = opts.store_addr   # the workers' env:// store too
+            stores.bind_stores(opts.store_addr)
         if opts.reach_timeout > 0 and args.local_addr:
             install_mesh_check(label, args.local_addr, opts.reach_timeout)
         conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
@@ -274,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # torch wraps what the rendezvous raised; ours may sit in the chain
         cause = exc
-        while cause is not None and not isinstance(cause, UnreachableNodes):
+        while cause is not None and not isinstance(cause, (UnreachableNodes, stores.StoreBindError)):
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             raise
-        print(f"lorasync: error: {label}: {cause.brief or cause}", file=sys.stderr, flush=True)
+        print(f"lorasync: error: {label}: {getattr(cause, 'brief', None) or cause}",
+              file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -60,7 +60,9 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
 
     Single node: ``--standalone`` (a free local port, rendezvous on loopback).
     Several nodes: c10d rendezvous at ``rdzv_endpoint``; ``nnodes`` is N or
-    ``"MIN:MAX"`` (elastic).  ``max_restarts``: worker-group restarts after a
+    ``"MIN:MAX"`` (elastic).  Every store listens on one address
+    (:mod:`lorasync.launch.stores`): loopback on one node, else the address of
+    ``GLOO_SOCKET_IFNAME`` or of the route to the rendezvous host.  ``max_restarts``: worker-group restarts after a
     failure.  Returns the exit code of the first failed worker (2 for a user
     error), 0 on success.
     """
@@ -69,13 +71,20 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 
+    from lorasync.launch import stores
+
     args = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     if str(nnodes) == "1" and rdzv_endpoint is None:
         args.append("--standalone")
+        store_addr = stores.LOOPBACK
+        # gloo's own listeners too: on one node nothing needs more than loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     else:
+        host = str(rdzv_endpoint).rpartition(":")[0].strip("[]")
+        store_addr = stores.collective_address() or stores.route_address(host) or stores.LOOPBACK
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
-                 "--rdzv-id", rdzv_id]
+                 "--rdzv-id", rdzv_id, "--local-addr", store_addr]
     args += ["-m", "lorasync"]
     parsed = get_args_parser().parse_args(args)
     # Set the worker's arguments after parsing: argparse would otherwise match
@@ -84,6 +93,9 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     # one thread per worker unless the user said otherwise: ranks share cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.update(restart_env(max_restarts, nnodes))
+    # every store this agent and its workers serve listens on one address
+    os.environ[stores.ENV] = store_addr
+    stores.bind_stores(store_addr)
     # a worker's user error is the same on every try: restarted workers stop at once
     with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal:
         os.environ["LORASYNC_FATAL_DIR"] = fatal

@@ -85,6 +85,8 @@ def init_group(args: argparse.Namespace):
     import torch
     import torch.distributed as dist
 
+    from lorasync.launch.stores import init_process_group
+
     backend = args.backend
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     if backend == "auto":  # NCCL needs one GPU per local rank
@@ -99,5 +101,5 @@ def init_group(args: argparse.Namespace):
         torch.cuda.set_device(lr)
         kw["device_id"] = torch.device("cuda", lr)  # binds the communicator: no device guessing in barrier
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), **kw)
+    init_process_group(backend, timedelta(seconds=args.timeout), **kw)
     return dist

@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="nodes in the job (default: every node of the overlay)")
     la.add_argument("--port", type=int, default=29400, help="rendezvous port on the hub (default 29400)")
     la.add_argument("--run-id", default="lorasync-overlay", help="rendezvous id, the same on every node")
+    la.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                    help="worker-group restarts after a failure (default 3; the stores stay on "
+                         "the overlay address either way)")
     la.add_argument("--rdzv-wait", type=float, default=300.0, metavar="S",
                     help="how long a node waits for the hub's rendezvous to open (default: %(default)s)")
     la.add_argument("args", nargs=argparse.REMAINDER, help="-- lorasync ARGS (e.g. -- train --output-dir runs/x)")
@@ -222,8 +225,12 @@ def _launch(args) -> int:
     cmd += ["--nnodes", str(nnodes), "--nproc-per-node", str(args.nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.run_id,
             "--rdzv-conf", f"is_host={1 if cfg.is_hub else 0}", "--local-addr", cfg.address,
-            "--max-restarts", "0", "-m", "lorasync", *rest]
-    env = dict(os.environ, **tunnel.worker_env(cfg), LORASYNC_RDZV_ENDPOINT=endpoint)
+            "--max-restarts", str(args.max_restarts), "-m", "lorasync", *rest]
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", args.max_restarts, "use 0 or more")
+    from lorasync.launch import restart_env
+    env = dict(os.environ, **tunnel.worker_env(cfg), **restart_env(args.max_restarts, nnodes),
+               LORASYNC_RDZV_ENDPOINT=endpoint)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     print(f"lorasync tunnel launch: {cfg.node} on {cfg.ifname} ({cfg.address}), rendezvous "
           f"{endpoint}{' (here)' if cfg.is_hub else ''}, {nnodes} nodes", file=sys.stderr, flush=True)

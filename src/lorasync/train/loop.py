@@ -52,6 +52,7 @@ import warnings
 from lorasync.config import Config, config_to_dict
 from lorasync.errors import DataError, LorasyncError
 from lorasync.launch import worker_env
+from lorasync.launch.stores import init_process_group, master_endpoint
 from lorasync.train.ddp import buffer_sync_kwarg as _buffer_sync_kwarg
 from lorasync.train.ddp import make_identical
 from lorasync.train.summary import format_summary
@@ -131,8 +132,9 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10),
-                            device_id=device if backend == "nccl" else None)
+    # the group's store on this node's address only, never every interface
+    init_process_group(backend, _dt.timedelta(minutes=10),
+                       device_id=device if backend == "nccl" else None)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
             int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
         log("note: torchrun shares one c10d store between restarts here; set "
@@ -145,8 +147,9 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         me = describe_self(rank)
         me["token"] = uuid.uuid4().hex if rank == 0 else None
         dist.all_gather_object(members, me)
-        watchdog = Watchdog(rank=rank, members=members, store_addr=os.environ["MASTER_ADDR"],
-                            store_port=int(os.environ["MASTER_PORT"]),
+        store_addr, store_port = master_endpoint()
+        watchdog = Watchdog(rank=rank, members=members, store_addr=store_addr,
+                            store_port=store_port,
                             prefix=f"lorasync/watchdog/{members[0]['token']}/",
                             min_timeout_s=cfg.run.fault_timeout, steps=cfg.run.fault_steps,
                             on_fault=lambda e: trainer.record_event(e) if trainer else None,

@@ -60,18 +60,11 @@ def _boot_id() -> str:
 
 def _my_address() -> str:
     """The address peers reach this rank at (gloo binds GLOO_SOCKET_IFNAME's address)."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
-    if ifname:
-        try:
-            import fcntl
-            import struct
+    from lorasync.launch.stores import collective_address
 
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                     struct.pack("256s", ifname[:15].encode()))
-            return socket.inet_ntoa(packed[20:24])
-        except OSError:
-            pass
+    addr = collective_address()
+    if addr:
+        return addr
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

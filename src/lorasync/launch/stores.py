@@ -1,0 +1,196 @@
+"""Where the c10d stores listen: one address, never a wildcard.
+
+torch's TCPStore servers (the rendezvous store of the torchrun agents, the
+workers' bootstrap store, and the store rank 0's worker creates when every
+restart gets a fresh one: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) listen on
+every interface, and they have no authentication: whoever reaches the port
+can list and write keys.  lorasync makes every store server a process of its
+starts listen on one address (:func:`bind_stores`):
+
+* on one node, loopback (every rank is local);
+* across nodes, the address peers reach this node at: the overlay's when
+  there is one, ``--local-addr``, else the address of the interface that
+  routes to the rendezvous host (:func:`route_address`).
+
+A launcher tells its agents and workers the address in ``LORASYNC_STORE_ADDR``;
+a worker started by a plain ``torchrun`` (no lorasync launcher) works it out
+from its environment (:func:`store_address`) and creates the group's store
+itself (:func:`init_process_group`), so the store rank 0 hosts is bound the
+same way.  torch has no option for either: the servers are given a listening
+socket bound to the address (``master_listen_fd``).
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+
+__all__ = ["ENV", "LOOPBACK", "StoreBindError", "listening_socket", "bind_stores",
+           "interface_address", "collective_address", "route_address", "store_address",
+           "master_endpoint", "init_process_group"]
+
+#: the address a launcher chose for this node's stores
+ENV = "LORASYNC_STORE_ADDR"
+LOOPBACK = "127.0.0.1"
+
+
+class StoreBindError(RuntimeError):
+    """A store cannot listen on the address it must use.  A RuntimeError, as
+    torch's own bind failure is: its rendezvous falls back to a client when
+    another agent on this machine already hosts the store."""
+
+
+def listening_socket(addr: str, port: int) -> int:
+    """A listening TCP socket on addr:port; returns its fd (the store takes it over)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))
+        s.listen(1024)
+    except OSError as exc:
+        s.close()
+        hint = ("is the overlay up on this node (`lorasync tunnel status`)?"
+                if exc.errno == errno.EADDRNOTAVAIL else "is another job using that port?")
+        raise StoreBindError(f"cannot listen on {addr}:{port} for the c10d store "
+                             f"({exc.strerror}): {hint}") from None
+    return s.detach()
+
+
+def _wildcard(host) -> bool:
+    try:
+        return ipaddress.ip_address(str(host)).is_unspecified
+    except ValueError:
+        return False
+
+
+def bind_stores(addr: str) -> None:
+    """Make every TCPStore server this process starts from now on listen on
+    ``addr`` only: the agent's rendezvous store (c10d backend), its bootstrap
+    store for the workers, and a worker's env:// store."""
+    import torch.distributed as dist
+    from torch.distributed import rendezvous as env_rdzv
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+    original = getattr(dist.TCPStore, "_lorasync_original", dist.TCPStore)
+
+    class TCPStore(original):
+        """torch's TCPStore; a server gets a socket bound to ``addr``."""
+
+        _lorasync_original = original
+
+        def __init__(self, host_name, port, *args, **kw):
+            master = kw.get("is_master", args[1] if len(args) > 1 else False)
+            if master and kw.get("master_listen_fd") is None:
+                kw["master_listen_fd"] = listening_socket(addr, int(port or 0))
+            super().__init__(host_name, port, *args, **kw)
+
+    def create_server(self, master_addr, master_port):
+        # the workers' bootstrap store (group rank 0's agent)
+        return TCPStore(host_name=master_addr, port=master_port, is_master=True,
+                        multi_tenant=True)
+
+    dist.TCPStore = TCPStore
+    env_rdzv.TCPStore = TCPStore
+    backend.TCPStore = TCPStore
+    dyn.DynamicRendezvousHandler._create_tcp_store_server = create_server
+
+
+def interface_address(ifname: str) -> str | None:
+    """The IPv4 address of interface ``ifname`` (SIOCGIFADDR), or None."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+
+
+def collective_address(env=None) -> str | None:
+    """The address gloo/NCCL use on this node: their interface's
+    (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``; the first of a list)."""
+    env = os.environ if env is None else env
+    names = env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME") or ""
+    name = names.split(",")[0].lstrip("^=").strip()
+    return interface_address(name) if name else None
+
+
+def route_address(host: str, port: int = 9) -> str | None:
+    """The local address this host sends from to reach ``host`` (a UDP
+    socket's connect picks the route; nothing is sent), or None."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError:
+                continue
+    return None
+
+
+def _single_node(env) -> bool:
+    try:
+        return int(env.get("WORLD_SIZE", 1)) == int(env.get("LOCAL_WORLD_SIZE",
+                                                            env.get("WORLD_SIZE", 1)))
+    except ValueError:
+        return False
+
+
+def store_address(env=None) -> str:
+    """Where this node's stores listen: the launcher's choice
+    (``LORASYNC_STORE_ADDR``); loopback when every rank is on this node; the
+    collectives' interface (``GLOO_SOCKET_IFNAME``); else the address that
+    routes to the store host (``MASTER_ADDR``: rank 0's own node)."""
+    env = os.environ if env is None else env
+    chosen = env.get(ENV)
+    if chosen and not _wildcard(chosen):
+        return chosen
+    if _single_node(env):
+        return LOOPBACK
+    master = env.get("MASTER_ADDR")
+    return (collective_address(env) or (route_address(master) if master else None)
+            or LOOPBACK)
+
+
+def master_endpoint(env=None) -> tuple[str, int]:
+    """(address, port) of the group's store as this worker connects to it:
+    on one node the address it listens on (see :func:`store_address`), across
+    nodes ``MASTER_ADDR``."""
+    env = os.environ if env is None else env
+    port = int(env["MASTER_PORT"])
+    if _single_node(env):
+        return store_address(env), port
+    return env["MASTER_ADDR"], port
+
+
+def init_process_group(backend: str, timeout: timedelta, **kw):
+    """``torch.distributed.init_process_group`` for a torchrun worker, with the
+    group's store created here: rank 0 (unless the agent's store is shared)
+    hosts it on :func:`store_address` only, the others connect to
+    :func:`master_endpoint`.  Returns the store."""
+    import torch.distributed as dist
+
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    host, port = master_endpoint(env)
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent_store or rank != 0:
+        store = dist.TCPStore(host, port, world, False, timeout=timeout)
+    else:
+        fd = listening_socket(store_address(env), port)
+        store = dist.TCPStore(host, port, world, True, timeout=timeout, multi_tenant=True,
+                              master_listen_fd=fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            **kw)
+    return store
