@@ -89,23 +89,17 @@ import torch
 import torch.distributed as dist
 
 from lorasync import catalog
+from lorasync.catalog import CROSS_NODE
 from lorasync.comm.base import HookSync, completed, get_strategy
 from lorasync.comm.topology import Topology
 from lorasync.comm.wire import ShardedWire, Wire
 from lorasync.errors import ConfigError
 
-__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK", "CROSS_NODE",
-           "move_periodic"]
-
-#: how a hierarchical strategy crosses nodes (module docstring); ``auto``:
-#: ``shards`` for periodic strategies with several ranks per node, else ``leaders``
-CROSS_NODE = ("auto", "leaders", "shards")
+__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "move_periodic"]
 
 #: strategies that are never wrapped, whatever their options (catalog.flat_only)
 NOT_HIERARCHICAL = frozenset(n for n in catalog.names() if catalog.flat_only(n) is not None
                              and n != "onebit")
-#: strategies that keep a residual (what ``auto`` carries over a switch)
-ERROR_FEEDBACK = frozenset({"int8", "onebit", "topk", "powersgd"})
 
 
 class Hierarchical(HookSync):
@@ -113,7 +107,7 @@ class Hierarchical(HookSync):
 
     ``allreduce_algo`` (a Wire algorithm or a function of the payload bytes)
     applies to the strategy's all-reduces across nodes.  ``cross_node``: one
-    of :data:`CROSS_NODE` (``shards`` only for local and diloco).  Build it
+    of :data:`lorasync.catalog.CROSS_NODE` (``shards`` only for local and diloco).  Build it
     on every rank; only leaders build the strategy itself, or with shards
     every rank.
     """
@@ -306,7 +300,7 @@ class Hierarchical(HookSync):
         strategy).  The leader's residual is in node-mean units: G times it
         on the leader and nothing on the others gives the node mean it owes.
         The same kind of answer (a tensor or None) on every rank."""
-        if self.name not in ERROR_FEEDBACK:
+        if not self.spec.error_feedback:
             return None
         if not self.leader:
             return torch.zeros(self.numel, device="cpu")
