@@ -125,5 +125,5 @@ def _chooser(algo: str, wire, sync: Sync):
     if algo != "auto":
         return algo
     from lorasync.comm.probe import algo_chooser
-    return algo_chooser(wire, sync._probe_device())
+    return algo_chooser(wire, sync.collective_device())
 

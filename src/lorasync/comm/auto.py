@@ -58,7 +58,7 @@ What ``Auto`` does, in order:
      every rank;
    * the new strategy is built fresh (``_register_hook=False``: DDP takes one
      comm hook per model, so ``Auto`` registers one hook and hands every
-     bucket to the current strategy's ``_on_bucket``);
+     bucket to the current strategy's ``on_bucket``);
    * ``stats()`` then reports the new strategy's name in ``strategy``, and
      ``switches`` / ``last_switch`` ``{"from", "to", "reason", "step"}``,
      which the trainer copies into that step's metrics record; rank 0 logs a
@@ -101,7 +101,7 @@ import torch.distributed as dist
 
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
-from lorasync.comm.base import Sync, _hook, get_strategy, register
+from lorasync.comm.base import Sync, comm_hook, get_strategy, register
 from lorasync.comm.hierarchy import Hierarchical, move_periodic
 from lorasync.comm.loopback import time_encode
 from lorasync.errors import LorasyncError
@@ -217,7 +217,7 @@ class Auto(Sync):
         super().__init__(ddp, process_group=process_group, **plain)
 
     # -- set-up ---------------------------------------------------------------
-    def _validate(self) -> None:
+    def validate(self) -> None:
         o = self.options
         self._candidates = parse_candidates(o.candidates)
         self._interval = o.interval
@@ -240,7 +240,7 @@ class Auto(Sync):
             # here would otherwise reach state_dict() and not load with weights_only)
             self._nested[name] = {k: getattr(parsed, k) for k in opts}
 
-    def _install(self) -> None:
+    def install(self) -> None:
         self._child_opts: dict[str, dict] = {k: dict(v) for k, v in self._nested.items()}
         for k, v in DEFAULT_CHILD_OPTIONS.items():
             merged = {**v, **self._child_opts.get(k, {})}
@@ -329,7 +329,7 @@ class Auto(Sync):
         if self.options.encode_probe and "diloco" in self._candidates \
                 and len(self._variant_opts) > 1:
             self._variant_ns = self._time_variants()
-        self.ddp.register_comm_hook(self, _hook)
+        self.ddp.register_comm_hook(self, comm_hook)
         t0 = time.perf_counter()
         self._start_net = self._start_probe()
         probe_s = time.perf_counter() - t0
@@ -491,7 +491,7 @@ class Auto(Sync):
             print(msg, file=sys.stderr, flush=True)
 
     # -- the one DDP hook -------------------------------------------------------
-    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self._ready()
         self._t_ready = self.last_ready_time
         if self._carry is not None:
@@ -507,7 +507,7 @@ class Auto(Sync):
                 off += m
             if not self._carry_left:
                 self._carry = None
-        return self._child._on_bucket(bucket)
+        return self._child.on_bucket(bucket)
 
     # -- measurements -------------------------------------------------------------
     def _child_counters(self) -> dict[str, float]:

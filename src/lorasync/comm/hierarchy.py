@@ -133,7 +133,7 @@ class Hierarchical(HookSync):
                          _wire=Wire(self.topo.local_group, self._count), **options)
 
     # -- set-up ---------------------------------------------------------------
-    def _setup(self) -> None:
+    def setup(self) -> None:
         t = self.topo
         if not t.uniform:
             raise ValueError(f"hierarchy: nodes have different rank counts ({t.describe()}); "
@@ -163,7 +163,7 @@ class Hierarchical(HookSync):
         if self.inner is not None and algo is not None:
             if algo == "auto":  # measured on the cross-node link, where it applies
                 from lorasync.comm.probe import algo_chooser
-                algo = algo_chooser(probe, self.inner._probe_device())
+                algo = algo_chooser(probe, self.inner.collective_device())
             self.inner.wire.set_algo(algo)
 
     def _count_inner(self, nbytes: int) -> None:
@@ -171,9 +171,9 @@ class Hierarchical(HookSync):
             self.inner._count(nbytes)
 
     # -- per step: the bucket hook -------------------------------------------
-    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self._ready()
-        lay = self._layout(bucket)
+        lay = self.bucket_layout(bucket)
         self._would_send_fp32(lay.numel)
         last = bucket.is_last()
         if bucket.index() == 0 and self._outs:
@@ -190,7 +190,7 @@ class Hierarchical(HookSync):
                 self._add_comm(time.perf_counter() - t0)
         if not self.per_step:
             return completed(buf)              # periodic: local (node-mean) gradients
-        fut = self.inner._on_bucket(bucket) if self.leader else None
+        fut = self.inner.on_bucket(bucket) if self.leader else None
         if self._G == 1:
             return fut
         out: torch.futures.Future = torch.futures.Future()

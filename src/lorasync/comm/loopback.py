@@ -117,7 +117,7 @@ def time_encode(name: str, params: Sequence[torch.Tensor], world_size: int, *,
         if call == frags:
             start = sync.stats()["encode_s"]
         if spec.per_step:
-            for f in [sync._on_bucket(b) for b in buckets]:
+            for f in [sync.on_bucket(b) for b in buckets]:
                 f.wait()
         sync.after_step()
         _sync(device)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-from lorasync.comm.base import HookSync, _Layout, register
+from lorasync.comm.base import HookSync, Layout, register
 from lorasync.comm.wire import count_group
 from lorasync.errors import ConfigError
 
@@ -45,7 +45,7 @@ def _own_group(sync: HookSync) -> dist.ProcessGroup:
 class _TorchHook(HookSync):
     """Shared part: torch's hook on a group of its own, its bytes counted there."""
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         self._tgroup = _own_group(self)
         count_group(self._tgroup, self._count)
 
@@ -58,7 +58,7 @@ class _TorchHook(HookSync):
 class TorchFP16(_TorchHook):
     name = "torch_fp16"
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return default_hooks.fp16_compress_hook(self._tgroup, bucket)
 
 
@@ -66,7 +66,7 @@ class TorchFP16(_TorchHook):
 class TorchPowerSGD(_TorchHook):
     name = "torch_powersgd"
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
         cap = getattr(self.ddp, "bucket_bytes_cap", None)
         if dist.get_backend(self.group) == "gloo" and cap is not None and grad_bytes > cap:
@@ -76,12 +76,12 @@ class TorchPowerSGD(_TorchHook):
                 f"torch's PowerSGD hook hangs on gloo when the adapter's {grad_bytes / 1e6:.2f} "
                 f"MB of gradients span several DDP buckets; use --bucket-mb {max(need, 25)} "
                 "(one bucket; 25 is torch DDP's own default) or lorasync's --comm powersgd")
-        super()._setup()
+        super().setup()
         # torch requires start_powerSGD_iter > 1 with error feedback and warm start
         self.state = psgd.PowerSGDState(
             process_group=self._tgroup, matrix_approximation_rank=self.options.rank,
             start_powerSGD_iter=self.options.start_iter, use_error_feedback=True,
             warm_start=True, random_seed=0)
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return psgd.powerSGD_hook(self.state, bucket)

@@ -5,7 +5,8 @@ link), ranked predictions, a recommendation and ordered advice out.
 
 * ``rank(net, workload)``: every strategy's ``Prediction``, fastest first.
 * ``choose(Measurements) -> Recommendation``: the seam for the online
-  controller (``plan/auto.py``), which calls it every K steps with fresh link
+  controller (``auto``: its policy in :mod:`lorasync.plan.policy`, the strategy
+  in :mod:`lorasync.comm.auto`), which calls it every K steps with fresh link
   and compute measurements.  The rule: the best predicted throughput, but a
   lossless strategy when one is within ``lossless_margin`` (5%) of the best,
   and fp32 all-reduce when it is within ``exact_margin`` (1%) of that; with
