@@ -113,7 +113,7 @@ from lorasync.plan.policy import (
     describe, drifted, hidden_of, inflation, link_changed, parse_candidates, parse_force,
     parse_variants, probe_cost, probe_every, probe_size, split_extra,
     suggest_accum,
-    workload_for, corrections, _pred_text,
+    workload_for, corrections, prediction_text,
 )
 from lorasync.units import fmt_duration, fmt_rate
 
@@ -809,9 +809,9 @@ class Auto(Sync):
             # a routine switch (same link) must win two windows in a row:
             # one noisy window on a busy host is not enough
             self._pending_pick, pick = pick, cur
-            now = _pred_text(d.current) if d.current is not None else f"{cur}, not predicted"
+            now = prediction_text(d.current) if d.current is not None else f"{cur}, not predicted"
             self._log(f"auto: step {s}: {d.strategy} looks better than {cur} "
-                      f"({_pred_text(d.prediction)} vs {now}); "
+                      f"({prediction_text(d.prediction)} vs {now}); "
                       f"switching if the next window agrees")
         else:
             self._pending_pick = None
