@@ -28,10 +28,10 @@ nodes one of two ways (``cross_node``):
   (G connections per node at once), and the node's ranks all-gather the
   chunks inside the node.  Every rank then takes the same outer step and
   keeps the same outer state (anchor, momentum, residual: G copies per
-  node), so nothing is broadcast afterwards.  On 4 x 2 emulated nodes with
-  a +20 ms link (docs/topology.md) the adapter's fp16 delta crossed 1.16x
-  faster in shards than by the leaders timed alone, and DiLoCo's outer
-  sync step inside training took 1.72 s against 2.17 s.
+  node), so nothing is broadcast afterwards.  Why: the node's ranks already
+  hold the same adapter, so the message exists on every rank, and G
+  connections at once (G NICs where a node has them) use a long-delay link
+  better than one (measured in docs/topology.md).
 * ``leaders``: the leader alone runs the strategy, over the leaders' group,
   and on the steps where the outer sync lands it broadcasts the synced
   adapter inside the node.  Which steps those are follows from the options

@@ -12,9 +12,8 @@ so backward never waits on the network) and sync the adapter every
   optimizer and keeps its state.  The DiLoCo paper's 0.7 / 0.9 suit
   pre-training with hundreds of inner steps per outer step and thousands of
   outer steps; a LoRA fine-tune has tens of outer steps, and momentum 0.9
-  overshoots there: on the embedded default, 60 steps, period 8, eval loss
-  1.98 and 0% exact-match with 0.7/0.9 against 0.228 and 54% with 0.8/0.5
-  (allreduce: 0.204-0.260 over three seeds; bench/strategies.py).
+  overshoots there (``bench/strategies.py``; docs/benchmarks.md, "Quality
+  of each strategy").
 
 How DiLoCo's delta travels (``delta_dtype``, ``delta_topk``; bytes in
 :mod:`lorasync.catalog`):

@@ -15,9 +15,9 @@ compression rate is ~1 (with the default min_compression_rate=2 they are sent
 uncompressed).  For r=8, in=out=576: rank 1 sends (8+576)*1 values instead of
 4608 (7.9x less), rank 2 3.9x, rank 3 2.6x, rank 4 under 2x (k/v's 192 x 8
 gradients: 1.9x), so it is sent uncompressed.  Error feedback makes the
-missing directions arrive over later steps.  Default rank 3: on the embedded
-default (60 steps; bench/strategies.py) rank 3 met the quality rule (eval
-loss 0.270, limit 0.273) and rank 2 missed it (0.278).
+missing directions arrive over later steps.  Default rank 3: the lowest rank
+that met the quality rule on the embedded default (``bench/strategies.py``;
+docs/benchmarks.md, "Quality of each strategy").
 
 Why not torch's hook: it issues and ``.wait()``s its second all-reduce inside
 a ``.then()`` callback of the first.  Callbacks run when a collective

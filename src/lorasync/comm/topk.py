@@ -12,12 +12,11 @@ k is chosen per parameter (not per bucket), so which entries are sent does not
 depend on DDP's bucket layout (which changes after the first iteration).
 
 Default ``ratio`` 0.1 (5x fewer bytes than fp32 all-reduce, indices included):
-on the embedded default (60 steps, 2 ranks, AdamW; bench/strategies.py) 0.1
-met the quality rule (eval loss 0.258, limit 0.273 = worst of three
-allreduce seeds + 5%), 0.05 did not (0.316) and 0.01 was far off (0.482,
-also with 10 full-precision warm-up steps: 0.569).  With Adam an entry sent
-once every 1/ratio steps gets one large normalised update and none between,
-so a fine-tune of tens of steps needs a large ratio; long runs can go lower.
+the ratio that met the quality rule on the embedded default, where smaller
+ones did not (``bench/strategies.py``; docs/benchmarks.md, "Quality of each
+strategy").  With Adam an entry sent once every 1/ratio steps gets one large
+normalised update and none between, so a fine-tune of tens of steps needs a
+large ratio; long runs can go lower.
 
 The residual, index plans and buffers live on the gradients' device.
 """

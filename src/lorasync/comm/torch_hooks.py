@@ -11,14 +11,12 @@ counts, so their wire bytes are measured, not inferred from torch's rules.
 torch's PowerSGD hook waits on its second all-reduce inside the first one's
 ``.then()`` callback.  On gloo that callback holds one of the process group's
 worker threads, so with the adapter's gradients in several DDP buckets the
-callbacks hold every thread and the all-reduces they wait on never run:
-measured, the tiny model in 0.01 MB buckets hung at its first PowerSGD step
-on 2 and on 4 ranks, and the embedded default in the trainer's 1 MB buckets
-on 4 x 2 emulated ranks; in one bucket (25 MB, torch DDP's own default) the
-same runs train.  ``torch_powersgd`` on gloo therefore refuses a bucket
-smaller than the adapter's gradients, naming ``comm.bucket_mb`` and the size
-that works; the bench's rows run it in 25 MB buckets, as a user of torch's
-hook would.  lorasync's own ``powersgd`` has no such limit.
+callbacks hold every thread and the all-reduces they wait on never run: the
+job hangs at its first PowerSGD step, while in one bucket (25 MB, torch
+DDP's own default) it trains.  ``torch_powersgd`` on gloo therefore refuses
+a bucket smaller than the adapter's gradients, naming ``comm.bucket_mb`` and
+the size that works; the bench's rows run it in 25 MB buckets, as a user of
+torch's hook would.  lorasync's own ``powersgd`` has no such limit.
 """
 
 from __future__ import annotations

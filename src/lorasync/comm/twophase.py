@@ -265,20 +265,19 @@ class OneBit(_TwoPhase):
       bias-corrected variance), so AdamW's own arithmetic never sees a
       sign-compressed value.  Why: with signs fed to AdamW, every element of
       a block looks equally large to its second moment, which flattens Adam's
-      per-element step sizes (on the embedded default, 60 steps: eval loss
-      0.35 with signed gradients against 0.26 for fp32; see
-      ``bench/strategies.py``).  With the variance frozen the update is
-      linear in the momentum, so error feedback on the momentum is exact
-      in the long run, as it is for SGD.
+      per-element step sizes and costs quality (``bench/strategies.py``).
+      With the variance frozen the update is linear in the momentum, so
+      error feedback on the momentum is exact in the long run, as it is
+      for SGD.
 
       A frozen variance is only as good as the warm-up: a LoRA adapter's
       A matrices start with zero gradients (B starts at zero) that grow
       for many steps, so a variance frozen early is far too small for them
-      and the steps it gives blow up (5 warm-up steps of 60 on the
-      embedded default: loss 20+ then NaN).  ``max_update_rms`` caps the
-      root-mean-square of each tensor's step (in units of the learning
-      rate) by scaling the whole step down, as Adafactor's update clipping
-      does; AdamW's own steps have an RMS below 1.  0 turns it off.
+      and the steps it gives blow up (the loss diverges).
+      ``max_update_rms`` caps the root-mean-square of each tensor's step
+      (in units of the learning rate) by scaling the whole step down, as
+      Adafactor's update clipping does; AdamW's own steps have an RMS
+      below 1.  0 turns it off.
     """
 
     name = "onebit"

@@ -2,12 +2,16 @@
 
 The strategy that runs it, :class:`lorasync.comm.auto.Auto`, measures and
 switches; everything it decides with is here, unit-tested without a process
-group: which candidates (:func:`parse_candidates`), when to probe
-(:func:`probe_size`, :func:`probe_every`, :func:`drifted`,
-:func:`link_changed`), how the cost model is corrected by what was measured
-(:func:`corrections`, :func:`inflation`, :func:`split_extra`,
-:func:`encode_ns_for`, :func:`workload_for`), what to pick (:func:`decide`,
-:func:`describe`) and how many micro-batches per sync (:func:`suggest_accum`).
+group: which candidates and options (:func:`parse_candidates`,
+:func:`child_options`, :func:`variant_options`, :func:`start_strategy`),
+when to probe (:func:`passive_link`, :func:`probe_due`, :func:`watch_drift`,
+:func:`sync_drifted`, :func:`probe_now`, :func:`next_probe_step`,
+:func:`probe_size`, :func:`probe_every`, :func:`link_changed`), when to
+decide (:func:`defer_decision`, :func:`wait_for_confirmation`), how the cost
+model is corrected by what was measured (:func:`corrections`,
+:func:`inflation`, :func:`split_extra`, :func:`encode_ns_for`,
+:func:`workload_for`), what to pick (:func:`decide`, :func:`describe`) and
+how many micro-batches per sync (:func:`suggest_accum`).
 
 How a network change is seen (exposed sync time alone is ambiguous when sync
 overlaps with backward or happens every few steps): the per-step time beyond
@@ -76,8 +80,8 @@ __all__ = [
 DEFAULT_CANDIDATES = tuple(catalog.AutoOptions().candidates.split(","))
 #: candidate options auto uses unless given (``NAME.OPTION``): DiLoCo's outer
 #: sync as fp16 and overlapped with the next inner step, which is what makes a
-#: periodic strategy worth picking on a slow link (quality on the embedded
-#: default, 60 steps: eval loss 0.2455 with fp16 or fp32 deltas, limit 0.273)
+#: periodic strategy worth picking on a slow link (fp16 deltas met the quality
+#: rule as fp32 ones did: bench/strategies.py)
 DEFAULT_CHILD_OPTIONS = {"diloco": {"streaming": True, "delta_dtype": "fp16"}}
 #: share of the training time the periodic (untriggered) probe may take
 PROBE_BUDGET = 0.01
@@ -308,9 +312,9 @@ def inflation(compute_s: float, quiet_s: float) -> float:
     (measured with nothing inside backward); nothing below
     ``INFLATION_MIN`` of the quiet compute (noise).
 
-    Measured here (2 ranks on 2 cores, 1 MB buckets): 3-7% of the step for
-    allreduce, fp16 and top-k alike at 100 Mbit/s and 1 Gbit/s, so it is
-    charged to every per-step strategy the same, not per byte."""
+    It is the CPU the collectives take from backward on a shared host, about
+    the same for every per-step strategy whatever it sends, so it is charged
+    to every per-step strategy the same, not per byte."""
     extra = compute_s - quiet_s
     return extra if extra > INFLATION_MIN * quiet_s else 0.0
 
@@ -464,8 +468,8 @@ def link_changed(previous: Net, net: Net, numel: int, step_s: float) -> bool:
     by more than ``BANDWIDTH_CHANGE`` either way *and* enough to move an fp32
     sync of the adapter by more than ``LINK_MOVE`` of the step, as much as
     the margins a choice is made with (on a fast link the estimate is noisy
-    and irrelevant).  1 Gbit/s cut to 100 Mbit/s moves it by 0.27 s of a
-    1.4 s step: a change, which ``DRIFT`` (20%) did not call one."""
+    and irrelevant).  Looser than ``DRIFT``: a tenfold cut from a fast link
+    can move the step by less than ``DRIFT`` and still change the choice."""
     ratio = net.bandwidth_Bps / previous.bandwidth_Bps
     if 1 / BANDWIDTH_CHANGE <= ratio <= BANDWIDTH_CHANGE:
         return False

@@ -17,7 +17,7 @@ future callback), :class:`Controller`:
    candidate is predicted faster; tunes DiLoCo's outer sync to the link;
 4. picks with :func:`lorasync.plan.policy.decide` (the planner's rule, with
    hysteresis: a routine switch must win two windows in a row), and
-   broadcasts rank 0's pick (4 bytes), so the ranks cannot disagree;
+   broadcasts rank 0's pick and layout (8 bytes), so the ranks cannot disagree;
 5. switches through the :class:`~lorasync.comm.auto.switch.Switcher` and
    leaves the basis of :meth:`Auto.suggested_accum
    <lorasync.comm.auto.Auto.suggested_accum>`.
