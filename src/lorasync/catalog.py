@@ -61,7 +61,8 @@ __all__ = [
     "spec", "names", "parse_options", "option_help", "param_blocks", "tensor_shapes",
     "collectives", "wire_bytes", "DTYPE_BYTES", "DELTA_DTYPES", "DELTA_BITS",
     "delta_tensor_bytes", "delta_gathered", "fragment_ranges", "fragment_offsets",
-    "fragments_due", "streamed_in_flight", "flat_only",
+    "fragments_due", "streamed_in_flight", "flat_only", "HIERARCHIES", "CROSS_NODE",
+    "ALLREDUCE_ALGOS",
 ]
 
 #: bytes per element of the dtypes a sync may send
@@ -556,6 +557,10 @@ class Spec:
     holds_backward: bool = False
     #: ranked by the planner and choosable by auto
     plannable: bool = True
+    #: keeps a per-element residual of what its compression has not delivered
+    #: yet (error feedback, in its own state): what ``auto`` carries over a
+    #: switch and a hierarchical leader owes for its node
+    error_feedback: bool = False
 
 
 def _spec(name, summary, options, wire, **kw) -> Spec:
@@ -576,20 +581,20 @@ _SPECS = [
     # two quantize/dequantize rounds with error feedback
     _spec("int8", "blockwise int8 + one scale per block, two-phase, error feedback",
           Int8Options, lambda s, n, o: _two_phase(s, n, 8, o.block),
-          encode_ns=lambda o: 20.0, holds_backward=True),
+          encode_ns=lambda o: 20.0, holds_backward=True, error_feedback=True),
     # 1-bit Adam: the momentum blend, sign packing, two rounds
     _spec("onebit", "packed signs + one scale per block (1-bit Adam with AdamW)",
           OneBitOptions, lambda s, n, o: _two_phase(s, n, 1, o.block),
-          encode_ns=lambda o: 45.0, holds_backward=True),
+          encode_ns=lambda o: 45.0, holds_backward=True, error_feedback=True),
     # CPU top-k
     _spec("topk", "the largest `ratio` of each tensor's entries + indices, error feedback",
           TopKOptions, lambda s, n, o: [Collective("all_gather", 8.0 * sum(
               topk_k(math.prod(x), o.ratio) for x in s))],
-          encode_ns=lambda o: 18.0),
+          encode_ns=lambda o: 18.0, error_feedback=True),
     # two small matmuls per matrix, scaling with the rank
     _spec("powersgd", "rank-`rank` factors P, Q of each 2-D gradient, error feedback",
           PowerSGDOptions, lambda s, n, o: _powersgd(s, n, o),
-          encode_ns=lambda o: 7.5 * o.rank),
+          encode_ns=lambda o: 7.5 * o.rank, error_feedback=True),
     # the flat copy
     _spec("local", "the adapter averaged every `period` steps (local SGD)", LocalOptions,
           lambda s, n, o: [Collective("all_reduce", 4.0 * _numel(s))],
@@ -673,6 +678,17 @@ def wire_bytes(name: str, tensors, world_size: int, **options: Any) -> float:
 
 
 # --------------------------------------------------------------------------- layouts
+
+#: layouts a strategy runs in across nodes (``--hierarchy``): ``auto``
+#: (hierarchical where several nodes hold several ranks each), ``flat`` or ``node``
+HIERARCHIES = ("auto", "flat", "node")
+#: how a hierarchical periodic strategy crosses nodes (``--cross-node``);
+#: ``auto``: ``shards`` for periodic strategies with several ranks per node,
+#: else ``leaders``
+CROSS_NODE = ("auto", "leaders", "shards")
+#: all-reduce algorithms a run may ask for (``--allreduce-algo``): the
+#: backend's ``ring``, lorasync's ``recursive_doubling``, or ``auto`` (per message)
+ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "auto")
 
 #: strategies that never run hierarchically (lorasync.comm.hierarchy): nothing
 #: to sync, auto (it builds hierarchical candidates itself), torch's own hooks

@@ -46,6 +46,11 @@ def _check(cond: bool, name: str, value, fix: str) -> None:
         raise ConfigError(name, value, fix)
 
 
+def _use_either(values) -> str:
+    """``use a, b or c``: the fix for a value outside ``values``."""
+    return "use " + ", ".join(values[:-1]) + " or " + values[-1]
+
+
 @dataclass
 class ModelConfig:
     name: str = _f("smollm2-135m", "model: 'smollm2-135m' (embedded default), 'tiny' "
@@ -204,10 +209,10 @@ class CommConfig:
                "give a mapping of option names to values")
         _check(_num(self.bucket_mb) and 0 < self.bucket_mb <= 1024, "comm.bucket_mb",
                self.bucket_mb, "use a number of MB in (0, 1024]")
-        _check(self.hierarchy in ("auto", "flat", "node"), "comm.hierarchy", self.hierarchy,
-               "use auto, flat or node")
-        _check(self.cross_node in ("auto", "leaders", "shards"), "comm.cross_node",
-               self.cross_node, "use auto, leaders or shards")
+        _check(self.hierarchy in catalog.HIERARCHIES, "comm.hierarchy", self.hierarchy,
+               _use_either(catalog.HIERARCHIES))
+        _check(self.cross_node in catalog.CROSS_NODE, "comm.cross_node",
+               self.cross_node, _use_either(catalog.CROSS_NODE))
         _check(self.cross_node != "shards" or self.strategy in catalog.PERIODIC
                or self.strategy == "auto", "comm.cross_node", self.cross_node,
                f"shards apply to local and diloco (and auto's), not {self.strategy}, which "
@@ -215,8 +220,8 @@ class CommConfig:
         _check(isinstance(self.ranks_per_node, int) and not isinstance(self.ranks_per_node, bool)
                and self.ranks_per_node >= 0, "comm.ranks_per_node", self.ranks_per_node,
                "use an integer >= 1, or 0 to detect the nodes")
-        _check(self.allreduce_algo in ("ring", "recursive_doubling", "auto"),
-               "comm.allreduce_algo", self.allreduce_algo, "use ring, recursive_doubling or auto")
+        _check(self.allreduce_algo in catalog.ALLREDUCE_ALGOS,
+               "comm.allreduce_algo", self.allreduce_algo, _use_either(catalog.ALLREDUCE_ALGOS))
 
 
 @dataclass

@@ -138,7 +138,7 @@ def scenario_mass(rank, name, opts, teach, steps=8):
     """Error feedback across nodes loses nothing: the applied (synced)
     gradients plus what the strategy still owes (auto's carry: the leaders'
     residuals in node units) sum to the true mean gradients."""
-    from lorasync.comm.auto import _residual
+    from lorasync.comm.auto.switch import residual_owed
 
     n = dist.get_world_size()
     model, ref = M.build(0), M.build(0)
@@ -157,7 +157,7 @@ def scenario_mass(rank, name, opts, teach, steps=8):
         dist.all_reduce(g)
         true += g / n
         sync.after_step()
-    carry = _residual(sync).double()
+    carry = residual_owed(sync).double()
     dist.all_reduce(carry)
     carry /= n
     return {"max_err": float((applied + carry - true).abs().max()),
@@ -299,7 +299,7 @@ def scenario_auto_layout(rank, teach, cross_node):
         if label == "to_flat":   # the node's residual, in node-mean units
             mean_res = mean_res * units
         st0 = sync.stats()
-        sync._layout = layout    # what the first choice decides
+        sync._switcher.layout = layout    # what the first choice decides
         sync._switch("diloco", opts, f"test: {label}")
         st1 = sync.stats()
         new = sync._child

@@ -131,7 +131,7 @@ def scenario_mass(M, rank, teach, start, force, start_opts, steps=8):
     import torch.distributed as dist
 
     import lorasync
-    from lorasync.comm.auto import _residual
+    from lorasync.comm.auto.switch import residual_owed
 
     n = dist.get_world_size()
     model, ref = M.build(0), M.build(0)
@@ -152,7 +152,7 @@ def scenario_mass(M, rank, teach, start, force, start_opts, steps=8):
         dist.all_reduce(g)
         true += g / n
         sync.after_step()
-    owed = _residual(sync._child)
+    owed = residual_owed(sync._child)
     resid = torch.zeros_like(applied) if owed is None else owed.double() / n
     dist.all_reduce(resid)
     st = sync.stats()
@@ -303,8 +303,8 @@ def scenario_diloco_reconfigure(M, rank, teach, ev):
         st = sync.stats()
         rec.append({"step": s, "wire": st["wire_bytes"] - last["wire_bytes"],
                     "auto": st["auto_bytes"] - last["auto_bytes"]})
-        kinds += [t[0] for t in sync._transfers]
-        sync._transfers = []
+        kinds += [t[0] for t in sync._meter.transfers]
+        sync._meter.transfers = []
         last = st
     sync.finish()
     per = [c.payload_bytes for c in collectives("diloco", shapes, 2, RECONF_TO)]
@@ -312,7 +312,7 @@ def scenario_diloco_reconfigure(M, rank, teach, ev):
     return {"records": rec, "expected_after": want, "kinds": kinds,
             "eval_before": before, "eval_after": _eval(model, ev),
             "spread_end": _spread(_flat(model)), "strategy": sync.stats()["strategy"],
-            "options": dict(sync._child_options), "switches": sync.stats()["switches"]}
+            "options": dict(sync._switcher.options), "switches": sync.stats()["switches"]}
 
 
 def scenario_default(M, rank, teach, ev, steps=40):
@@ -331,7 +331,7 @@ def scenario_default(M, rank, teach, ev, steps=40):
         _step(M, ddp, opt, sync, s, rank, False, teach)
         names.add(sync.stats()["strategy"])
         accum.append(sync.suggested_accum(1, 8))
-        basis = sync._accum_basis
+        basis = sync._ctl.accum_basis
         decided.append(basis is not None and basis[0] == s)
     sync.finish()
     st = sync.stats()

@@ -437,3 +437,155 @@ def test_probe_cost_sets_how_rarely_a_slow_link_is_probed():
     # 2 s a probe at 1 Mbit/s: once in many windows; at 100 Mbit/s: every window
     assert A.probe_every(A.probe_cost(slow), COMPUTE, 10) >= 10
     assert A.probe_every(A.probe_cost(fast), COMPUTE, 10) == 1
+
+
+# --------------------------------------------------------------------------- when to probe
+
+NET = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
+
+
+@pytest.mark.parametrize("net, link, want", [
+    (NET, MB10, MB10),           # the syncs timed the link: their bandwidth, the net's latency
+    (NET, 0.0, None),            # too small or none in the window: no figure
+    (None, MB10, None),          # nothing to take the latency from yet
+])
+def test_passive_link_takes_the_bandwidth_the_syncs_saw(net, link, want):
+    got = A.passive_link(net, link)
+    if want is None:
+        assert got is None
+    else:
+        assert got.bandwidth_Bps == want and got.alpha_s == net.alpha_s
+
+
+@pytest.mark.parametrize("next_probe, step, interval, want", [
+    (0, 10, 10, 20),             # not before the next window
+    (50, 10, 10, 50),            # a later scheduled probe stays
+    (0, 10, 0, 20),              # interval=0 (decide once): windows of PROBE_WINDOW steps
+])
+def test_a_passive_figure_postpones_the_probe(next_probe, step, interval, want):
+    assert A.postpone_probe(next_probe, step, interval) == want
+
+
+@pytest.mark.parametrize("step, next_probe, have_net, passive, want", [
+    (10, 20, True, False, False),   # not yet
+    (20, 20, True, False, True),    # the scheduled step
+    (30, 20, True, False, True),    # overdue (a deferred boundary)
+    (10, 20, False, False, True),   # no figure of the link at all
+    (30, 20, True, True, False),    # the window's syncs measured it
+])
+def test_probe_due_by_schedule(step, next_probe, have_net, passive, want):
+    assert A.probe_due(step, next_probe, have_net=have_net, passive=passive) is want
+
+
+@pytest.mark.parametrize("due, initial, passive, want", [
+    (False, False, False, True),    # a routine boundary with nothing else to go by
+    (True, False, False, False),    # a probe is due anyway
+    (False, True, False, False),    # the first choice: nothing calibrated yet
+    (False, False, True, False),    # the syncs measured the link
+])
+def test_drift_is_watched_only_at_routine_boundaries(due, initial, passive, want):
+    assert A.watch_drift(due, initial=initial, passive=passive) is want
+
+
+def test_sync_drift_is_checked_on_the_window_and_its_last_third():
+    p = predict("fp16", NET, wl())
+    expected = p.step_s - p.compute_s
+    assert not A.sync_drifted(p, (expected, expected), calibrated=True)
+    # the last third moved: a change just before the boundary
+    assert A.sync_drifted(p, (expected, expected + 0.5 * p.step_s), calibrated=True)
+    # within the looser tolerance before calibration
+    assert not A.sync_drifted(p, (expected + 0.3 * p.step_s,), calibrated=False)
+    assert A.sync_drifted(p, (expected + 0.3 * p.step_s,), calibrated=True)
+
+
+@pytest.mark.parametrize("due, initial, start_probed, in_flight, want", [
+    (True, False, False, False, True),
+    (False, False, False, False, False),
+    (True, True, True, False, False),    # the start probe is fresh at the first choice
+    (True, True, False, False, True),    # no start probe (probe=none): probe now
+    (True, False, False, True, False),   # never while a sync is on the link
+])
+def test_probe_now(due, initial, start_probed, in_flight, want):
+    assert A.probe_now(due, initial=initial, start_probed=start_probed,
+                       in_flight=in_flight) is want
+
+
+@pytest.mark.parametrize("step, probe_s, step_s, interval, want", [
+    (10, 0.01, COMPUTE, 10, 20),     # cheap: every window
+    (10, 0.22, COMPUTE, 10, 30),     # 1.7% of a window: every second one
+    (4, 0.22, COMPUTE, 0, 24),       # interval=0: windows of PROBE_WINDOW steps
+    (10, 0.22, 0.0, 10, 20),         # no step time yet: the next window
+])
+def test_next_probe_keeps_the_budget(step, probe_s, step_s, interval, want):
+    assert A.next_probe_step(step, probe_s, step_s, interval) == want
+
+
+@pytest.mark.parametrize("in_flight, deferred, period, want", [
+    (True, 0, 4, True),
+    (True, 3, 4, True),
+    (True, 4, 4, False),     # not forever: fragments may always have one in flight
+    (False, 0, 4, False),
+])
+def test_a_decision_waits_while_a_streamed_sync_is_in_flight(in_flight, deferred, period, want):
+    assert A.defer_decision(in_flight, deferred, period) is want
+
+
+@pytest.mark.parametrize("switch, fresh, pending, pick, want", [
+    (True, False, None, "fp16", True),     # a routine switch: wait for the next window
+    (True, False, "fp16", "fp16", False),  # the second window agrees: switch
+    (True, False, "topk", "fp16", True),   # it picked another: wait again
+    (True, True, None, "fp16", False),     # first choice or a new link: at once
+    (False, False, None, "fp16", False),   # no switch
+])
+def test_a_routine_switch_needs_two_windows(switch, fresh, pending, pick, want):
+    assert A.wait_for_confirmation(switch, fresh, pending, pick) is want
+
+
+# --------------------------------------------------------------------------- start
+
+@pytest.mark.parametrize("candidates, usable, start, hierarchical, want", [
+    (A.DEFAULT_CANDIDATES, A.DEFAULT_CANDIDATES, "", False, "diloco"),
+    (("allreduce", "fp16", "local"), ("allreduce", "fp16", "local"), "", False, "local"),
+    (("allreduce", "fp16", "topk"), ("allreduce", "fp16", "topk"), "", False, "fp16"),
+    (("topk", "int8"), ("topk", "int8"), "", False, "topk"),
+    (("topk",), ("topk",), "int8", False, "int8"),         # outside the candidates: as given
+    (("fp16", "diloco"), ("fp16",), "", False, "fp16"),    # a candidate the layout cannot run
+    (("fp16",), ("fp16",), "onebit", True, "fp16"),        # 1-bit Adam runs flat only
+    (("fp16",), ("fp16",), "onebit", False, "onebit"),
+])
+def test_start_strategy(candidates, usable, start, hierarchical, want):
+    assert A.start_strategy(candidates, usable, start, hierarchical=hierarchical) == want
+
+
+def test_candidate_options_put_the_users_over_the_defaults():
+    assert A.child_options({})["diloco"] == A.DEFAULT_CHILD_OPTIONS["diloco"]
+    got = A.child_options({"diloco": {"period": 4}, "topk": {"ratio": 0.2}})
+    assert got["diloco"] == {**A.DEFAULT_CHILD_OPTIONS["diloco"], "period": 4}
+    assert got["topk"] == {"ratio": 0.2}
+    # period=1 leaves no room to stream: the user's options stand alone
+    assert A.child_options({"diloco": {"period": 1}})["diloco"] == {"period": 1}
+
+
+def test_variant_options_keep_the_users_diloco_options_and_drop_repeats():
+    variants = A.parse_variants("fp16,int8,fp16@0.5")
+    got = A.variant_options(variants, {"diloco": {"delta_dtype": "int8"}})
+    assert got == [{**A.DEFAULT_CHILD_OPTIONS["diloco"], "delta_dtype": "int8"},
+                   {**A.DEFAULT_CHILD_OPTIONS["diloco"], "delta_dtype": "int8",
+                    "delta_topk": 0.5}]
+    assert A.variant_options(variants, {"diloco": {"period": 1}}) == []
+
+
+def test_prediction_text():
+    p = predict("fp16", NET, wl())
+    assert A.prediction_text(p) == (f"fp16 {p.step_s:.3g} s/step "
+                                    f"({p.efficiency:.0%} of no-sync)")
+
+
+def test_policy_is_pure():
+    import subprocess
+    import sys
+
+    code = ("import sys, lorasync.plan.policy; bad = [m for m in sys.modules if m == 'torch' or "
+            "m.startswith(('lorasync.comm', 'lorasync.train', 'lorasync.netdiag', "
+            "'lorasync.overlay', 'lorasync.emulate'))]; sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

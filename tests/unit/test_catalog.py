@@ -103,6 +103,21 @@ def test_options_hold_plain_python_values_that_load_safely():
     assert (o.outer_lr, o.period, o.delta_dtype) == (0.7, 4, "int8")
 
 
+def test_error_feedback_is_a_flag_of_the_compressors_that_keep_a_residual():
+    keep = {n for n, s in catalog.SPECS.items() if s.error_feedback}
+    assert keep == {"int8", "onebit", "topk", "powersgd"}
+
+
+def test_allowed_layouts_and_algorithms_are_the_catalogs():
+    import lorasync.comm as comm
+
+    assert (comm.HIERARCHIES, comm.CROSS_NODE, comm.ALLREDUCE_ALGOS) == (
+        catalog.HIERARCHIES, catalog.CROSS_NODE, catalog.ALLREDUCE_ALGOS)
+    assert catalog.HIERARCHIES == ("auto", "flat", "node")
+    assert catalog.CROSS_NODE == ("auto", "leaders", "shards")
+    assert catalog.ALLREDUCE_ALGOS == ("ring", "recursive_doubling", "auto")
+
+
 def test_catalog_does_not_import_torch():
     code = "import sys, lorasync.catalog; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -33,7 +33,10 @@ def test_yaml_then_overrides(tmp_path):
     ("train: {schedule: wavy}\n", "train.schedule", "constant, linear or cosine"),
     ("run: {backend: mpi}\n", "run.backend", "auto, gloo or nccl"),
     ("- just\n- a list\n", "c.yaml", "mapping of sections"),
-    ("comm: {cross_node: ring}\n", "comm.cross_node", "auto, leaders or shards"),
+    ("comm: {cross_node: ring}\n", "comm.cross_node", "use auto, leaders or shards"),
+    ("comm: {hierarchy: tree}\n", "comm.hierarchy", "use auto, flat or node"),
+    ("comm: {allreduce_algo: tree}\n", "comm.allreduce_algo",
+     "use ring, recursive_doubling or auto"),
     ("comm: {strategy: int8, cross_node: shards}\n", "comm.cross_node",
      "shards apply to local and diloco (and auto's), not int8"),
 ])

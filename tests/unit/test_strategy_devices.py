@@ -132,7 +132,7 @@ def _tensors(obj, path="", depth=0, seen=None):
     elif isinstance(obj, (list, tuple)) or type(obj).__name__ == "deque":
         for i, v in enumerate(obj):
             yield from _tensors(v, f"{path}[{i}]", depth + 1, seen)
-    elif isinstance(obj, (comm_base.Sync, comm_base._Residual, comm_base._Layout)):
+    elif isinstance(obj, (comm_base.Sync, comm_base.Residual, comm_base.Layout)):
         names = getattr(obj, "__dict__", {}) or {s: getattr(obj, s) for s in obj.__slots__}
         for k, v in names.items():
             if k in ("ddp", "params", "group", "state"):  # not the strategy's own state

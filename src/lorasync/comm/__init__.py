@@ -39,17 +39,14 @@ import torch.distributed as dist
 from lorasync.comm import (auto, lowprec, periodic, powersgd, reference, topk,  # noqa: F401
                            torch_hooks, twophase)   # (importing them registers the strategies)
 from lorasync import catalog
+from lorasync.catalog import ALLREDUCE_ALGOS, CROSS_NODE, HIERARCHIES
 from lorasync.comm.base import HookSync, Sync, get_strategy, strategy_names
-from lorasync.comm.hierarchy import CROSS_NODE, NOT_HIERARCHICAL, Hierarchical
+from lorasync.comm.hierarchy import NOT_HIERARCHICAL, Hierarchical
 from lorasync.errors import ConfigError
 
+# HIERARCHIES, ALLREDUCE_ALGOS, CROSS_NODE: what attach() takes, from the catalog
 __all__ = ["attach", "Sync", "HookSync", "strategy_names", "get_strategy", "HIERARCHIES",
            "ALLREDUCE_ALGOS", "CROSS_NODE", "use_hierarchy"]
-
-#: layouts attach() takes
-HIERARCHIES = ("auto", "flat", "node")
-#: all-reduce algorithms attach() takes
-ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "auto")
 
 
 def use_hierarchy(strategy: str, hierarchy: str, topo, options: dict) -> bool:
@@ -128,5 +125,5 @@ def _chooser(algo: str, wire, sync: Sync):
     if algo != "auto":
         return algo
     from lorasync.comm.probe import algo_chooser
-    return algo_chooser(wire, sync._probe_device())
+    return algo_chooser(wire, sync.collective_device())
 

@@ -37,6 +37,20 @@ State is kept per parameter (canonical order = ``ddp.module.parameters()``
 that require grad), never per bucket: DDP rebuilds its buckets after the
 first iteration (and a resumed run starts with the first-iteration layout
 again), so nothing may depend on which bucket a gradient travels in.
+
+Writing a strategy: add its entry (options, kind, byte formula) to
+:mod:`lorasync.catalog`, then subclass :class:`HookSync` (gradients every
+step) or :class:`Sync` (anything else) under the same ``name``, decorated
+with :func:`register`.  What a subclass overrides is public and documented
+on the two classes (``validate``, ``install``, ``setup``, ``encode_bucket``,
+``phase1``, ``on_bucket``, ``in_warmup``, and the public API); what it shares
+with the other strategies is public here too: :class:`Layout` (a bucket's
+parameters and their offsets, with per-layout plans), :class:`Residual`
+(error feedback kept per element), :data:`HOST`, :func:`to_device`,
+:func:`completed` and :func:`comm_hook`.  The accounting helpers
+(``_count``, ``_add_comm``, ``_add_encode``, ``_would_send_fp32``,
+``_ready``) and the flat views (``_flat_params``, ``_set_flat_params``) are
+called by a subclass on itself, never from outside.
 """
 
 from __future__ import annotations
@@ -51,7 +65,8 @@ import torch.distributed as dist
 from lorasync import catalog
 from lorasync.comm.wire import Wire
 
-__all__ = ["Sync", "HookSync", "register", "strategy_names", "get_strategy"]
+__all__ = ["Sync", "HookSync", "register", "strategy_names", "get_strategy", "Layout",
+           "Residual", "HOST", "to_device", "completed", "comm_hook"]
 
 _REGISTRY: dict[str, type["Sync"]] = {}
 
@@ -81,9 +96,20 @@ class Sync:
     """Base class of all strategies.
 
     Subclasses set ``name`` (their entry in :mod:`lorasync.catalog`, which
-    holds their options, with defaults, ranges and help) and implement
-    ``_install`` (register a hook or prepare periodic state).  ``attach()``
-    is the public way to build one.
+    holds their options, with defaults, ranges and help) and override:
+
+    * :meth:`validate` (optional): checks the options alone cannot make;
+    * :meth:`install` (required): register the DDP hook, or prepare the
+      state a periodic strategy syncs in ``after_step``;
+    * the public API as the strategy needs it: :meth:`after_step` (call
+      ``super().after_step()`` first: it counts the step), :meth:`settle`,
+      :meth:`finish`, :meth:`stats` (the accounting rules of the module
+      docstring), :meth:`state_dict` / :meth:`load_state_dict` (extend the
+      base's dict: it carries the checks a resume relies on), and
+      ``in_flight``, ``in_flight_next_step``, ``replicas_may_differ`` where
+      a sync outlives its step.
+
+    ``attach()`` is the public way to build one.
     """
 
     name = "base"
@@ -132,12 +158,12 @@ class Sync:
         self._syncs = 0
         self.last_ready_time: float | None = None
         # False: a per-step strategy prepares its state but leaves the DDP hook
-        # to its caller; ``auto`` (plan/auto.py) builds its strategies so,
+        # to its caller; ``auto`` (lorasync.comm.auto) builds its strategies so,
         # since DDP takes one comm hook per model, and hands each bucket to
-        # the current one's ``_on_bucket`` from its own hook
+        # the current one's ``on_bucket`` from its own hook
         self._register_hook = _register_hook
-        self._validate()
-        self._install()
+        self.validate()
+        self.install()
 
     @property
     def per_step(self) -> bool:
@@ -168,11 +194,16 @@ class Sync:
         return False
 
     # -- hooks for subclasses -------------------------------------------------
-    def _validate(self) -> None:
+    def validate(self) -> None:
         """What the options alone cannot tell (relations to the optimizer,
-        the backend); raise ValueError."""
+        the backend); raise ValueError.  Runs once, in the constructor,
+        before :meth:`install`."""
 
-    def _install(self) -> None:
+    def install(self) -> None:
+        """Set the strategy up, once, in the constructor: register a DDP
+        comm hook (only when ``self._register_hook``: ``auto`` and
+        ``Hierarchical`` call :meth:`HookSync.on_bucket` from their own
+        hook) and allocate state.  :class:`HookSync` implements it."""
         raise NotImplementedError
 
     def _check_dtype(self, dtype: torch.dtype, option: str) -> None:
@@ -182,7 +213,7 @@ class Sync:
         every rank calls attach, so every rank takes part.
         """
         try:
-            self.wire.all_reduce(torch.zeros(1, dtype=dtype, device=self._probe_device()),
+            self.wire.all_reduce(torch.zeros(1, dtype=dtype, device=self.collective_device()),
                                  count=False)
         except (RuntimeError, ValueError, TypeError) as e:
             backend = self.wire.backend
@@ -191,9 +222,10 @@ class Sync:
                 f"({str(e).splitlines()[0][:120]}); use allreduce or int8 instead"
             ) from None
 
-    def _probe_device(self) -> torch.device:
-        """Device for attach-time probes: the gradients' (what the collectives
-        will carry), but NCCL takes CUDA tensors only."""
+    def collective_device(self) -> torch.device:
+        """Device for the collectives a strategy issues outside DDP's buckets
+        (attach-time probes, averages, auto's measurements): the gradients'
+        (what the collectives will carry), but NCCL takes CUDA tensors only."""
         if self.device.type == "cpu" and self.wire.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return self.device
@@ -280,7 +312,7 @@ class Sync:
         self._steps = int(state.get("steps", 0))
 
 
-class _Layout:
+class Layout:
     """One bucket layout: which parameters, at which offsets of the buffer."""
 
     __slots__ = ("id", "pids", "offsets", "numel", "cache")
@@ -300,14 +332,14 @@ class _Layout:
         syncs); each device gets its own copy, once."""
         plan = self.cache.get((key, device))
         if plan is None:
-            plan = self.cache.get((key, _HOST))
+            plan = self.cache.get((key, HOST))
             if plan is None:
                 plan = build()
             plan = self.cache[(key, device)] = to_device(plan, device)
         return plan
 
 
-_HOST = torch.device("cpu")
+HOST = torch.device("cpu")
 
 
 def to_device(v: Any, device: torch.device) -> Any:
@@ -321,7 +353,7 @@ def to_device(v: Any, device: torch.device) -> Any:
     return v
 
 
-class _Residual:
+class Residual:
     """A per-element residual (error feedback) over the canonical flat
     parameters, kept in a bucket layout's own element order while in use.
 
@@ -341,7 +373,7 @@ class _Residual:
         self._holder: list[int | None] = [None] * nparams   # layout id holding each param
         self._rows: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
 
-    def rows(self, lay: "_Layout", cpos: torch.Tensor) -> torch.Tensor:
+    def rows(self, lay: "Layout", cpos: torch.Tensor) -> torch.Tensor:
         """The residual for ``lay`` in row order (``cpos``: canonical position
         of every row element, ``numel`` for padding); update it in place."""
         if cpos.device != self.canon.device:
@@ -383,56 +415,73 @@ class _Residual:
 class HookSync(Sync):
     """A strategy that sends gradients every step through a DDP comm hook.
 
-    Subclasses implement ``_encode_bucket`` (one-phase: returns a future of
-    the reduced buffer) or, for two-phase schemes, set ``two_phase = True``
-    and implement ``_phase1`` returning ``(future, continue_fn)``: the
-    continuation runs on the hook thread once the first collective is done,
-    issues the second one and returns a future of the reduced buffer.
+    :meth:`install` is done here: it calls :meth:`setup` and registers
+    :func:`comm_hook`.  A subclass overrides:
 
-    ``warmup_steps``: plain fp32 all-reduce for the first N optimizer steps.
+    * :meth:`setup` (optional): allocate its state (residuals, buffers);
+    * one of the two ways a bucket travels:
+
+      - :meth:`encode_bucket` (one collective, or several issued at once):
+        return a future of the bucket's reduced (mean) gradient;
+      - for a second collective that needs the first one's result, set
+        ``two_phase = True`` and implement :meth:`phase1` instead;
+
+    * :meth:`in_warmup` (optional): when a bucket goes as plain fp32
+      (default: the first ``warmup_steps`` optimizer steps);
+    * :meth:`on_bucket` only to wrap it (count or rewrite the bucket before
+      the hook runs, then call ``super().on_bucket(bucket)``).
+
+    ``communicates = False`` marks a hook that only notes readiness (the
+    periodic strategies), so that a step without a sync is not counted as one.
     """
 
     two_phase = False
     #: False for hooks that only mark readiness (none, local, diloco)
     communicates = True
 
-    def _install(self) -> None:
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
+    def install(self) -> None:
+        self._layouts: dict[tuple[int, ...], Layout] = {}
         self._bucket_numels: list[int] = []
         self._pending: tuple[Any, Callable[[], torch.futures.Future], torch.futures.Future] | None = None
-        self._setup()
+        self.setup()
         if self._register_hook:
-            self.ddp.register_comm_hook(self, _hook)
+            self.ddp.register_comm_hook(self, comm_hook)
 
-    def _setup(self) -> None:
-        """Allocate strategy state (after option validation)."""
+    def setup(self) -> None:
+        """Allocate strategy state (after :meth:`validate`, before the hook
+        is registered)."""
 
     @property
     def bucket_sizes(self) -> list[int]:
         """Numel of each bucket in the latest iteration (DDP's current layout)."""
         return list(self._bucket_numels)
 
-    def _layout(self, bucket: dist.GradBucket) -> _Layout:
+    def bucket_layout(self, bucket: dist.GradBucket) -> Layout:
+        """The :class:`Layout` of ``bucket`` (made once per layout), noting
+        its size for :attr:`bucket_sizes`; call it once per bucket per step."""
         key = tuple(self._pindex[id(p)] for p in bucket.parameters())
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[key] = _Layout(len(self._layouts), key, self._numels)
+            lay = self._layouts[key] = Layout(len(self._layouts), key, self._numels)
         i = bucket.index()
         del self._bucket_numels[i:]
         self._bucket_numels.append(lay.numel)
         return lay
 
-    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """What DDP's hook does with ``bucket``: mark when compute ended,
+        count, and hand it to :meth:`encode_bucket` or :meth:`phase1`
+        (``auto`` and ``Hierarchical`` call it from their own hook)."""
         self._ready()
-        lay = self._layout(bucket)
+        lay = self.bucket_layout(bucket)
         self._would_send_fp32(lay.numel)
         if bucket.is_last() and self.communicates:
             with self._lock:
                 self._syncs += 1
-        if self._in_warmup(bucket):
+        if self.in_warmup(bucket):
             return self._fp32_allreduce(bucket)
         if not self.two_phase:
-            return self._encode_bucket(bucket, lay)
+            return self.encode_bucket(bucket, lay)
         if bucket.index() == 0 and self._pending is not None:
             # left over from a backward pass that never reached its last bucket
             self._pending[2].set_exception(RuntimeError("backward pass was abandoned"))
@@ -442,7 +491,7 @@ class HookSync(Sync):
         # counting it in comm_s too would count it twice
         self._drain(last=bucket.is_last())
         out: torch.futures.Future = torch.futures.Future()
-        fut, cont = self._phase1(bucket, lay)
+        fut, cont = self.phase1(bucket, lay)
         self._pending = (fut, cont, out)
         if bucket.is_last():
             self._drain(last=True)
@@ -473,7 +522,7 @@ class HookSync(Sync):
 
         fut2.then(_done)
 
-    def _in_warmup(self, bucket: dist.GradBucket) -> bool:
+    def in_warmup(self, bucket: dist.GradBucket) -> bool:
         """Whether this bucket goes as plain fp32 (``warmup_steps``)."""
         return self._steps < getattr(self.options, "warmup_steps", 0)
 
@@ -484,10 +533,24 @@ class HookSync(Sync):
         fut = self.wire.all_reduce(buf, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
+        """Send ``bucket`` (its parameters are ``lay``'s) and return a future
+        of the averaged gradient buffer, the same bits on every rank.
+
+        Runs on the hook thread: issue every collective here, through
+        ``self.wire``; a future callback may decode but never issue or wait
+        on a collective (module docstring).  State is per parameter
+        (``lay.pids``, ``lay.offsets``), never per bucket."""
         raise NotImplementedError
 
-    def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
+    def phase1(self, bucket: dist.GradBucket, lay: Layout):
+        """Two-phase schemes (``two_phase = True``): issue the first
+        collective of ``bucket`` and return ``(future, continue_fn)``.
+
+        ``continue_fn()`` runs on the hook thread once ``future`` is done (in
+        the next bucket's hook, or in this one's when it is the last): it
+        issues the second collective and returns a future of the averaged
+        buffer.  The same rules as :meth:`encode_bucket` apply."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -496,10 +559,11 @@ class HookSync(Sync):
             self._pending = None
 
 
-def _hook(sync, bucket):
+def comm_hook(sync, bucket):
+    """The DDP comm hook of every strategy: ``sync.on_bucket(bucket)``."""
     # No annotations: DDP compares them with dist.GradBucket / Future, and
     # ``from __future__ import annotations`` would turn them into strings.
-    return sync._on_bucket(bucket)
+    return sync.on_bucket(bucket)
 
 
 def completed(value: Any) -> torch.futures.Future:

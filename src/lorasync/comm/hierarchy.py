@@ -28,10 +28,10 @@ nodes one of two ways (``cross_node``):
   (G connections per node at once), and the node's ranks all-gather the
   chunks inside the node.  Every rank then takes the same outer step and
   keeps the same outer state (anchor, momentum, residual: G copies per
-  node), so nothing is broadcast afterwards.  On 4 x 2 emulated nodes with
-  a +20 ms link (docs/topology.md) the adapter's fp16 delta crossed 1.16x
-  faster in shards than by the leaders timed alone, and DiLoCo's outer
-  sync step inside training took 1.72 s against 2.17 s.
+  node), so nothing is broadcast afterwards.  Why: the node's ranks already
+  hold the same adapter, so the message exists on every rank, and G
+  connections at once (G NICs where a node has them) use a long-delay link
+  better than one (measured in docs/topology.md).
 * ``leaders``: the leader alone runs the strategy, over the leaders' group,
   and on the steps where the outer sync lands it broadcasts the synced
   adapter inside the node.  Which steps those are follows from the options
@@ -89,23 +89,17 @@ import torch
 import torch.distributed as dist
 
 from lorasync import catalog
+from lorasync.catalog import CROSS_NODE
 from lorasync.comm.base import HookSync, completed, get_strategy
 from lorasync.comm.topology import Topology
 from lorasync.comm.wire import ShardedWire, Wire
 from lorasync.errors import ConfigError
 
-__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "ERROR_FEEDBACK", "CROSS_NODE",
-           "move_periodic"]
-
-#: how a hierarchical strategy crosses nodes (module docstring); ``auto``:
-#: ``shards`` for periodic strategies with several ranks per node, else ``leaders``
-CROSS_NODE = ("auto", "leaders", "shards")
+__all__ = ["Hierarchical", "NOT_HIERARCHICAL", "move_periodic"]
 
 #: strategies that are never wrapped, whatever their options (catalog.flat_only)
 NOT_HIERARCHICAL = frozenset(n for n in catalog.names() if catalog.flat_only(n) is not None
                              and n != "onebit")
-#: strategies that keep a residual (what ``auto`` carries over a switch)
-ERROR_FEEDBACK = frozenset({"int8", "onebit", "topk", "powersgd"})
 
 
 class Hierarchical(HookSync):
@@ -113,7 +107,7 @@ class Hierarchical(HookSync):
 
     ``allreduce_algo`` (a Wire algorithm or a function of the payload bytes)
     applies to the strategy's all-reduces across nodes.  ``cross_node``: one
-    of :data:`CROSS_NODE` (``shards`` only for local and diloco).  Build it
+    of :data:`lorasync.catalog.CROSS_NODE` (``shards`` only for local and diloco).  Build it
     on every rank; only leaders build the strategy itself, or with shards
     every rank.
     """
@@ -139,7 +133,7 @@ class Hierarchical(HookSync):
                          _wire=Wire(self.topo.local_group, self._count), **options)
 
     # -- set-up ---------------------------------------------------------------
-    def _setup(self) -> None:
+    def setup(self) -> None:
         t = self.topo
         if not t.uniform:
             raise ValueError(f"hierarchy: nodes have different rank counts ({t.describe()}); "
@@ -169,7 +163,7 @@ class Hierarchical(HookSync):
         if self.inner is not None and algo is not None:
             if algo == "auto":  # measured on the cross-node link, where it applies
                 from lorasync.comm.probe import algo_chooser
-                algo = algo_chooser(probe, self.inner._probe_device())
+                algo = algo_chooser(probe, self.inner.collective_device())
             self.inner.wire.set_algo(algo)
 
     def _count_inner(self, nbytes: int) -> None:
@@ -177,9 +171,9 @@ class Hierarchical(HookSync):
             self.inner._count(nbytes)
 
     # -- per step: the bucket hook -------------------------------------------
-    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self._ready()
-        lay = self._layout(bucket)
+        lay = self.bucket_layout(bucket)
         self._would_send_fp32(lay.numel)
         last = bucket.is_last()
         if bucket.index() == 0 and self._outs:
@@ -196,7 +190,7 @@ class Hierarchical(HookSync):
                 self._add_comm(time.perf_counter() - t0)
         if not self.per_step:
             return completed(buf)              # periodic: local (node-mean) gradients
-        fut = self.inner._on_bucket(bucket) if self.leader else None
+        fut = self.inner.on_bucket(bucket) if self.leader else None
         if self._G == 1:
             return fut
         out: torch.futures.Future = torch.futures.Future()
@@ -306,7 +300,7 @@ class Hierarchical(HookSync):
         strategy).  The leader's residual is in node-mean units: G times it
         on the leader and nothing on the others gives the node mean it owes.
         The same kind of answer (a tensor or None) on every rank."""
-        if self.name not in ERROR_FEEDBACK:
+        if not self.spec.error_feedback:
             return None
         if not self.leader:
             return torch.zeros(self.numel, device="cpu")

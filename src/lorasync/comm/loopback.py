@@ -2,15 +2,14 @@
 
 ``auto`` prices the strategies it has not run with the cost model, whose
 encode+decode costs default to what the strategies measured on one CPU thread
-(the catalog's ``encode_ns``).  On another device those figures are far off
-(int8: 18 ms a step on the CPU figure, 0.26 ms measured on an H200), so auto
-times its candidates here when it starts: the strategy's own hooks (or, for
-a periodic one, its sync) run a few times on copies of the adapter's
-tensors, with a :class:`~lorasync.comm.wire.LoopbackWire` in place of the
-network, and what the strategy counts as ``encode_s`` is the figure: the
-same quantity the catalog's CPU defaults are (the strategies' own encode_s
-in bench/plan_accuracy.py), so the cost model means one thing on every
-device.  The bench's microbenchmarks use the same function.
+(the catalog's ``encode_ns``).  On another device (a GPU) those figures are
+far off, so auto times its candidates here when it starts: the strategy's
+own hooks (or, for a periodic one, its sync) run a few times on copies of
+the adapter's tensors, with a :class:`~lorasync.comm.wire.LoopbackWire` in
+place of the network, and what the strategy counts as ``encode_s`` is the
+figure: the same quantity the catalog's CPU defaults are (the strategies'
+own encode_s in bench/plan_accuracy.py), so the cost model means one thing
+on every device.  The bench's microbenchmarks use the same function.
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ def time_encode(name: str, params: Sequence[torch.Tensor], world_size: int, *,
         if call == frags:
             start = sync.stats()["encode_s"]
         if spec.per_step:
-            for f in [sync._on_bucket(b) for b in buckets]:
+            for f in [sync.on_bucket(b) for b in buckets]:
                 f.wait()
         sync.after_step()
         _sync(device)

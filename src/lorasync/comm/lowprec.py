@@ -15,16 +15,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from lorasync.comm.base import HookSync, _Layout, register
+from lorasync.comm.base import HookSync, Layout, register
 
 
 class _LowPrecision(HookSync):
     dtype = torch.float16
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         self._check_dtype(self.dtype, "dtype")
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         buf = bucket.buffer()
         t0 = time.perf_counter()
         half = buf.div(self.world_size).to(self.dtype)

@@ -12,9 +12,8 @@ so backward never waits on the network) and sync the adapter every
   optimizer and keeps its state.  The DiLoCo paper's 0.7 / 0.9 suit
   pre-training with hundreds of inner steps per outer step and thousands of
   outer steps; a LoRA fine-tune has tens of outer steps, and momentum 0.9
-  overshoots there: on the embedded default, 60 steps, period 8, eval loss
-  1.98 and 0% exact-match with 0.7/0.9 against 0.228 and 54% with 0.8/0.5
-  (allreduce: 0.204-0.260 over three seeds; bench/strategies.py).
+  overshoots there (``bench/strategies.py``; docs/benchmarks.md, "Quality
+  of each strategy").
 
 How DiLoCo's delta travels (``delta_dtype``, ``delta_topk``; bytes in
 :mod:`lorasync.catalog`):
@@ -75,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from lorasync import catalog
-from lorasync.comm.base import _HOST, HookSync, _Layout, completed, register
+from lorasync.comm.base import HOST, HookSync, Layout, completed, register
 from lorasync.comm.compress import DeltaCodec
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -84,7 +83,7 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 class _Periodic(HookSync):
     communicates = False
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         self._pending: list[dict[str, Any]] = []
         self._dirty = False
         self._configure()
@@ -109,7 +108,7 @@ class _Periodic(HookSync):
         applied by a later one (streaming)."""
         return bool(self._pending)
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return completed(bucket.buffer())  # local gradient, no communication
 
     # -- subclass hooks -------------------------------------------------------
@@ -221,8 +220,8 @@ class _Periodic(HookSync):
         pending = []
         for p in self._pending:  # streaming syncs in flight: finish receiving them
             self._wait(p)
-            pending.append({"frag": p["frag"], "payload": p["payload"].to(_HOST, copy=True),
-                            "snapshot": p["snapshot"].to(_HOST, copy=True),
+            pending.append({"frag": p["frag"], "payload": p["payload"].to(HOST, copy=True),
+                            "snapshot": p["snapshot"].to(HOST, copy=True),
                             "apply_at": p["apply_at"]})
         return {**super().state_dict(), "dirty": self._dirty, "pending": pending,
                 "fragments": len(self._frags)}
@@ -259,11 +258,11 @@ class Local(_Periodic):
 class DiLoCo(_Periodic):
     name = "diloco"
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         self._anchor = self._flat_params()
         self._momentum = torch.zeros_like(self._anchor)
         self._residual: torch.Tensor | None = None
-        super()._setup()
+        super().setup()
 
     def _configure(self) -> None:
         super()._configure()
@@ -328,10 +327,10 @@ class DiLoCo(_Periodic):
         self._anchor = avg.clone()
 
     def state_dict(self) -> dict[str, Any]:
-        sd = {**super().state_dict(), "anchor": self._anchor.to(_HOST, copy=True),
-              "outer_momentum_buffer": self._momentum.to(_HOST, copy=True)}
+        sd = {**super().state_dict(), "anchor": self._anchor.to(HOST, copy=True),
+              "outer_momentum_buffer": self._momentum.to(HOST, copy=True)}
         if self._residual is not None:
-            sd["residual"] = self._residual.to(_HOST, copy=True)
+            sd["residual"] = self._residual.to(HOST, copy=True)
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

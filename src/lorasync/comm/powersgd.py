@@ -15,9 +15,9 @@ compression rate is ~1 (with the default min_compression_rate=2 they are sent
 uncompressed).  For r=8, in=out=576: rank 1 sends (8+576)*1 values instead of
 4608 (7.9x less), rank 2 3.9x, rank 3 2.6x, rank 4 under 2x (k/v's 192 x 8
 gradients: 1.9x), so it is sent uncompressed.  Error feedback makes the
-missing directions arrive over later steps.  Default rank 3: on the embedded
-default (60 steps; bench/strategies.py) rank 3 met the quality rule (eval
-loss 0.270, limit 0.273) and rank 2 missed it (0.278).
+missing directions arrive over later steps.  Default rank 3: the lowest rank
+that met the quality rule on the embedded default (``bench/strategies.py``;
+docs/benchmarks.md, "Quality of each strategy").
 
 Why not torch's hook: it issues and ``.wait()``s its second all-reduce inside
 a ``.then()`` callback of the first.  Callbacks run when a collective
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from lorasync.catalog import powersgd_shape
 from lorasync.comm import compress as C
-from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, completed, register
+from lorasync.comm.base import HOST, HookSync, Layout, Residual, completed, register
 
 
 @register
@@ -59,13 +59,13 @@ class PowerSGD(HookSync):
     name = "powersgd"
     two_phase = True
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         o = self.options
         #: per parameter: (rows, cols) if compressed, else None (the catalog's rule)
         self._shape = [powersgd_shape(tuple(p.shape), o.rank, o.min_compression_rate)
                        for p in self.params]
         # zero outside compressed matrices
-        self._E = _Residual(self.numel, len(self.params), self.device)
+        self._E = Residual(self.numel, len(self.params), self.device)
         self._Q: dict[int, torch.Tensor] = {}
         # new Qs of finished buckets: (param ids, Qs g x b x k, usable per param)
         self._q_new: deque[tuple[list[int], torch.Tensor, _HostCopy]] = deque()
@@ -85,31 +85,31 @@ class PowerSGD(HookSync):
                 else:
                     self._Q.pop(i, None)
 
-    def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
+    def _plan(self, lay: Layout, device: torch.device) -> dict[str, Any]:
         """Per layout: the uncompressed elements, and the compressed matrices
         grouped by shape (one batched matmul per shape; LoRA has few shapes)."""
         return lay.plan("psgd", device, lambda: self._host_plan(lay))
 
-    def _host_plan(self, lay: _Layout) -> dict[str, Any]:
+    def _host_plan(self, lay: Layout) -> dict[str, Any]:
         unc, groups = [], {}
         for i, off in zip(lay.pids, lay.offsets):
             shape = self._shape[i]
             if shape is None:
-                unc.append(torch.arange(off, off + self._numels[i], device=_HOST))
+                unc.append(torch.arange(off, off + self._numels[i], device=HOST))
             else:
                 groups.setdefault(shape, []).append((i, off))
         plan_groups, cpos = [], []
         for (a, b), members in groups.items():
-            ar = torch.arange(a * b, device=_HOST)
+            ar = torch.arange(a * b, device=HOST)
             plan_groups.append(dict(a=a, b=b, pids=[i for i, _ in members],
                                     bidx=torch.cat([ar + off for _, off in members])))
             cpos.append(torch.cat([ar + self._offsets[i] for i, _ in members]))
         return dict(
-            unc=torch.cat(unc) if unc else torch.empty(0, dtype=torch.long, device=_HOST),
+            unc=torch.cat(unc) if unc else torch.empty(0, dtype=torch.long, device=HOST),
             groups=plan_groups,
-            cpos=torch.cat(cpos) if cpos else torch.empty(0, dtype=torch.long, device=_HOST))
+            cpos=torch.cat(cpos) if cpos else torch.empty(0, dtype=torch.long, device=HOST))
 
-    def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
+    def phase1(self, bucket: dist.GradBucket, lay: Layout):
         n, k = self.world_size, self.options.rank
         buf = bucket.buffer()
         t0 = time.perf_counter()
@@ -182,14 +182,14 @@ class PowerSGD(HookSync):
                for i in range(len(self.params)) if self._shape[i] is not None}
         self._take_new_q()
         return {**super().state_dict(), "rank_k": self.options.rank, "error": err,
-                "q": {i: q.to(_HOST, copy=True) for i, q in self._Q.items()}}
+                "q": {i: q.to(HOST, copy=True) for i, q in self._Q.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if state.get("rank_k", self.options.rank) != self.options.rank:
             raise ValueError(f"state_dict: saved with rank={state['rank_k']}, this run has "
                              f"rank={self.options.rank}; pass the same rank option")
-        flat = torch.zeros(self.numel, device=_HOST)
+        flat = torch.zeros(self.numel, device=HOST)
         for i, e in state["error"].items():
             i = int(i)
             flat[self._offsets[i]:self._offsets[i + 1]] = e.reshape(-1)
@@ -208,11 +208,11 @@ class _HostCopy:
     def __init__(self, t: torch.Tensor):
         self._done = None
         if t.device.type == "cuda":
-            self._t = t.to(_HOST, non_blocking=True)  # into pinned memory
+            self._t = t.to(HOST, non_blocking=True)  # into pinned memory
             self._done = torch.cuda.Event()
             self._done.record(torch.cuda.current_stream(t.device))
         else:
-            self._t = t.to(_HOST)  # CPU: no copy; other devices: a blocking one
+            self._t = t.to(HOST)  # CPU: no copy; other devices: a blocking one
 
     def get(self) -> list:
         if self._done is not None:

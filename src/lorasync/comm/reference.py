@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lorasync.comm.base import HookSync, _Layout, completed, register
+from lorasync.comm.base import HookSync, Layout, completed, register
 
 
 @register
@@ -21,7 +21,7 @@ class AllReduce(HookSync):
 
     name = "allreduce"
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return self._fp32_allreduce(bucket)
 
 
@@ -30,5 +30,5 @@ class NoSync(HookSync):
     name = "none"
     communicates = False
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return completed(bucket.buffer())

@@ -12,12 +12,11 @@ k is chosen per parameter (not per bucket), so which entries are sent does not
 depend on DDP's bucket layout (which changes after the first iteration).
 
 Default ``ratio`` 0.1 (5x fewer bytes than fp32 all-reduce, indices included):
-on the embedded default (60 steps, 2 ranks, AdamW; bench/strategies.py) 0.1
-met the quality rule (eval loss 0.258, limit 0.273 = worst of three
-allreduce seeds + 5%), 0.05 did not (0.316) and 0.01 was far off (0.482,
-also with 10 full-precision warm-up steps: 0.569).  With Adam an entry sent
-once every 1/ratio steps gets one large normalised update and none between,
-so a fine-tune of tens of steps needs a large ratio; long runs can go lower.
+the ratio that met the quality rule on the embedded default, where smaller
+ones did not (``bench/strategies.py``; docs/benchmarks.md, "Quality of each
+strategy").  With Adam an entry sent once every 1/ratio steps gets one large
+normalised update and none between, so a fine-tune of tens of steps needs a
+large ratio; long runs can go lower.
 
 The residual, index plans and buffers live on the gradients' device.
 """
@@ -32,34 +31,34 @@ import torch.distributed as dist
 
 from lorasync.catalog import topk_k
 from lorasync.comm import compress as C
-from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
+from lorasync.comm.base import HOST, HookSync, Layout, Residual, register
 
 
 @register
 class TopK(HookSync):
     name = "topk"
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         self._k = [topk_k(m, self.options.ratio) for m in self._numels]
-        self._E = _Residual(self.numel, len(self.params), self.device)
+        self._E = Residual(self.numel, len(self.params), self.device)
 
-    def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
+    def _plan(self, lay: Layout, device: torch.device) -> dict[str, Any]:
         """Parameters of one bucket grouped by size (one batched top-k a size)."""
         return lay.plan("topk", device, lambda: self._host_plan(lay))
 
-    def _host_plan(self, lay: _Layout) -> dict[str, Any]:
+    def _host_plan(self, lay: Layout) -> dict[str, Any]:
         groups: dict[int, list[tuple[int, int]]] = {}
         for i, boff in zip(lay.pids, lay.offsets):
             groups.setdefault(self._numels[i], []).append((i, boff))
         rows, cpos = [], []
         for m, members in groups.items():
-            ar = torch.arange(m, device=_HOST)
+            ar = torch.arange(m, device=HOST)
             bpos = torch.stack([ar + boff for _, boff in members])
             cpos.append(torch.stack([ar + self._offsets[i] for i, _ in members]).reshape(-1))
             rows.append((bpos, bpos.reshape(-1), self._k[members[0][0]]))
         return {"groups": rows, "cpos": torch.cat(cpos)}
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         n = self.world_size
         buf = bucket.buffer()
         t0 = time.perf_counter()

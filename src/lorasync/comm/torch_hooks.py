@@ -11,14 +11,12 @@ counts, so their wire bytes are measured, not inferred from torch's rules.
 torch's PowerSGD hook waits on its second all-reduce inside the first one's
 ``.then()`` callback.  On gloo that callback holds one of the process group's
 worker threads, so with the adapter's gradients in several DDP buckets the
-callbacks hold every thread and the all-reduces they wait on never run:
-measured, the tiny model in 0.01 MB buckets hung at its first PowerSGD step
-on 2 and on 4 ranks, and the embedded default in the trainer's 1 MB buckets
-on 4 x 2 emulated ranks; in one bucket (25 MB, torch DDP's own default) the
-same runs train.  ``torch_powersgd`` on gloo therefore refuses a bucket
-smaller than the adapter's gradients, naming ``comm.bucket_mb`` and the size
-that works; the bench's rows run it in 25 MB buckets, as a user of torch's
-hook would.  lorasync's own ``powersgd`` has no such limit.
+callbacks hold every thread and the all-reduces they wait on never run: the
+job hangs at its first PowerSGD step, while in one bucket (25 MB, torch
+DDP's own default) it trains.  ``torch_powersgd`` on gloo therefore refuses
+a bucket smaller than the adapter's gradients, naming ``comm.bucket_mb`` and
+the size that works; the bench's rows run it in 25 MB buckets, as a user of
+torch's hook would.  lorasync's own ``powersgd`` has no such limit.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-from lorasync.comm.base import HookSync, _Layout, register
+from lorasync.comm.base import HookSync, Layout, register
 from lorasync.comm.wire import count_group
 from lorasync.errors import ConfigError
 
@@ -45,7 +43,7 @@ def _own_group(sync: HookSync) -> dist.ProcessGroup:
 class _TorchHook(HookSync):
     """Shared part: torch's hook on a group of its own, its bytes counted there."""
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         self._tgroup = _own_group(self)
         count_group(self._tgroup, self._count)
 
@@ -58,7 +56,7 @@ class _TorchHook(HookSync):
 class TorchFP16(_TorchHook):
     name = "torch_fp16"
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return default_hooks.fp16_compress_hook(self._tgroup, bucket)
 
 
@@ -66,7 +64,7 @@ class TorchFP16(_TorchHook):
 class TorchPowerSGD(_TorchHook):
     name = "torch_powersgd"
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
         grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
         cap = getattr(self.ddp, "bucket_bytes_cap", None)
         if dist.get_backend(self.group) == "gloo" and cap is not None and grad_bytes > cap:
@@ -76,12 +74,12 @@ class TorchPowerSGD(_TorchHook):
                 f"torch's PowerSGD hook hangs on gloo when the adapter's {grad_bytes / 1e6:.2f} "
                 f"MB of gradients span several DDP buckets; use --bucket-mb {max(need, 25)} "
                 "(one bucket; 25 is torch DDP's own default) or lorasync's --comm powersgd")
-        super()._setup()
+        super().setup()
         # torch requires start_powerSGD_iter > 1 with error feedback and warm start
         self.state = psgd.PowerSGDState(
             process_group=self._tgroup, matrix_approximation_rank=self.options.rank,
             start_powerSGD_iter=self.options.start_iter, use_error_feedback=True,
             warm_start=True, random_seed=0)
 
-    def _encode_bucket(self, bucket: dist.GradBucket, lay: _Layout) -> torch.futures.Future:
+    def encode_bucket(self, bucket: dist.GradBucket, lay: Layout) -> torch.futures.Future:
         return psgd.powerSGD_hook(self.state, bucket)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from lorasync.catalog import param_blocks
 from lorasync.comm import compress as C
-from lorasync.comm.base import _HOST, HookSync, _Layout, _Residual, register
+from lorasync.comm.base import HOST, HookSync, Layout, Residual, register
 
 
 class _TwoPhase(HookSync):
@@ -46,7 +46,7 @@ class _TwoPhase(HookSync):
     align = 1  # block size multiple (8 for bit packing)
 
     # -- codec, per subclass --------------------------------------------------
-    def _momentum_rows(self, lay: _Layout, plan: dict[str, Any]) -> torch.Tensor | None:
+    def _momentum_rows(self, lay: Layout, plan: dict[str, Any]) -> torch.Tensor | None:
         """Rows of the averaged momentum when this step sends momentum (onebit)."""
         return None
 
@@ -64,21 +64,21 @@ class _TwoPhase(HookSync):
         raise NotImplementedError
 
     # -- set-up ---------------------------------------------------------------
-    def _setup(self) -> None:
+    def setup(self) -> None:
         n = self.world_size
         self._blocks = [param_blocks(m, self.options.block, n, self.align) for m in self._numels]
-        self._E = _Residual(self.numel, len(self.params), self.device)  # worker, every element
-        self._S = _Residual(self.numel, len(self.params), self.device)  # server, my shard only
+        self._E = Residual(self.numel, len(self.params), self.device)  # worker, every element
+        self._S = Residual(self.numel, len(self.params), self.device)  # server, my shard only
         # all_to_all_single is in gloo, NCCL and MPI; probe, since a backend
         # without it would otherwise fail mid-backward
         try:
-            x = torch.zeros(n, dtype=torch.uint8, device=self._probe_device())
+            x = torch.zeros(n, dtype=torch.uint8, device=self.collective_device())
             self.wire.all_to_all(torch.empty_like(x), x, count=False)
             self.phase1_collective = "all_to_all"
         except (RuntimeError, NotImplementedError, ValueError):
             self.phase1_collective = "all_gather"
 
-    def _plan(self, lay: _Layout, device: torch.device) -> dict[str, Any]:
+    def _plan(self, lay: Layout, device: torch.device) -> dict[str, Any]:
         """Index tensors for one bucket layout on ``device`` (computed once
         per layout on the host, copied once per device).
 
@@ -87,7 +87,7 @@ class _TwoPhase(HookSync):
         """
         return lay.plan("tp", device, lambda: self._host_plan(lay))
 
-    def _host_plan(self, lay: _Layout) -> dict[str, Any]:
+    def _host_plan(self, lay: Layout) -> dict[str, Any]:
         n, M, N = self.world_size, lay.numel, self.numel
         bpos, cpos, bid = [[] for _ in range(n)], [[] for _ in range(n)], []
         nblk = 0
@@ -98,20 +98,20 @@ class _TwoPhase(HookSync):
             sizes.add(bs)
             chunk = nb * bs // n
             for r in range(n):
-                t = torch.arange(r * chunk, (r + 1) * chunk, device=_HOST)
+                t = torch.arange(r * chunk, (r + 1) * chunk, device=HOST)
                 real = t < m
                 bpos[r].append(torch.where(real, t + boff, M))
                 cpos[r].append(torch.where(real, t + coff, N))
-            bid.append(torch.arange(nblk, nblk + nb // n, device=_HOST).repeat_interleave(bs))
+            bid.append(torch.arange(nblk, nblk + nb // n, device=HOST).repeat_interleave(bs))
             nblk += nb // n
         bpos_t = torch.stack([torch.cat(b) for b in bpos])
         cpos_t = torch.stack([torch.cat(c) for c in cpos])
         L = bpos_t.shape[1]
         valid = bpos_t < M
-        flat = torch.arange(n * L, device=_HOST)
-        inv = torch.empty(M, dtype=torch.long, device=_HOST)
+        flat = torch.arange(n * L, device=HOST)
+        inv = torch.empty(M, dtype=torch.long, device=HOST)
         inv[bpos_t.reshape(-1)[valid.reshape(-1)]] = flat[valid.reshape(-1)]
-        ranks = torch.arange(n, device=_HOST).unsqueeze(1)
+        ranks = torch.arange(n, device=HOST).unsqueeze(1)
         if len(sizes) == 1:  # every block the same size: reshape instead of gathers
             blk_row = blk_full = sizes.pop()
             sum_row = sum_full = None
@@ -121,7 +121,7 @@ class _TwoPhase(HookSync):
             sum_row = self._sum_index(blk_row, nblk)
             sum_full = self._sum_index(blk_full, n * nblk)
         bid_full = (torch.cat(bid).unsqueeze(0) + nblk * ranks).reshape(-1)
-        count = torch.zeros(n * nblk, device=_HOST).index_add_(0, bid_full,
+        count = torch.zeros(n * nblk, device=HOST).index_add_(0, bid_full,
                                                               valid.reshape(-1).float())
         r = self.rank
         return dict(
@@ -148,7 +148,7 @@ class _TwoPhase(HookSync):
         return codes.reshape(-1), scales
 
     # -- the two phases -------------------------------------------------------
-    def _phase1(self, bucket: dist.GradBucket, lay: _Layout):
+    def phase1(self, bucket: dist.GradBucket, lay: Layout):
         n, r = self.world_size, self.rank
         buf = bucket.buffer()
         plan = self._plan(lay, buf.device)
@@ -265,29 +265,28 @@ class OneBit(_TwoPhase):
       bias-corrected variance), so AdamW's own arithmetic never sees a
       sign-compressed value.  Why: with signs fed to AdamW, every element of
       a block looks equally large to its second moment, which flattens Adam's
-      per-element step sizes (on the embedded default, 60 steps: eval loss
-      0.35 with signed gradients against 0.26 for fp32; see
-      ``bench/strategies.py``).  With the variance frozen the update is
-      linear in the momentum, so error feedback on the momentum is exact
-      in the long run, as it is for SGD.
+      per-element step sizes and costs quality (``bench/strategies.py``).
+      With the variance frozen the update is linear in the momentum, so
+      error feedback on the momentum is exact in the long run, as it is
+      for SGD.
 
       A frozen variance is only as good as the warm-up: a LoRA adapter's
       A matrices start with zero gradients (B starts at zero) that grow
       for many steps, so a variance frozen early is far too small for them
-      and the steps it gives blow up (5 warm-up steps of 60 on the
-      embedded default: loss 20+ then NaN).  ``max_update_rms`` caps the
-      root-mean-square of each tensor's step (in units of the learning
-      rate) by scaling the whole step down, as Adafactor's update clipping
-      does; AdamW's own steps have an RMS below 1.  0 turns it off.
+      and the steps it gives blow up (the loss diverges).
+      ``max_update_rms`` caps the root-mean-square of each tensor's step
+      (in units of the learning rate) by scaling the whole step down, as
+      Adafactor's update clipping does; AdamW's own steps have an RMS
+      below 1.  0 turns it off.
     """
 
     name = "onebit"
     align = 8
 
-    def _setup(self) -> None:
-        super()._setup()
+    def setup(self) -> None:
+        super().setup()
         self._opt: torch.optim.Optimizer | None = None
-        self._M = _Residual(self.numel, len(self.params), self.device)  # averaged momentum
+        self._M = Residual(self.numel, len(self.params), self.device)  # averaged momentum
         self._denom: torch.Tensor | None = None  # sqrt(frozen v_hat) + eps, canonical order
         self._mom_step = False  # this backward sent momentum (the optimizer step is ours)
         self._stash: list[torch.Tensor | None] = []
@@ -362,16 +361,16 @@ class OneBit(_TwoPhase):
             h.remove()
         self._handles = []
 
-    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         if self._opt is not None and bucket.index() == 0:
             self._mom_step = self._optimizer_steps() >= self.options.warmup_steps
             if self._mom_step and self._denom is None:
                 self._freeze()
-        return super()._on_bucket(bucket)
+        return super().on_bucket(bucket)
 
-    def _in_warmup(self, bucket: dist.GradBucket) -> bool:
+    def in_warmup(self, bucket: dist.GradBucket) -> bool:
         if self._opt is None:
-            return super()._in_warmup(bucket)
+            return super().in_warmup(bucket)
         return not self._mom_step
 
     def _optimizer_steps(self) -> int:

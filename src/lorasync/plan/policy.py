@@ -2,12 +2,16 @@
 
 The strategy that runs it, :class:`lorasync.comm.auto.Auto`, measures and
 switches; everything it decides with is here, unit-tested without a process
-group: which candidates (:func:`parse_candidates`), when to probe
-(:func:`probe_size`, :func:`probe_every`, :func:`drifted`,
-:func:`link_changed`), how the cost model is corrected by what was measured
-(:func:`corrections`, :func:`inflation`, :func:`split_extra`,
-:func:`encode_ns_for`, :func:`workload_for`), what to pick (:func:`decide`,
-:func:`describe`) and how many micro-batches per sync (:func:`suggest_accum`).
+group: which candidates and options (:func:`parse_candidates`,
+:func:`child_options`, :func:`variant_options`, :func:`start_strategy`),
+when to probe (:func:`passive_link`, :func:`probe_due`, :func:`watch_drift`,
+:func:`sync_drifted`, :func:`probe_now`, :func:`next_probe_step`,
+:func:`probe_size`, :func:`probe_every`, :func:`link_changed`), when to
+decide (:func:`defer_decision`, :func:`wait_for_confirmation`), how the cost
+model is corrected by what was measured (:func:`corrections`,
+:func:`inflation`, :func:`split_extra`, :func:`encode_ns_for`,
+:func:`workload_for`), what to pick (:func:`decide`, :func:`describe`) and
+how many micro-batches per sync (:func:`suggest_accum`).
 
 How a network change is seen (exposed sync time alone is ambiguous when sync
 overlaps with backward or happens every few steps): the per-step time beyond
@@ -46,12 +50,14 @@ because it has not run yet, and load common to all cancels out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
+from lorasync.errors import LorasyncError
 from lorasync.plan.costmodel import (
     Net, Prediction, Workload, collective_time, encode_ns, predict,
 )
@@ -63,7 +69,10 @@ __all__ = [
     "DEFAULT_CANDIDATES", "DEFAULT_CHILD_OPTIONS", "Window", "Decision", "probe_size",
     "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for",
     "encode_ns_for", "decide", "drifted", "link_changed", "suggest_accum", "describe",
-    "parse_candidates", "parse_force", "parse_variants", "probe_cost",
+    "parse_candidates", "parse_force", "parse_variants", "probe_cost", "prediction_text",
+    "child_options", "variant_options", "start_strategy", "passive_link", "postpone_probe",
+    "probe_due", "watch_drift", "sync_drifted", "probe_now", "next_probe_step",
+    "defer_decision", "wait_for_confirmation",
 ]
 
 #: the strategies auto chooses among unless ``candidates`` says otherwise
@@ -71,8 +80,8 @@ __all__ = [
 DEFAULT_CANDIDATES = tuple(catalog.AutoOptions().candidates.split(","))
 #: candidate options auto uses unless given (``NAME.OPTION``): DiLoCo's outer
 #: sync as fp16 and overlapped with the next inner step, which is what makes a
-#: periodic strategy worth picking on a slow link (quality on the embedded
-#: default, 60 steps: eval loss 0.2455 with fp16 or fp32 deltas, limit 0.273)
+#: periodic strategy worth picking on a slow link (fp16 deltas met the quality
+#: rule as fp32 ones did: bench/strategies.py)
 DEFAULT_CHILD_OPTIONS = {"diloco": {"streaming": True, "delta_dtype": "fp16"}}
 #: share of the training time the periodic (untriggered) probe may take
 PROBE_BUDGET = 0.01
@@ -92,6 +101,9 @@ LINK_MOVE = 0.05
 #: a probe this many times faster or slower than the last forgets the
 #: per-strategy corrections measured on the old link
 BANDWIDTH_CHANGE = 1.5
+#: steps per window for the probe schedule when auto decides only once
+#: (``interval=0``): drift is still checked, and probes still budgeted, per window
+PROBE_WINDOW = 10
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -177,6 +189,65 @@ def parse_variants(value: Any, field: str = "diloco_variants") -> list[dict[str,
     return out
 
 
+def child_options(nested: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each candidate's options: ``DEFAULT_CHILD_OPTIONS`` under the user's
+    ``NAME.OPTION`` ones (``nested``), unless together they do not parse
+    (e.g. ``diloco.period=1`` leaves no room to stream): then the user's stand."""
+    out = {k: dict(v) for k, v in nested.items()}
+    for k, v in DEFAULT_CHILD_OPTIONS.items():
+        merged = {**v, **out.get(k, {})}
+        try:
+            catalog.parse_options(k, merged)
+        except LorasyncError:
+            continue
+        out[k] = merged
+    return out
+
+
+def variant_options(variants: Sequence[Mapping[str, Any]],
+                    nested: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """DiLoCo's outer-sync variants as full options: each on top of the
+    defaults, the user's ``diloco.*`` options over both (they are never
+    changed); the ones that do not parse, and repeats, left out.  Empty when
+    none is left."""
+    out: list[dict[str, Any]] = []
+    for v in variants:
+        merged = {**DEFAULT_CHILD_OPTIONS.get("diloco", {}), **v, **nested.get("diloco", {})}
+        try:
+            catalog.parse_options("diloco", merged)
+        except LorasyncError:
+            continue
+        if merged not in out:
+            out.append(merged)
+    return out
+
+
+def start_strategy(candidates: Sequence[str], usable: Sequence[str], start: str = "", *,
+                   hierarchical: bool = False,
+                   options: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """The strategy auto measures compute under before its first choice.
+
+    ``start`` when given, else one that sends nothing during backward
+    (diloco, else local): the compute measured under it is what every
+    strategy shares, while collectives run inside backward take CPU from it,
+    which the cost model cannot tell from compute (and leaving it costs one
+    fp32 average, on a slow link where auto stays on DiLoCo anyway).  Without
+    a periodic candidate: the lossless one that sends the fewest bytes.
+    ``usable``: what the layout in use can run; a start it cannot (a
+    candidate, or in the ``hierarchical`` layout one that runs flat only with
+    its ``options``) gives way to the first usable one.  A ``start`` outside
+    the candidates runs as given where it can.
+    """
+    name = start or next(
+        (c for c in ("diloco", "local", "fp16", "bf16", "allreduce") if c in candidates),
+        next((c for c in candidates if c not in PERIODIC), candidates[0]))
+    opts = (options or {}).get(name, {})
+    if name not in usable and (name in candidates or hierarchical
+                               and catalog.flat_only(name, opts) is not None):
+        return usable[0]
+    return name
+
+
 def probe_size(bandwidth_Bps: float) -> int:
     """Bytes of the bandwidth probe: a transfer of about ``PROBE_TARGET_S``
     (long enough for the timer, short enough to run every window), a power
@@ -241,9 +312,9 @@ def inflation(compute_s: float, quiet_s: float) -> float:
     (measured with nothing inside backward); nothing below
     ``INFLATION_MIN`` of the quiet compute (noise).
 
-    Measured here (2 ranks on 2 cores, 1 MB buckets): 3-7% of the step for
-    allreduce, fp16 and top-k alike at 100 Mbit/s and 1 Gbit/s, so it is
-    charged to every per-step strategy the same, not per byte."""
+    It is the CPU the collectives take from backward on a shared host, about
+    the same for every per-step strategy whatever it sends, so it is charged
+    to every per-step strategy the same, not per byte."""
     extra = compute_s - quiet_s
     return extra if extra > INFLATION_MIN * quiet_s else 0.0
 
@@ -397,13 +468,94 @@ def link_changed(previous: Net, net: Net, numel: int, step_s: float) -> bool:
     by more than ``BANDWIDTH_CHANGE`` either way *and* enough to move an fp32
     sync of the adapter by more than ``LINK_MOVE`` of the step, as much as
     the margins a choice is made with (on a fast link the estimate is noisy
-    and irrelevant).  1 Gbit/s cut to 100 Mbit/s moves it by 0.27 s of a
-    1.4 s step: a change, which ``DRIFT`` (20%) did not call one."""
+    and irrelevant).  Looser than ``DRIFT``: a tenfold cut from a fast link
+    can move the step by less than ``DRIFT`` and still change the choice."""
     ratio = net.bandwidth_Bps / previous.bandwidth_Bps
     if 1 / BANDWIDTH_CHANGE <= ratio <= BANDWIDTH_CHANGE:
         return False
     moved = abs(4.0 * numel / net.bandwidth_Bps - 4.0 * numel / previous.bandwidth_Bps)
     return moved > LINK_MOVE * step_s
+
+
+# --------------------------------------------------------------------------- when to measure
+
+def _window_steps(interval: int) -> int:
+    return interval or PROBE_WINDOW
+
+
+def passive_link(net: Net | None, link_Bps: float) -> Net | None:
+    """The link as the window's syncs saw it (``link_Bps``,
+    :attr:`Window.link_Bps`): ``net`` with that bandwidth, or None when they
+    gave no figure or there is no ``net`` yet to take the latency from
+    (transfers big enough to time bandwidth do not time latency)."""
+    if link_Bps > 0 and net is not None:
+        return dataclasses.replace(net, bandwidth_Bps=link_Bps)
+    return None
+
+
+def postpone_probe(next_probe: int, step: int, interval: int) -> int:
+    """The next scheduled probe after the window's syncs measured the link at
+    ``step``: not before the next window (they cost no probe traffic)."""
+    return max(next_probe, step + _window_steps(interval))
+
+
+def probe_due(step: int, next_probe: int, *, have_net: bool, passive: bool) -> bool:
+    """Whether the schedule calls for a probe at ``step``: no figure of the
+    link yet, or the step :func:`next_probe_step` set; never when the
+    window's syncs measured the link (``passive``)."""
+    return not passive and (not have_net or step >= next_probe)
+
+
+def watch_drift(due: bool, *, initial: bool, passive: bool) -> bool:
+    """Whether to compare the time beyond compute with the prediction
+    (:func:`sync_drifted`) to call a probe the schedule does not: when none
+    is due and the window's syncs gave no figure, and not at the first choice
+    (nothing is calibrated yet: the start probe is the figure)."""
+    return not (due or initial or passive)
+
+
+def sync_drifted(predicted: Prediction, overheads: Sequence[float],
+                 calibrated: bool) -> bool:
+    """Whether any of ``overheads`` (time per step beyond compute: the whole
+    window's, its last third's, so that a change just before the boundary
+    counts) :func:`drifted` from ``predicted``, the strategy in use's
+    prediction.  A needless probe costs little, a missed one a window."""
+    return any(drifted(o, predicted.step_s - predicted.compute_s, predicted.step_s,
+                       calibrated=calibrated) for o in overheads)
+
+
+def probe_now(due: bool, *, initial: bool, start_probed: bool, in_flight: bool) -> bool:
+    """Whether to run the timed probe at this boundary: when ``due``, except
+    at the first choice after a start probe (its figure is fresh) and while a
+    sync is in flight (the probe would queue behind it, block the step for
+    the rest of the transfer and time a busy link)."""
+    return due and not (initial and start_probed) and not in_flight
+
+
+def next_probe_step(step: int, probe_s: float, step_s: float, interval: int) -> int:
+    """The step of the next untriggered probe after one of ``probe_s``
+    seconds at ``step``: whole windows later, as many as keep probes at
+    ``PROBE_BUDGET`` of the training time (:func:`probe_every`)."""
+    k = _window_steps(interval)
+    return step + probe_every(probe_s, step_s, k) * k
+
+
+def defer_decision(in_flight: bool, deferred: int, period: int) -> bool:
+    """Whether to move a due decision one step later: a streamed sync
+    launched in an earlier step is still on the link, and the window's
+    all-reduce and any probe would queue behind it, block the step for the
+    rest of the transfer (which compute would otherwise hide) and time a
+    busy link.  Not more than ``period`` steps in a row: fragments with a
+    long delay may always have one in flight."""
+    return in_flight and deferred < period
+
+
+def wait_for_confirmation(switch: bool, fresh: bool, pending: str | None, pick: str) -> bool:
+    """Whether a switch to ``pick`` waits for the next window to agree: a
+    routine one (same link, not the first choice) must win two windows in a
+    row (``pending``: the pick the last window deferred), so that one noisy
+    window on a busy host does not make auto switch."""
+    return switch and not fresh and pending != pick
 
 
 def suggest_accum(current: int, compute_s: float, overhead_s: float, *, max_accum: int,
@@ -440,7 +592,8 @@ def suggest_accum(current: int, compute_s: float, overhead_s: float, *, max_accu
     return cur
 
 
-def _pred_text(p: Prediction) -> str:
+def prediction_text(p: Prediction) -> str:
+    """``NAME S s/step (E% of no-sync)``: one prediction in a log line."""
     return f"{p.strategy} {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync)"
 
 
@@ -457,9 +610,9 @@ def describe(d: Decision, net: Net, compute_s: float, previous: Net | None = Non
     sps = f", {p.samples_per_s:.3g} samples/s" if samples else ""
     parts = [f"{p.strategy} predicted {p.step_s:.3g} s/step ({p.efficiency:.0%} of no-sync{sps})"]
     if d.current is not None and d.current.strategy != p.strategy:
-        parts.append(f"vs {_pred_text(d.current)}")
+        parts.append(f"vs {prediction_text(d.current)}")
     others = [q for q in d.ranking if q.strategy not in (p.strategy, getattr(d.current, "strategy",
                                                                              None))][:2]
     if others:
-        parts.append("others: " + ", ".join(_pred_text(q) for q in others))
+        parts.append("others: " + ", ".join(prediction_text(q) for q in others))
     return f"{head}: {'; '.join(parts)}; {d.rule}"
