@@ -27,7 +27,7 @@ by ``down``), which holds it ``delay`` seconds, drops it with probability
 ``loss`` and writes it back; the hub then routes it to the destination.  Each
 packet crosses it once: one-way delay = ``delay``, RTT = 2 x ``delay``.  The
 forwarder is one Python process for the whole cluster, and its cost is per
-packet, so links with delay default to MTU 65000 (docs/benchmarks.md).
+packet, so links with delay default to MTU 65000 (docs/cost-model.md).
 
 Nodes behind NAT (``nat=node2``): such a node sits in a LAN of its own
 (``10.214.I.2/24``) behind a router namespace ``lsync-NAME-natI`` whose
