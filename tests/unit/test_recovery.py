@@ -29,9 +29,15 @@ def _inv(*steps, world=2, ranks=(0, 1)):
     ([_inv(10, 20, ranks=(0,)), {}], 2, 20, [0], [1], 0),
     # written by 3 ranks, resumed by 2: everyone takes the lowest holder's replicated state
     ([_inv(40, world=3, ranks=(0, 1, 2)), _inv(40, world=3, ranks=(0, 1, 2))], 2, 40, [], [0, 1], 0),
-    # rank 1's own file of step 20 is damaged (shared disk): 20 is not held completely
+    # rank 1's own file of step 20 is damaged (shared disk): it takes rank 0's state of 20
     ([{**_inv(10), 20: {"world_size": 2, "ranks": [0], "damaged": [1]}},
-      {**_inv(10), 20: {"world_size": 2, "ranks": [0], "damaged": [1]}}], 2, 10, [0, 1], [], None),
+      {**_inv(10), 20: {"world_size": 2, "ranks": [0], "damaged": [1]}}], 2, 20, [0], [1], 0),
+    # node-local disks, rank 0's own file of 20 damaged: rank 1 (intact) is the source
+    ([{**_inv(10, ranks=(0,)), 20: {"world_size": 2, "ranks": [], "damaged": [0]}},
+      _inv(10, 20, ranks=(1,))], 2, 20, [1], [0], 1),
+    # no file of step 20 verifies anywhere: 20 is never chosen
+    ([{**_inv(10), 20: {"world_size": 2, "ranks": [], "damaged": [0, 1]}},
+      {**_inv(10), 20: {"world_size": 2, "ranks": [], "damaged": [0, 1]}}], 2, 10, [0, 1], [], None),
     # no checkpoint in common: start from the beginning
     ([_inv(30, ranks=(0,)), _inv(20, ranks=(1,))], 2, 0, [], [], None),
     ([{}, {}], 2, 0, [], [], None),
@@ -62,10 +68,14 @@ def test_damaged_state_file_is_not_held(tmp_path):
     with open(path, "wb") as fh:  # cut short, as a disk that filled up would leave it
         fh.write(data[: len(data) // 2])
     assert not ckpt.verified(final, 0)
-    assert sorted(ckpt.inventory(str(tmp_path))) == [2]
+    damaged = {2: {"world_size": 1, "ranks": [0], "damaged": []},
+               4: {"world_size": 1, "ranks": [], "damaged": [0]}}
+    assert ckpt.inventory(str(tmp_path)) == damaged
+    assert ckpt.choose([damaged], 1).step == 2
     with open(path, "wb") as fh:  # same size, other bytes
         fh.write(bytes(len(data)))
-    assert sorted(ckpt.inventory(str(tmp_path))) == [2]
+    assert ckpt.inventory(str(tmp_path)) == damaged
+    assert ckpt.latest(str(tmp_path)).endswith("step-000002")
 
 
 def test_state_files_load_with_weights_only_and_restore_the_rngs(tmp_path):
@@ -90,7 +100,7 @@ def test_earlier_versions_numpy_rng_state_still_loads(tmp_path):
     folder.mkdir(parents=True)
     torch.save(legacy, folder / "rank0.pt")
     (folder / "meta.json").write_text(json.dumps({"step": 3, "world_size": 1}))
-    assert ckpt.verified(str(folder), 0)  # no size/hash record: existing and non-empty
+    assert not ckpt.verified(str(folder), 0)  # no size/hash record: not trusted for a resume
     ckpt.set_rng_state(ckpt.load_rank(str(folder), 0)["rng"])
 
 
