@@ -575,7 +575,7 @@ class Checkpointer:
         import torch
 
         folder = self._folder(plan.step)
-        fix = ("resume with the settings the run was written with (as in its config.yaml), "
+        fix = ("resume with the settings its checkpoints were written with, "
                "or start a new run in another --output-dir")
         named = {n: p for n, p in model.named_parameters() if "lora_" in n}
         saved = st.get("adapter") if isinstance(st, dict) else None
