@@ -261,3 +261,32 @@ def test_classify_attempts(tmp_path):
     assert grew.membership == "grew" and grew.reason.startswith("a node joined: 2 -> 3")
     shrank = classify([failed], failed, **dict(kw, world=1, restart_count=1))
     assert shrank.membership == "shrank" and shrank.reason.endswith("going on with 1 of 2 ranks")
+
+
+def test_a_corrupt_middle_line_hides_nothing_after_it(tmp_path):
+    """A damaged line inside a rank stream is skipped and counted; every record
+    after it (later appends, later attempts) still counts.  A torn last line is
+    still cut before the next attempt appends."""
+    a1 = [{"event": "start", "attempt": 1, "resumed_from": 0, "cause": "new", "time": 1.0}]
+    a1 += [_step(s, 100 + s) for s in range(1, 5)]
+    a2 = [{"event": "start", "attempt": 2, "resumed_from": 2, "cause": "recover", "time": 200.0}]
+    a2 += [_step(s, 200 + s) for s in range(3, 7)]
+    path = tmp_path / "ranks" / "rank0.jsonl"
+    _stream(tmp_path, 0, a1)
+    with open(path, "a") as fh:
+        fh.write('{"step": 5, "lo\x00\x00\x00ss": 1.2}\n')   # damaged, then appended to
+        fh.write("[1, 2]\n")                                  # valid JSON, not a record
+        fh.write("".join(json.dumps(r) + "\n" for r in a2))
+        fh.write('{"step": 7, "lo')                            # a crash mid-write
+    with pytest.warns(RuntimeWarning, match=r"skipped 2 corrupt line\(s\) \(line 6, 7\)"):
+        recs = read_jsonl_records(str(path))
+    assert recs == a1 + a2
+    h = history(str(tmp_path), 0)
+    assert h["attempt"] == 2 and h["last_step"] == 6
+    s = RankStream(str(tmp_path), 0)   # cuts the torn tail, keeps everything else
+    assert s.records == a1 + a2
+    s.write(_step(7, 207))
+    s.close()
+    assert read_jsonl_records(str(path))[-1]["step"] == 7
+    [steps] = effective_records([read_jsonl_records(str(path))])
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7]
