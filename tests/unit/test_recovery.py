@@ -290,3 +290,22 @@ def test_a_corrupt_middle_line_hides_nothing_after_it(tmp_path):
     assert read_jsonl_records(str(path))[-1]["step"] == 7
     [steps] = effective_records([read_jsonl_records(str(path))])
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_user_error_is_said_once_across_restarts(tmp_path, monkeypatch):
+    """Workers restarted after a user error stop at once; rank 0 says the error
+    only if no earlier try of rank 0 said it, then never again."""
+    from lorasync.errors import LorasyncError
+    from lorasync.train.loop import _mark_fatal, _stop_if_fatal_before
+
+    monkeypatch.setenv("LORASYNC_FATAL_DIR", str(tmp_path))
+    _stop_if_fatal_before(0)                       # nothing marked: goes on
+    _mark_fatal(1, "data.path: bad")               # rank 1's error; rank 0 died of it
+    with pytest.raises(LorasyncError):
+        _stop_if_fatal_before(1)                   # (train/cli.py: exit 2, silently, not rank 0)
+    with pytest.raises(LorasyncError, match="data.path: bad"):
+        _stop_if_fatal_before(0)                   # rank 0 says it, once
+    for rank in (0, 1):
+        with pytest.raises(SystemExit) as stop:
+            _stop_if_fatal_before(rank)
+        assert stop.value.code == 2

@@ -83,4 +83,5 @@ def test_a_flag_that_changes_the_adapter_shape_is_refused(run, flag, value):
                                             "trained with"):
         cli._resolve(_args("--resume", "--output-dir", out, flag, value))
     # flags that do not touch the checkpoints' shape still override
-    assert cli._resolve(_args("--resume", "--output-dir", out, "--max-steps", 7)).train.max_steps == 7
+    cfg = cli._resolve(_args("--resume", "--output-dir", out, "--max-steps", 7))
+    assert cfg.train.max_steps == 7

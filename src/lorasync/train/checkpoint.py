@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 from lorasync.errors import CheckpointError
 
-__all__ = ["save", "latest", "load_rank", "read_meta", "inventory", "choose", "ResumePlan",
-           "Checkpointer", "Progress", "rng_state", "set_rng_state"]
+__all__ = ["save", "latest", "load_rank", "read_meta", "verified", "intact", "inventory", "choose",
+           "ResumePlan", "Checkpointer", "Progress", "rng_state", "set_rng_state"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
@@ -387,8 +387,8 @@ def load_file(path: str, fix: str = _FIX) -> dict:
         with torch.serialization.safe_globals(_np_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except broken as exc:
-        raise CheckpointError(f"{path}: cannot be loaded, the file is damaged or unreadable ({_reason(exc)}); "
-                              f"{fix}") from None
+        raise CheckpointError(f"{path}: cannot be loaded, the file is damaged or unreadable "
+                              f"({_reason(exc)}); {fix}") from None
 
 
 def load_rank(ckpt: str, rank: int) -> dict:

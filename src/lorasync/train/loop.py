@@ -202,8 +202,10 @@ def _stop_if_fatal_before(rank: int) -> None:
     if os.path.exists(os.path.join(folder, "rank0")):
         raise SystemExit(2)
     with open(os.path.join(folder, sorted(os.listdir(folder))[0])) as fh:
-        msg = fh.read()
-    raise LorasyncError(msg or "an earlier try of this run failed with a user error")
+        msg = fh.read() or "an earlier try of this run failed with a user error"
+    if rank == 0:  # rank 0 says it now (another rank's error): later restarts stay silent
+        _mark_fatal(rank, msg)
+    raise LorasyncError(msg)
 
 
 class Trainer:
