@@ -83,20 +83,30 @@ def test_adapter_loads_in_peft(finished_run):
         assert torch.equal(params[k].detach(), v), k
 
 
+def _flip(path):
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) // 2)
+        fh.write(b"\0\0\0\0\0\0\0\0")
+
+
 def test_resume_equals_uninterrupted_and_skips_a_damaged_checkpoint(finished_run, tmp_path):
-    """The same run stopped after step 5 (checkpoints at 3 and 5), rank 1's newest
-    checkpoint file damaged (same size, bytes flipped), then resumed: the damaged
-    checkpoint is never loaded, the run goes on from step 3, and every step's
-    loss equals the uninterrupted run's (data order, adapter, optimizer, RNG)."""
+    """The same run stopped after step 5 (checkpoints at 3 and 5), then resumed
+    twice from copies.  Both state files of step 5 damaged (same size, bytes
+    flipped): no file of 5 is ever loaded, the run goes on from step 3, and every
+    step's loss equals the uninterrupted run's (data order, adapter, optimizer,
+    RNG).  Only rank 1's damaged: the group resumes from 5, rank 1 taking rank
+    0's replicated state (its RNG reseeded), rank 0 exactly as uninterrupted."""
+    import shutil
+
     full, _ = finished_run
     part = str(tmp_path / "part")
     p = run_cli("train", *FINISHED, "--stop-after", "5", "--output-dir", part)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not os.path.exists(os.path.join(part, "metrics.jsonl"))
-    path = os.path.join(part, "checkpoints", "step-000005", "rank1.pt")
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) // 2)
-        fh.write(b"\0\0\0\0\0\0\0\0")
+    one = str(tmp_path / "one")
+    shutil.copytree(part, one)
+    for r in (0, 1):
+        _flip(os.path.join(part, "checkpoints", "step-000005", f"rank{r}.pt"))
     p = run_cli("train", "--resume", "--output-dir", part, "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stderr and "step-000003 at step 3" in p.stderr
@@ -104,6 +114,21 @@ def test_resume_equals_uninterrupted_and_skips_a_damaged_checkpoint(finished_run
     assert [(r["step"], r["rank"]) for r in a] == [(r["step"], r["rank"]) for r in b]
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), (x["step"], x["rank"])
+
+    _flip(os.path.join(one, "checkpoints", "step-000005", "rank1.pt"))
+    p = run_cli("train", "--resume", "--output-dir", one, "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step-000005 at step 5" in p.stderr and "rank 1: own file damaged" in p.stderr
+    b = read_metrics(one)
+    assert [(r["step"], r["rank"]) for r in a] == [(r["step"], r["rank"]) for r in b]
+    for x, y in zip(a, b):
+        if x["rank"] == 0:
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
+    from lorasync.monitor.metrics import read_jsonl_records
+    start = [r for r in read_jsonl_records(os.path.join(one, "ranks", "rank1.jsonl"))
+             if r.get("event") == "start"][-1]
+    assert start["state"] == "peer" and start["resumed_from"] == 5
+    assert start["reset"] == ["RNG reseeded"]
 
 
 def test_jsonl_data_and_epochs(tmp_path):

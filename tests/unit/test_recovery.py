@@ -29,9 +29,15 @@ def _inv(*steps, world=2, ranks=(0, 1)):
     ([_inv(10, 20, ranks=(0,)), {}], 2, 20, [0], [1], 0),
     # written by 3 ranks, resumed by 2: everyone takes the lowest holder's replicated state
     ([_inv(40, world=3, ranks=(0, 1, 2)), _inv(40, world=3, ranks=(0, 1, 2))], 2, 40, [], [0, 1], 0),
-    # rank 1's own file of step 20 is damaged (shared disk): 20 is not held completely
+    # rank 1's own file of step 20 is damaged (shared disk): it takes rank 0's state of 20
     ([{**_inv(10), 20: {"world_size": 2, "ranks": [0], "damaged": [1]}},
-      {**_inv(10), 20: {"world_size": 2, "ranks": [0], "damaged": [1]}}], 2, 10, [0, 1], [], None),
+      {**_inv(10), 20: {"world_size": 2, "ranks": [0], "damaged": [1]}}], 2, 20, [0], [1], 0),
+    # node-local disks, rank 0's own file of 20 damaged: rank 1 (intact) is the source
+    ([{**_inv(10, ranks=(0,)), 20: {"world_size": 2, "ranks": [], "damaged": [0]}},
+      _inv(10, 20, ranks=(1,))], 2, 20, [1], [0], 1),
+    # no file of step 20 verifies anywhere: 20 is never chosen
+    ([{**_inv(10), 20: {"world_size": 2, "ranks": [], "damaged": [0, 1]}},
+      {**_inv(10), 20: {"world_size": 2, "ranks": [], "damaged": [0, 1]}}], 2, 10, [0, 1], [], None),
     # no checkpoint in common: start from the beginning
     ([_inv(30, ranks=(0,)), _inv(20, ranks=(1,))], 2, 0, [], [], None),
     ([{}, {}], 2, 0, [], [], None),
@@ -62,10 +68,14 @@ def test_damaged_state_file_is_not_held(tmp_path):
     with open(path, "wb") as fh:  # cut short, as a disk that filled up would leave it
         fh.write(data[: len(data) // 2])
     assert not ckpt.verified(final, 0)
-    assert sorted(ckpt.inventory(str(tmp_path))) == [2]
+    damaged = {2: {"world_size": 1, "ranks": [0], "damaged": []},
+               4: {"world_size": 1, "ranks": [], "damaged": [0]}}
+    assert ckpt.inventory(str(tmp_path)) == damaged
+    assert ckpt.choose([damaged], 1).step == 2
     with open(path, "wb") as fh:  # same size, other bytes
         fh.write(bytes(len(data)))
-    assert sorted(ckpt.inventory(str(tmp_path))) == [2]
+    assert ckpt.inventory(str(tmp_path)) == damaged
+    assert ckpt.latest(str(tmp_path)).endswith("step-000002")
 
 
 def test_state_files_load_with_weights_only_and_restore_the_rngs(tmp_path):
@@ -90,7 +100,7 @@ def test_earlier_versions_numpy_rng_state_still_loads(tmp_path):
     folder.mkdir(parents=True)
     torch.save(legacy, folder / "rank0.pt")
     (folder / "meta.json").write_text(json.dumps({"step": 3, "world_size": 1}))
-    assert ckpt.verified(str(folder), 0)  # no size/hash record: existing and non-empty
+    assert not ckpt.verified(str(folder), 0)  # no size/hash record: not trusted for a resume
     ckpt.set_rng_state(ckpt.load_rank(str(folder), 0)["rng"])
 
 
@@ -251,3 +261,51 @@ def test_classify_attempts(tmp_path):
     assert grew.membership == "grew" and grew.reason.startswith("a node joined: 2 -> 3")
     shrank = classify([failed], failed, **dict(kw, world=1, restart_count=1))
     assert shrank.membership == "shrank" and shrank.reason.endswith("going on with 1 of 2 ranks")
+
+
+def test_a_corrupt_middle_line_hides_nothing_after_it(tmp_path):
+    """A damaged line inside a rank stream is skipped and counted; every record
+    after it (later appends, later attempts) still counts.  A torn last line is
+    still cut before the next attempt appends."""
+    a1 = [{"event": "start", "attempt": 1, "resumed_from": 0, "cause": "new", "time": 1.0}]
+    a1 += [_step(s, 100 + s) for s in range(1, 5)]
+    a2 = [{"event": "start", "attempt": 2, "resumed_from": 2, "cause": "recover", "time": 200.0}]
+    a2 += [_step(s, 200 + s) for s in range(3, 7)]
+    path = tmp_path / "ranks" / "rank0.jsonl"
+    _stream(tmp_path, 0, a1)
+    with open(path, "a") as fh:
+        fh.write('{"step": 5, "lo\x00\x00\x00ss": 1.2}\n')   # damaged, then appended to
+        fh.write("[1, 2]\n")                                  # valid JSON, not a record
+        fh.write("".join(json.dumps(r) + "\n" for r in a2))
+        fh.write('{"step": 7, "lo')                            # a crash mid-write
+    with pytest.warns(RuntimeWarning, match=r"skipped 2 corrupt line\(s\) \(line 6, 7\)"):
+        recs = read_jsonl_records(str(path))
+    assert recs == a1 + a2
+    h = history(str(tmp_path), 0)
+    assert h["attempt"] == 2 and h["last_step"] == 6
+    s = RankStream(str(tmp_path), 0)   # cuts the torn tail, keeps everything else
+    assert s.records == a1 + a2
+    s.write(_step(7, 207))
+    s.close()
+    assert read_jsonl_records(str(path))[-1]["step"] == 7
+    [steps] = effective_records([read_jsonl_records(str(path))])
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_user_error_is_said_once_across_restarts(tmp_path, monkeypatch):
+    """Workers restarted after a user error stop at once; rank 0 says the error
+    only if no earlier try of rank 0 said it, then never again."""
+    from lorasync.errors import LorasyncError
+    from lorasync.train.loop import _mark_fatal, _stop_if_fatal_before
+
+    monkeypatch.setenv("LORASYNC_FATAL_DIR", str(tmp_path))
+    _stop_if_fatal_before(0)                       # nothing marked: goes on
+    _mark_fatal(1, "data.path: bad")               # rank 1's error; rank 0 died of it
+    with pytest.raises(LorasyncError):
+        _stop_if_fatal_before(1)                   # (train/cli.py: exit 2, silently, not rank 0)
+    with pytest.raises(LorasyncError, match="data.path: bad"):
+        _stop_if_fatal_before(0)                   # rank 0 says it, once
+    for rank in (0, 1):
+        with pytest.raises(SystemExit) as stop:
+            _stop_if_fatal_before(rank)
+        assert stop.value.code == 2

@@ -363,3 +363,48 @@ def test_status_format_marks_relayed_pairs():
     text = format_status(st)
     assert "4 s ago" in text and "2.5 MB" in text and "21.10 ms" in text and "95.1 Mbit/s" in text
     assert "via h" in text and "(hub's)" in text and "unreachable" in text and "restarts 1" in text
+
+
+# ---------------------------------------------------------------- down: only our own processes
+
+
+def test_down_signals_only_a_supervisor_and_wireguard_go_of_its_own(tmp_path, monkeypatch):
+    """A stale state file names PIDs the system may have given to other
+    processes: `down` leaves those alone and stops only what is ours."""
+    import subprocess
+    import sys
+
+    from lorasync.hostops import pid_alive
+
+    monkeypatch.setattr(tunnel, "TUNNELS_DIR", tmp_path)
+    monkeypatch.setattr(tunnel, "leftovers", lambda ifname, netns: [])
+    sleep = "import time; time.sleep(60)"
+    procs = {
+        # unrelated processes that took the PIDs over, one naming wireguard-go in its args
+        "other": subprocess.Popen([sys.executable, "-c", sleep]),
+        "other_wg": subprocess.Popen([sys.executable, "-c", sleep, "wireguard-go", "lsx0"]),
+        "wg_other_if": subprocess.Popen(["wireguard-go", "-c", sleep, "lsy0"],
+                                        executable=sys.executable),
+        # ours: the supervisor `up` starts and its wireguard-go
+        "sup": subprocess.Popen([sys.executable, "-c", sleep, "-m", "lorasync.overlay.tunnel",
+                                 "supervise", "cfg.json"]),
+        "wg": subprocess.Popen(["wireguard-go", "-c", sleep, "-f", "lsx0"],
+                               executable=sys.executable),
+    }
+    try:
+        stale = {"ifname": "lsx0", "pid": procs["other"].pid, "wg_pid": procs["other_wg"].pid}
+        (tmp_path / "lsx0.json").write_text(json.dumps(stale))
+        assert tunnel.down("lsx0") == [f"state {tmp_path / 'lsx0.json'}"]
+        assert tunnel.down_one({"ifname": "lsx0", "pid": None,
+                                "wg_pid": procs["wg_other_if"].pid}) == []
+        assert all(pid_alive(p.pid) for p in procs.values())
+        ours = {"ifname": "lsx0", "pid": procs["sup"].pid, "wg_pid": procs["wg"].pid}
+        assert tunnel.down_one(ours) == [f"supervisor {procs['sup'].pid}",
+                                         f"wireguard-go {procs['wg'].pid}"]
+        for name in ("sup", "wg"):
+            assert procs[name].wait(10) is not None
+        assert all(pid_alive(procs[n].pid) for n in ("other", "other_wg", "wg_other_if"))
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -6,7 +6,8 @@ a crashed run still leaves its history).  A stream is never truncated: each
 start of the worker (a new run, a ``--resume``, a restart after a failure)
 appends an ``{"event": "start", ...}`` record, a detected failure a
 ``{"event": "fault", ...}`` record, and steps run again after a restart
-appear twice.  ``effective_records`` keeps the step records that count (one
+appear twice.  A corrupt line is skipped (and counted), never a reason to
+drop the records after it.  ``effective_records`` keeps the step records that count (one
 per rank per step, the latest attempt's); at the end rank 0 gathers them and
 writes the run's ``metrics.jsonl`` sorted by (step, rank); the field list is
 in docs/contracts.md.
@@ -17,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 
-__all__ = ["RankStream", "read_jsonl_records", "write_merged", "effective_records",
+__all__ = ["RankStream", "read_jsonl", "read_jsonl_records", "write_merged", "effective_records",
            "attempts", "STEP_FIELDS"]
 
 STEP_FIELDS = ("step", "rank", "world_size", "strategy", "loss", "lr", "samples", "tokens",
@@ -26,19 +28,44 @@ STEP_FIELDS = ("step", "rank", "world_size", "strategy", "loss", "lr", "samples"
                "encode_s", "time")
 
 
-def read_jsonl_records(path: str) -> list[dict]:
+def read_jsonl(path: str) -> tuple[list[dict], list[int]]:
+    """The records of a JSONL stream and the line numbers of corrupt lines skipped.
+
+    A corrupt line (not a JSON object) is skipped, never a reason to drop what
+    follows it: the attempts appended after a damaged spot still count.  A
+    torn last line (no newline: a crash mid-write) is left out, not counted."""
     if not os.path.isfile(path):
-        return []
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                break  # a torn last line from a crash
+        return [], []
+    with open(path, "rb") as fh:
+        data = fh.read()
+    lines = data.split(b"\n")
+    out, bad = [], []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            out.append(rec)
+        elif i < len(lines) - 1:  # a complete line (newline-terminated) that is not a record
+            bad.append(i + 1)
+    return out, bad
+
+
+_warned: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def read_jsonl_records(path: str) -> list[dict]:
+    """``read_jsonl``'s records; corrupt lines skipped are told once per file
+    and process, as a ``RuntimeWarning`` (how many, and where)."""
+    out, bad = read_jsonl(path)
+    if bad and (path, tuple(bad)) not in _warned:
+        _warned.add((path, tuple(bad)))
+        where = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(f"{path}: skipped {len(bad)} corrupt line(s) (line {where}); the "
+                      f"{len(out)} records around them are kept", RuntimeWarning, stacklevel=2)
     return out
 
 

@@ -857,26 +857,29 @@ def down_one(st: dict) -> list[str]:
     remove what it left; what was removed, one line each."""
     ifname, netns = st["ifname"], st.get("netns")
     removed = []
+    # a stale state file (a crashed supervisor) may name PIDs the system has since
+    # given to other processes: signal only what its command line shows is ours
     pid = st.get("pid")
-    if pid_alive(pid):
+    if pid_alive(pid) and _is_supervisor(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 8
         while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if pid_alive(pid):
+        if pid_alive(pid) and _is_supervisor(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         removed.append(f"supervisor {pid}")
     wpid = st.get("wg_pid")
-    if pid_alive(wpid) and b"wireguard-go" in _cmdline(wpid):
+    if pid_alive(wpid) and _is_wireguard(wpid, ifname):
         with contextlib.suppress(ProcessLookupError):
             os.kill(wpid, signal.SIGTERM)
         deadline = time.monotonic() + 5
         while pid_alive(wpid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if pid_alive(wpid):
-            os.kill(wpid, signal.SIGKILL)
+        if pid_alive(wpid) and _is_wireguard(wpid, ifname):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(wpid, signal.SIGKILL)
         removed.append(f"wireguard-go {wpid}")
     removed += leftovers(ifname, netns)
     path = TUNNELS_DIR / f"{ifname}.json"
@@ -891,6 +894,27 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def _argv(pid: int) -> list[str]:
+    return [a.decode(errors="replace") for a in _cmdline(pid).split(b"\0") if a]
+
+
+def _is_supervisor(pid: int) -> bool:
+    """Whether ``pid`` runs a lorasync tunnel supervisor: ``python -m
+    lorasync.overlay.tunnel supervise CONFIG`` (``up``) or ``lorasync tunnel up
+    --foreground CONFIG``."""
+    args = _argv(pid)
+    if "lorasync.overlay.tunnel" in args and "supervise" in args:
+        return True
+    return (any(os.path.basename(a) == "lorasync" for a in args)
+            and {"tunnel", "up", "--foreground"} <= set(args))
+
+
+def _is_wireguard(pid: int, ifname: str) -> bool:
+    """Whether ``pid`` runs ``wireguard-go`` for ``ifname`` (as ``wireguard-go -f IFNAME``)."""
+    args = _argv(pid)
+    return bool(args) and os.path.basename(args[0]) == "wireguard-go" and ifname in args[1:]
 
 
 def _ns(netns: str | None, argv: list[str]) -> list[str]:

@@ -5,22 +5,34 @@ Each rank saves its own state (adapter, optimizer, scheduler, RNG, sync
 state): under local SGD or DiLoCo replicas differ between syncs, and error
 feedback buffers are always per rank.  Next to each ``rankR.pt`` a
 ``rankR.json`` holds its size and SHA-256, so a file cut short or damaged on
-one node is recognised and never loaded.  Everything is written into a hidden
-``.tmp-step-N`` folder first and renamed only once every rank has finished,
-so a process dying mid-write leaves no torn checkpoint: only complete folders
-count.  Older checkpoints are pruned only after every rank has finalized the
-new one, so the ranks always share at least one.
+one node is recognised and never loaded; a file without that record is not
+trusted either.  Everything is written into a hidden ``.tmp-step-N`` folder
+first and renamed only once every rank has finished, so a process dying
+mid-write leaves no torn checkpoint: only complete folders count.
+
+What stays on disk (``_prune``, after every node has finalized the new
+checkpoint, so the ranks always share at least one): the one just written,
+and the ``keep`` newest that verify (every state file matches its record);
+a damaged or stale folder never counts toward ``keep``.  Folders of later
+steps than the one being written belong to a timeline the run went back
+from (it resumed from an earlier step): they go before the new one is
+finalized, so they can never be resumed from.  A folder is removed by
+renaming it out of sight first (``.trash-...``): a crash mid-delete leaves
+no half-deleted folder that would still count.
 
 Files hold tensors and plain Python values only and load with
-``torch.load(weights_only=True)`` (a checkpoint can run no code).
+``torch.load(weights_only=True)`` (a checkpoint can run no code); a file
+that still fails to load is a ``CheckpointError`` naming it, never a
+traceback.
 
 Which checkpoint to resume from is agreed (``choose``): every rank lists
 what its own disk holds (``inventory``), the lists are gathered, and the
-group takes the newest step that every rank with any checkpoint holds.  A
-rank whose disk has none (a node that joins later, a node-local disk that
-was lost) and, after a change of world size, every rank, takes the
-replicated state (adapter, optimizer, schedule, data position) from the
-lowest rank that holds it.
+group takes the newest step that every rank with any checkpoint holds and
+that some rank holds intact.  A rank loads its own state file when it
+verifies; a rank whose own file is damaged or absent (a node that joins
+later, a node-local disk that was lost) and, after a change of world size,
+every rank, takes the replicated state (adapter, optimizer, schedule, data
+position) from the lowest rank that holds an intact file.
 
 ``Checkpointer`` is the trainer's component on top of these files: it agrees
 on the checkpoint to resume from, knows what one holds and when one is due.
@@ -39,10 +51,11 @@ from dataclasses import dataclass, field
 
 from lorasync.errors import CheckpointError
 
-__all__ = ["save", "latest", "load_rank", "read_meta", "inventory", "choose", "ResumePlan",
-           "Checkpointer", "Progress", "rng_state", "set_rng_state"]
+__all__ = ["save", "latest", "load_rank", "read_meta", "verified", "intact", "inventory", "choose",
+           "ResumePlan", "Checkpointer", "Progress", "rng_state", "set_rng_state"]
 
 _STEP = re.compile(r"^step-(\d+)$")
+_RANK_FILE = re.compile(r"rank(\d+)\.pt")
 
 
 def _fsync_dir(path: str) -> None:
@@ -90,15 +103,42 @@ def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, lo
     if finalizer:
         meta = {**meta, "step": step, "world_size": world_size}
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
-        shutil.rmtree(final, ignore_errors=True)
+        # Later steps than this one (and a stale folder of this step) were written
+        # by an attempt this run went back from: gone before this one counts, they
+        # could otherwise be resumed from (or kept, in place of this one).  A crash
+        # in between leaves the checkpoint this run resumed from.
+        for s, name in _folders(root):
+            if s >= step:
+                _discard(root, name)
         os.replace(tmp, final)
         _fsync_dir(root)
     # Prune only once every node has its copy of this checkpoint: a node that
     # dies while finalizing must still share an older one with the others.
     barrier()
     if finalizer:
-        _prune(root, keep)
+        _prune(root, step, keep)
     return final
+
+
+def _folders(root: str) -> list[tuple[int, str]]:
+    """(step, name) of every ``step-N`` folder, complete or not, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted((int(m.group(1)), n) for n in names if (m := _STEP.match(n)))
+
+
+def _discard(root: str, name: str) -> None:
+    """Remove ``root/name`` atomically as far as readers go: renamed out of sight
+    first, so a crash mid-delete never leaves a half-deleted folder that counts."""
+    trash = os.path.join(root, f".trash-{name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.replace(os.path.join(root, name), trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _complete(path: str) -> bool:
@@ -114,25 +154,57 @@ def _complete(path: str) -> bool:
 
 
 def _steps(root: str) -> list[tuple[int, str]]:
-    if not os.path.isdir(root):
+    return [(s, os.path.join(root, n)) for s, n in _folders(root)
+            if _complete(os.path.join(root, n))]
+
+
+def _rank_files(path: str) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
         return []
-    out = []
+    return sorted(int(m.group(1)) for n in names if (m := _RANK_FILE.fullmatch(n)))
+
+
+def intact(ckpt: str) -> bool:
+    """Whether the folder ``ckpt`` is complete and every state file in it verifies
+    (on this disk: with node-local disks, this node's ranks' files)."""
+    ranks = _rank_files(ckpt)
+    return _complete(ckpt) and bool(ranks) and all(verified(ckpt, r) for r in ranks)
+
+
+def _prune(root: str, step: int, keep: int) -> None:
+    """Keep the checkpoint of ``step`` (just written) and the ``keep`` newest that
+    verify; remove the rest, and what crashed saves and deletes left behind.
+    Each removal is atomic, so a crash at any point leaves all that is kept."""
+    counted = 0
+    doomed = []
+    for s, name in reversed(_folders(root)):
+        path = os.path.join(root, name)
+        if s > step:  # only on a disk whose folders this finalizer did not see above
+            doomed.append(name)
+        elif (s == step or counted < keep) and intact(path):
+            counted += 1
+        elif s != step:
+            doomed.append(name)
+    for name in doomed:
+        _discard(root, name)
+    # leftovers of crashed saves and deletes (a later step's folder may be in the
+    # making already: under local SGD a rank can run ahead to the next save)
     for name in os.listdir(root):
-        m = _STEP.match(name)
-        if m and _complete(os.path.join(root, name)):
-            out.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(out)
-
-
-def _prune(root: str, keep: int) -> None:
-    for _, path in _steps(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+        m = re.fullmatch(r"\.tmp-step-(\d+)", name)
+        if name.startswith(".trash-") or (m and int(m.group(1)) <= step):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    _fsync_dir(root)
 
 
 def latest(run_dir: str) -> str | None:
-    """Folder of the newest complete checkpoint of a run, or None."""
-    steps = _steps(os.path.join(run_dir, "checkpoints"))
-    return steps[-1][1] if steps else None
+    """Folder of the newest complete checkpoint of a run that holds an intact
+    state file (one a resume can start from), or None."""
+    for _, path in reversed(_steps(os.path.join(run_dir, "checkpoints"))):
+        if any(verified(path, r) for r in _rank_files(path)):
+            return path
+    return None
 
 
 def read_meta(ckpt: str) -> dict:
@@ -142,33 +214,34 @@ def read_meta(ckpt: str) -> dict:
 
 def verified(ckpt: str, rank: int) -> bool:
     """Whether ``ckpt`` holds an intact state file of ``rank``: its size and
-    SHA-256 match the record written beside it (files of older versions,
-    which have no record, only need to exist and be non-empty)."""
+    SHA-256 match the record written beside it.  A file without a valid record
+    is not trusted (a record is written with every file, inside the hidden
+    folder, before the folder counts)."""
     path = os.path.join(ckpt, f"rank{rank}.pt")
     try:
         size = os.path.getsize(path)
-    except OSError:
-        return False
-    try:
         with open(os.path.join(ckpt, f"rank{rank}.json")) as fh:
             rec = json.load(fh)
-    except FileNotFoundError:
-        return size > 0
     except (OSError, ValueError):
         return False
-    if not isinstance(rec, dict) or rec.get("bytes") != size:
+    if not isinstance(rec, dict) or rec.get("bytes") != size \
+            or not isinstance(rec.get("sha256"), str):
         return False
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest() == rec.get("sha256")
+    try:
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return False
+    return digest.hexdigest() == rec["sha256"]
 
 
 def inventory(run_dir: str) -> dict[int, dict]:
     """What this disk holds: ``{step: {"world_size": n, "ranks": [intact rank files],
     "damaged": [rank files that exist but fail verification]}}`` for every complete
-    checkpoint folder with at least one intact state file."""
+    checkpoint folder with at least one state file (intact or not: a rank whose own
+    file is damaged still holds the step and may take a peer's state)."""
     out = {}
     for step, path in _steps(os.path.join(run_dir, "checkpoints")):
         try:
@@ -176,12 +249,10 @@ def inventory(run_dir: str) -> dict[int, dict]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
         ranks, damaged = [], []
-        for name in os.listdir(path):
-            m = re.fullmatch(r"rank(\d+)\.pt", name)
-            if m:
-                (ranks if verified(path, int(m.group(1))) else damaged).append(int(m.group(1)))
-        if ranks:
-            out[step] = {"world_size": world, "ranks": sorted(ranks), "damaged": sorted(damaged)}
+        for r in _rank_files(path):
+            (ranks if verified(path, r) else damaged).append(r)
+        if ranks or damaged:
+            out[step] = {"world_size": world, "ranks": ranks, "damaged": damaged}
     return out
 
 
@@ -197,40 +268,45 @@ class ResumePlan:
     """Ranks that take the replicated state from ``source`` (and start their
     rank-local state afresh)."""
     source: int | None = None
-    """The lowest rank holding the checkpoint; it sends the replicated state."""
+    """The lowest rank holding an intact file of the checkpoint; it sends the
+    replicated state."""
     note: str = ""
     """Why, in words (shown on restart)."""
+
+
+def _ranks_text(ranks) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def choose(held: list[dict[int, dict]], world: int) -> ResumePlan:
     """The checkpoint a group of ``world`` ranks resumes from, given each rank's
     ``inventory`` (``held[r]``, with string or int step keys).  Pure.
 
-    The newest step that every rank with any checkpoint holds completely;
-    a checkpoint only some of them finalized (a crash while saving, on
-    node-local disks) or whose file for some rank is damaged is never
-    chosen.  A rank holds a step completely when its own file there is
-    intact, or, when its own file is not on its disk at all (a rank that
-    ran on another node before) or the group's size changed, when the
-    folder has any intact file.  A rank loads its own file when the
-    checkpoint has one for it and was written by a group of the same size;
-    the others get the replicated state from the lowest holder.
+    The newest step that every rank with any checkpoint holds (its disk has
+    the complete folder) and of which some rank holds an intact file: a
+    checkpoint only some of them finalized (a crash while saving, on
+    node-local disks) or of which no file verifies is never chosen.  A rank
+    loads its own file when it verifies and the checkpoint was written by a
+    group of the same size; every other rank (its own file damaged or not on
+    its disk, or the group's size changed) takes the replicated state from
+    the lowest rank that holds an intact file.
     """
     held = [{int(k): v for k, v in h.items()} for h in held]
     with_history = [r for r, h in enumerate(held) if h]
     if not with_history:
         return ResumePlan(note="no checkpoint on any rank")
 
-    def complete(r: int) -> set[int]:
-        # every listed folder has an intact file; a damaged own file rules the step out
-        return {s for s, e in held[r].items() if r not in e.get("damaged", ())}
+    def holders(step: int) -> list[int]:
+        return [r for r in with_history if held[r].get(step, {}).get("ranks")]
 
-    common = set.intersection(*(complete(r) for r in with_history))
-    if not common:
+    common = set.intersection(*(set(held[r]) for r in with_history))
+    usable = [s for s in common if holders(s)]
+    if not usable:
         newest = {r: max(held[r]) for r in with_history}
-        return ResumePlan(note=f"no checkpoint held by every rank (newest per rank: "
+        return ResumePlan(note=f"no checkpoint held by every rank with an intact file "
+                               f"(newest per rank: "
                                f"{', '.join(f'rank {r}: step {s}' for r, s in newest.items())})")
-    step = max(common)
+    step = max(usable)
     own, peer = [], []
     for r in range(world):
         entry = held[r].get(step)
@@ -238,21 +314,26 @@ def choose(held: list[dict[int, dict]], world: int) -> ResumePlan:
             own.append(r)
         else:
             peer.append(r)
-    source = min(r for r in with_history if step in held[r])
-    joined = [r for r in range(world) if not held[r]]
+    source = min(holders(step))
     why = f"step {step}, the newest checkpoint every rank with one holds"
     if peer:
-        sizes = {held[r][step]["world_size"] for r in with_history if step in held[r]}
+        sizes = {held[r][step]["world_size"] for r in with_history}
+        joined = [r for r in peer if not held[r]]
+        damaged = [r for r in peer if held[r] and r in held[r][step].get("damaged", ())]
+        absent = [r for r in peer if r not in joined and r not in damaged]
         if sizes != {world}:
             why += (f"; written by {'/'.join(map(str, sorted(sizes)))} ranks, now {world}: "
                     f"every rank takes rank {source}'s replicated state")
-        elif joined:
-            why += (f"; rank(s) {', '.join(map(str, joined))} hold none and take rank "
-                    f"{source}'s")
         else:
-            why += f"; rank(s) {', '.join(map(str, peer))} take rank {source}'s state"
-    return ResumePlan(step=step, own=own, peer=peer if peer else [],
-                      source=source if peer else None, note=why)
+            if joined:
+                why += f"; {_ranks_text(joined)} hold none and take rank {source}'s"
+            if damaged:
+                why += (f"; {_ranks_text(damaged)}: own file damaged (size or SHA-256 does not "
+                        f"match its record), taking rank {source}'s replicated state")
+            if absent:
+                why += f"; {_ranks_text(absent)} take rank {source}'s state"
+    return ResumePlan(step=step, own=own, peer=peer, source=source if peer else None,
+                      note=why)
 
 
 def _np_globals():
@@ -269,21 +350,45 @@ def _np_globals():
     return out
 
 
-def load_file(path: str) -> dict:
-    """One state file, loaded with ``weights_only=True``."""
+def _reason(exc: BaseException) -> str:
+    """The informative part of a loading error, on one line."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # torch wraps the cause in paragraphs of advice
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    line = line.split(". ", 1)[0].rstrip(".")
+    return f"{type(exc).__name__}: {line[:160]}" if line else type(exc).__name__
+
+
+_FIX = "resume from another checkpoint or start a new run"
+
+
+def load_file(path: str, fix: str = _FIX) -> dict:
+    """One state file, loaded with ``weights_only=True``.  Any failure to load
+    it is a ``CheckpointError`` naming the file, the cause and ``fix``."""
     import pickle
+    import zipfile
 
     import torch
 
+    # what torch.load raises on a file cut short or overwritten: a corrupt zip
+    # (RuntimeError), an empty or cut pickle (EOFError), stray bytes read as
+    # pickle opcodes (UnpicklingError, KeyError, ValueError...)
+    broken = (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError,
+              AttributeError, zipfile.BadZipFile, pickle.UnpicklingError)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "numpy" not in str(exc):
-            raise CheckpointError(f"{path}: not a lorasync checkpoint that loads safely "
-                                  f"({str(exc).splitlines()[0][:160]}); resume from another "
-                                  "checkpoint or start a new run") from None
-    with torch.serialization.safe_globals(_np_globals()):
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            if "numpy" not in str(exc):
+                raise CheckpointError(f"{path}: not a lorasync checkpoint that loads safely "
+                                      f"({_reason(exc)}); {fix}") from None
+        # written by an earlier version: numpy's own RNG tuple, those types allowed
+        with torch.serialization.safe_globals(_np_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except broken as exc:
+        raise CheckpointError(f"{path}: cannot be loaded, the file is damaged or unreadable "
+                              f"({_reason(exc)}); {fix}") from None
 
 
 def load_rank(ckpt: str, rank: int) -> dict:
@@ -291,7 +396,8 @@ def load_rank(ckpt: str, rank: int) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{ckpt}: no state for rank {rank}; resume with the same number "
                               "of ranks the run was started with")
-    return load_file(path)
+    return load_file(path, fix=f"move {ckpt} out of {os.path.dirname(ckpt)} to resume from "
+                               "the checkpoint before it, or start a new run")
 
 
 # ---------------------------------------------------------------- the trainer's component
@@ -419,49 +525,100 @@ class Checkpointer:
 
     def restore(self, plan: ResumePlan, progress: Progress, global_batch: int, *, model, opt,
                 sched, sync, seed: int) -> list[str]:
-        """Collective when ``plan.peer``: load the agreed state into the model,
-        optimizer, scheduler, strategy, RNGs and ``progress``.  Returns what a
-        rank without its own state started afresh (for the restart record)."""
-        import torch
+        """Collective: load the agreed state into the model, optimizer, scheduler,
+        strategy, RNGs and ``progress``.  Returns what a rank without its own
+        state started afresh (for the restart record).
+
+        A state that cannot be loaded or does not fit this run raises the same
+        ``CheckpointError`` on every rank (the first rank's message): the group
+        stops together, before anything is written."""
         import torch.distributed as dist
 
-        st = None
-        if self.rank in plan.own:
-            st = load_rank(self._folder(plan.step), self.rank)
+        folder = self._folder(plan.step)
+        st = err = None
+        try:
+            if self.rank in plan.own:
+                st = load_rank(folder, self.rank)
+            if plan.peer and self.rank == plan.source and st is None:
+                st = self._any_state(plan.step)
+        except CheckpointError as exc:
+            st, err = None, str(exc)
+        self._all_ok(err)
         if plan.peer:
             box = [None]
             if self.rank == plan.source:
-                src = st if st is not None else self._any_state(plan.step)
-                box = [{k: v for k, v in src.items() if k != "rng"}]
+                box = [{k: v for k, v in st.items() if k != "rng"}]
             dist.broadcast_object_list(box, src=plan.source)
             if self.rank in plan.peer:
                 st = box[0]
         reset: list[str] = []
-        with torch.no_grad():
-            named = dict(model.named_parameters())
-            for n, v in st["adapter"].items():
-                named[n].copy_(v)
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        if self.rank in plan.own:
-            sync.load_state_dict(st["sync"])
-            set_rng_state(st["rng"])
-        else:
-            if sync.name in REPLICATED_SYNC_STATE:
-                # the same on every rank: only the group's shape differs
-                sync.load_state_dict({**st["sync"], "world_size": sync.world_size,
-                                      "rank": sync.rank})
+        try:
+            self._apply(st, plan, progress, global_batch, model=model, opt=opt, sched=sched,
+                        sync=sync, seed=seed, reset=reset)
+        except CheckpointError as exc:
+            err = str(exc)
+        self._all_ok(err)
+        return reset
+
+    def _all_ok(self, err: str | None) -> None:
+        """Collective: raise the first rank's error on every rank, if any rank has one."""
+        import torch.distributed as dist
+
+        errs: list = [None] * self.world_size
+        dist.all_gather_object(errs, err)
+        first = next((e for e in errs if e), None)
+        if first is not None:
+            raise CheckpointError(first)
+
+    def _apply(self, st: dict, plan: ResumePlan, progress: Progress, global_batch: int, *,
+               model, opt, sched, sync, seed: int, reset: list[str]) -> None:
+        import torch
+
+        folder = self._folder(plan.step)
+        fix = ("resume with the settings its checkpoints were written with, "
+               "or start a new run in another --output-dir")
+        named = {n: p for n, p in model.named_parameters() if "lora_" in n}
+        saved = st.get("adapter") if isinstance(st, dict) else None
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{folder}: holds no adapter state; {fix}")
+        missing, extra = sorted(set(named) - set(saved)), sorted(set(saved) - set(named))
+        shapes = [n for n in saved if n in named and tuple(saved[n].shape) != tuple(named[n].shape)]
+        if missing or extra or shapes:
+            what = (f"{len(missing)} adapter tensor(s) of this model not in it, e.g. {missing[0]}"
+                    if missing else f"{len(extra)} tensor(s) this model lacks, e.g. {extra[0]}"
+                    if extra else f"{shapes[0]} is {tuple(saved[shapes[0]].shape)} there, "
+                    f"{tuple(named[shapes[0]].shape)} here")
+            raise CheckpointError(f"{folder}: the checkpoint's adapter does not fit this run's "
+                                  f"model ({what}: model.name, lora.r or lora.targets changed); "
+                                  f"{fix}")
+        try:
+            with torch.no_grad():
+                for n, v in saved.items():
+                    named[n].copy_(v)
+            opt.load_state_dict(st["optimizer"])
+            sched.load_state_dict(st["scheduler"])
+            if self.rank in plan.own:
+                sync.load_state_dict(st["sync"])
+                set_rng_state(st["rng"])
             else:
-                reset.append(f"{sync.name} sync state (per-rank residuals) started afresh")
-            seed_rngs(seed, self.rank, plan.step)
-            reset.append("RNG reseeded")
+                if sync.name in REPLICATED_SYNC_STATE:
+                    # the same on every rank: only the group's shape differs
+                    sync.load_state_dict({**st["sync"], "world_size": sync.world_size,
+                                          "rank": sync.rank})
+                else:
+                    reset.append(f"{sync.name} sync state (per-rank residuals) started afresh")
+                seed_rngs(seed, self.rank, plan.step)
+                reset.append("RNG reseeded")
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+            raise CheckpointError(f"{folder}: its state does not fit this run "
+                                  f"({_reason(exc)}); {fix}") from None
         progress.step = plan.step
         progress.sample_offset = st.get("sample_offset", plan.step * global_batch)
         progress.grad_accum = st.get("grad_accum", progress.grad_accum)
-        return reset
 
     def _any_state(self, step: int) -> dict:
         folder = self._folder(step)
-        for r in inventory(self.run_dir).get(step, {}).get("ranks", []):
-            return load_rank(folder, r)
+        for r in _rank_files(folder):
+            if verified(folder, r):
+                return load_rank(folder, r)
         raise CheckpointError(f"{folder}: no intact state file left to resume from")

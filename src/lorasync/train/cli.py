@@ -121,6 +121,9 @@ def _resolve(args):
         saved = os.path.join(out, "config.yaml")
         if not os.path.isfile(saved):
             raise ConfigError("--output-dir", out, "no run to resume here (config.yaml missing)")
+        from lorasync.train.runconfig import FIXED_ON_RESUME, check_run_config
+
+        check_run_config(saved)  # cut short or changed: refused, never filled with defaults
         base = load_config(saved)
         import dataclasses
         merged = {s: dict(dataclasses.asdict(getattr(base, s))) for s in
@@ -128,7 +131,15 @@ def _resolve(args):
         merged["train"]["stop_after"] = 0  # a time box belongs to one session, not the run
         for s, vals in overrides.items():
             merged[s].update(vals)
-        return load_config(args.config, merged)
+        cfg = load_config(args.config, merged)
+        for section, name in FIXED_ON_RESUME:
+            was, now = getattr(getattr(base, section), name), getattr(getattr(cfg, section), name)
+            if was != now:
+                raise ConfigError(f"{section}.{name}", now,
+                                  f"the run in {out} was trained with {was!r}, the shape of its "
+                                  "checkpoints' adapter: resume without changing it, or start "
+                                  "a new run in another --output-dir")
+        return cfg
     return load_config(args.config, overrides)
 
 

@@ -49,7 +49,7 @@ import time
 import uuid
 import warnings
 
-from lorasync.config import Config, config_to_dict
+from lorasync.config import Config
 from lorasync.errors import DataError, LorasyncError
 from lorasync.launch import worker_env
 from lorasync.launch.stores import init_process_group, master_endpoint
@@ -95,16 +95,13 @@ class _Log:
 
 
 def prepare_run_dir(cfg: Config, resume: bool) -> None:
-    """Rank 0: create the run directory (after validation) and write config.yaml."""
-    import yaml
+    """Rank 0: create the run directory (after validation and any restore) and
+    write config.yaml, with the checksum ``--resume`` checks."""
+    from lorasync.train.runconfig import write_run_config
 
     out = cfg.run.output_dir
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "config.yaml")
-    tmp = path + ".part"
-    with open(tmp, "w") as fh:
-        yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
-    os.replace(tmp, path)
+    write_run_config(cfg, os.path.join(out, "config.yaml"))
 
 
 def train_worker(cfg: Config, resume: bool = False) -> int:
@@ -199,12 +196,19 @@ def _mark_fatal(rank: int, msg: str) -> None:
 
 
 def _stop_if_fatal_before(rank: int) -> None:
+    """Stop a restarted worker at once (exit 2, nothing loaded or written) when an
+    earlier try of this group ended with a user error.  Rank 0 says it once: when
+    it reported the error itself (its mark is there) the restarts stop silently."""
     folder = _fatal_dir()
     if not folder or not os.path.isdir(folder) or not os.listdir(folder):
         return
+    if os.path.exists(os.path.join(folder, "rank0")):
+        raise SystemExit(2)
     with open(os.path.join(folder, sorted(os.listdir(folder))[0])) as fh:
-        msg = fh.read()
-    raise LorasyncError(msg or "an earlier try of this run failed with a user error")
+        msg = fh.read() or "an earlier try of this run failed with a user error"
+    if rank == 0:  # rank 0 says it now (another rank's error): later restarts stay silent
+        _mark_fatal(rank, msg)
+    raise LorasyncError(msg)
 
 
 class Trainer:
@@ -320,13 +324,6 @@ class Trainer:
                                cross_node=cfg.comm.cross_node, **cfg.comm.options)
         except ValueError as exc:
             raise LorasyncError(f"comm: {exc}") from None
-        # Everything the user could get wrong has been checked: only now write.
-        if rank == 0:
-            prepare_run_dir(cfg, self.resume)
-        self.barrier()
-        if self.local_rank == 0 and not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
-            # node-local disks: every node gets the config, so `--resume` works on each
-            prepare_run_dir(cfg, self.resume)
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -351,6 +348,15 @@ class Trainer:
         else:
             from lorasync.train.checkpoint import seed_rngs
             seed_rngs(tc.seed, rank)
+        # Everything the user could get wrong has been checked and the checkpoint
+        # restored on every rank (a failed resume stops every rank in restore):
+        # only now write.
+        if rank == 0:
+            prepare_run_dir(cfg, self.resume)
+        self.barrier()
+        if self.local_rank == 0 and not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
+            # node-local disks: every node gets the config, so `--resume` works on each
+            prepare_run_dir(cfg, self.resume)
 
     # -- the loop ---------------------------------------------------------------
 
