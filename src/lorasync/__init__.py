@@ -11,13 +11,3 @@ def attach(ddp, strategy, **options):
     from lorasync.comm import attach as _attach
 
     return _attach(ddp, strategy, **options)
-
-
-def __getattr__(name: str):
-    # ``lorasync.hf`` (Trainer / TRL / accelerate) imports transformers and
-    # accelerate: loaded on first use, so ``import lorasync`` stays light
-    if name == "hf":
-        import importlib
-
-        return importlib.import_module("lorasync.hf")
-    raise AttributeError(f"module 'lorasync' has no attribute {name!r}")

@@ -247,7 +247,7 @@ class HFSync:
     def _on_ddp(self, ddp) -> None:
         import torch
 
-        import lorasync
+        from lorasync.comm import attach
         from lorasync.train.ddp import make_identical
 
         if self.sync is not None:
@@ -270,7 +270,7 @@ class HFSync:
                 dev = torch.device("cuda", torch.cuda.current_device())
         self.startup_bytes = make_identical(params, dev)
         try:
-            self.sync = lorasync.attach(ddp, self.strategy, **self.options)
+            self.sync = attach(ddp, self.strategy, **self.options)
         except ValueError as e:
             raise AttachError(f"lorasync.hf.attach: {e}") from None
         self.ddp = ddp
