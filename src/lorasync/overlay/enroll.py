@@ -218,7 +218,7 @@ def join_overlay(plan_file: str | Path, key_dir: str | Path | None = None, *,
     write ``NODE.pub.json`` (beside the plan file) to carry back; return its path.
 
     The private key goes to ``key_dir/private.key`` (default: the plan file's
-    directory / NODE), created 0600 in a 0700 directory; it is neither printed
+    directory / NODE; made 0700 if new), created 0600; it is neither printed
     nor written anywhere else.  A key already there is kept (the node keeps its
     identity when it joins again, or joins a new plan).
     """
@@ -229,8 +229,9 @@ def join_overlay(plan_file: str | Path, key_dir: str | Path | None = None, *,
         raise ConfigError("plan", str(plan_file), "is the whole plan, for no node in particular: "
                           "carry to each node the file made for it (NODE.plan.json, beside it)")
     d = Path(key_dir) if key_dir is not None else plan_file.parent / node
-    d.mkdir(parents=True, mode=0o700, exist_ok=True)
-    os.chmod(d, 0o700)
+    if not d.exists():  # a directory the user gave keeps its mode: the key itself is 0600
+        d.mkdir(parents=True, mode=0o700)
+        os.chmod(d, 0o700)  # whatever the umask
     key = d / "private.key"
     if key.exists():
         wg.check_key_file(key)
