@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import run_cli
-from lorasync.overlay import tunnel
+from lorasync.overlay import enroll, tunnel
 from lorasync.emulate.cluster import Cluster, down, launch_on_cluster, parse_emulate
 
 
@@ -94,6 +94,15 @@ def test_nat_routers_and_overlay_layout(relay):
     hub_rules = subprocess.run(relay.exec_argv(0, ["nft", "list", "ruleset"]), capture_output=True,
                                text=True).stdout
     assert f'oifname != "{n0.overlay_ifname}" drop' in hub_rules
+    # each node's key was made by its own join, in its own directory, and is in no other file
+    from lorasync.emulate.overlay import config_dir
+    d = config_dir(relay.spec.name)
+    files = [f for f in d.rglob("*") if f.is_file()]
+    for n in relay.nodes:
+        key = d / n.name / "private.key"
+        assert oct(os.stat(key).st_mode & 0o777) == "0o600"
+        assert [f for f in files if key.read_text().strip() in f.read_text()] == [key]
+        assert tunnel.load_config(d / f"{n.name}.tunnel.json").private_key_file == key.resolve()
 
 
 def test_relayed_pair_runs_through_the_overlay_on_the_shaped_links(relay):
@@ -279,9 +288,10 @@ def bare(tmp_path):
         subprocess.run(["ip", "-n", BARE, "addr", "add", "192.168.77.2/24", "dev", "d0"], check=True)
         for dev in ("d0", "d1"):
             subprocess.run(["ip", "-n", BARE, "link", "set", dev, "up"], check=True)
-        paths = tunnel.init_overlay(tmp_path / "ov", [tunnel.parse_node_spec("h=192.168.77.1"),
-                                                      tunnel.parse_node_spec("a")], "h",
-                                    ifname=f"lsx{TAG}")
+        # plan, each node's join (its key in its own directory), assemble: the real flow
+        paths = enroll.enroll_locally(tmp_path / "ov", [enroll.parse_node_spec("h=192.168.77.1"),
+                                                        enroll.parse_node_spec("a")], "h",
+                                      ifname=f"lsx{TAG}")
         yield paths[1]
     finally:
         subprocess.run(["ip", "netns", "exec", BARE, sys.executable, "-m", "lorasync", "tunnel", "down",
@@ -339,11 +349,26 @@ def test_port_in_use_address_clash_and_open_key_file(bare):
     p = _up(bare)
     assert p.returncode == 2 and "clashes with d0 (10.77.0.9/24)" in p.stderr, p.stderr
     subprocess.run(["ip", "-n", BARE, "addr", "del", "10.77.0.9/24", "dev", "d0"], check=True)
-    key = bare.parent / "private.key"
+    key = tunnel.load_config(bare).private_key_file
     os.chmod(key, 0o644)
     p = _up(bare)
     assert p.returncode == 2 and f"chmod 600 {key}" in p.stderr
     assert key.read_text().strip() not in p.stderr + p.stdout
+    assert _left(f"lsx{TAG}") == []
+
+
+def test_a_config_with_another_nodes_key_is_refused(bare):
+    """`up` checks the key's public key against the config before it starts anything."""
+    raw = json.loads(bare.read_text())
+    hub_key = bare.parent / "h" / "private.key"
+    raw["private_key_file"] = str(hub_key)
+    wrong = bare.parent / "wrong.tunnel.json"
+    wrong.write_text(json.dumps(raw))
+    p = _up(wrong)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"private_key_file: invalid value '{hub_key}'" in p.stderr
+    assert "not the one a's config" in p.stderr
+    assert hub_key.read_text().strip() not in p.stderr + p.stdout
     assert _left(f"lsx{TAG}") == []
 
 

@@ -1,7 +1,9 @@
-"""The overlay's plan, configs, keys, `wg show` parsing and supervision decisions: pure logic.
+"""The overlay's node specs, config loading, keys, `wg show` parsing and supervision
+decisions: pure logic.
 
-Keys come from a fake generator here (no wireguard-tools needed); one test
-checks the real `wg genkey` where it is installed.
+Keys come from a fake generator here (tunnel_fakes; no wireguard-tools needed);
+one test checks the real `wg genkey` where it is installed.  The plan, join and
+assemble steps are in test_tunnel_keys.py.
 """
 
 from __future__ import annotations
@@ -17,24 +19,9 @@ import pytest
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.overlay import tunnel, wireguard as wg
 from lorasync.emulate.nat import ruleset as nat_ruleset
-from lorasync.overlay.tunnel import parse_node_spec, plan_overlay, supervise_step
-
-
-def fake_keys():
-    n = [0]
-
-    def gen():
-        n[0] += 1
-        return f"PRIVATE{n[0]:02d}" + "x" * 35 + "=", f"PUBLIC{n[0]:02d}" + "y" * 36 + "="
-    return gen
-
-
-def nodes(*specs):
-    return [parse_node_spec(s) for s in specs]
-
-
-def by_name(configs):
-    return {c["node"]: c for c in configs}
+from lorasync.overlay.enroll import parse_node_spec
+from lorasync.overlay.tunnel import supervise_step
+from tunnel_fakes import enrolled
 
 
 # ---------------------------------------------------------------- node specs
@@ -59,109 +46,21 @@ def test_parse_node_spec_errors(text, field):
     assert e.value.field == field and e.value.fix
 
 
-# ---------------------------------------------------------------- the plan
-
-def test_plan_hub_first_direct_pairs_keepalive():
-    cfgs, privs = plan_overlay(nodes("n1", "hub=198.51.100.1", "n3=198.51.100.3:4000"), "hub",
-                               subnet="10.77.0.0/24", keygen=fake_keys())
-    c = by_name(cfgs)
-    # the hub gets the first address, the others follow in the order given
-    assert [c[n]["address"] for n in ("hub", "n1", "n3")] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
-    assert c["hub"]["is_hub"] and not c["n1"]["is_hub"] and c["n3"]["listen_port"] == 4000
-    # one NAT'd node: every pair has an endpoint on one side, so everything is direct, no relay
-    assert all(r == "direct" for cfg in cfgs for r in cfg["routes"].values())
-    assert not any(cfg["relay"] for cfg in cfgs)
-    n1 = {p["name"]: p for p in c["n1"]["peers"]}
-    assert set(n1) == {"hub", "n3"}
-    assert n1["hub"]["endpoint"] == "198.51.100.1:51820" and n1["hub"]["keepalive_s"] == 25
-    assert n1["hub"]["allowed_ips"] == ["10.77.0.1/32"]
-    hub = {p["name"]: p for p in c["hub"]["peers"]}
-    # the hub cannot reach n1 (behind NAT): no endpoint, no keepalive, it waits for n1
-    assert hub["n1"]["endpoint"] is None and hub["n1"]["keepalive_s"] is None
-    assert hub["n3"]["endpoint"] == "198.51.100.3:4000"
-    # private keys are returned apart from the configs and appear in none of them
-    text = json.dumps(cfgs)
-    assert all(p not in text for p in privs) and all(p.startswith("PRIVATE") for p in privs)
-    assert c["n1"]["peers"][0]["public_key"].startswith("PUBLIC")
-
-
-def test_plan_nodes_behind_nat_relay_through_the_hub():
-    cfgs, _ = plan_overlay(nodes("h=192.0.2.1", "a", "b"), "h", keygen=fake_keys())
-    c = by_name(cfgs)
-    assert c["a"]["routes"] == {"h": "direct", "b": "via h"}
-    assert c["h"]["routes"] == {"a": "direct", "b": "direct"}
-    (hub_peer,) = c["a"]["peers"]  # a cannot reach b: only the hub is its peer
-    assert hub_peer["name"] == "h" and hub_peer["relays"] == ["b"]
-    assert hub_peer["allowed_ips"] == ["10.77.0.1/32", f"{c['b']['address']}/32"]
-    assert c["h"]["relay"] and not c["a"]["relay"]
-    assert [p["allowed_ips"] for p in c["h"]["peers"]] == [["10.77.0.2/32"], ["10.77.0.3/32"]]
-
-
-@pytest.mark.parametrize("specs,hub,kw,field,hint", [
-    (("h=192.0.2.1", "a"), "x", {}, "hub", "name one of the nodes"),
-    (("h", "a"), "h", {}, "hub", "give its endpoint"),
-    (("h=192.0.2.1", "h"), "h", {}, "node", "a name of its own"),
-    (("h=192.0.2.1", "a"), "h", {"subnet": "8.8.8.0/24"}, "subnet", "private"),
-    (("h=192.0.2.1", "a"), "h", {"subnet": "nonsense"}, "subnet", "IPv4"),
-    (("h=10.77.0.9", "a"), "h", {}, "subnet", "endpoint"),
-    (("h=192.0.2.1", "a", "b"), "h", {"subnet": "10.9.9.0/31"}, "subnet", "room for"),
-    (("h=192.0.2.1", "a"), "h", {"mtu": 100}, "mtu", "between"),
-    (("h=192.0.2.1", "a"), "h", {"keepalive_s": 0}, "keepalive", "seconds"),
-])
-def test_plan_errors_name_the_field_and_fix(specs, hub, kw, field, hint):
-    with pytest.raises(ConfigError) as e:
-        plan_overlay(nodes(*specs), hub, keygen=fake_keys(), **kw)
-    assert e.value.field == field and hint in e.value.fix
-
-
-def test_init_writes_private_keys_0600_and_configs(tmp_path):
-    out = tmp_path / "ov"
-    paths = tunnel.init_overlay(out, nodes("h=192.0.2.1", "a"), "h", keygen=fake_keys())
-    assert [p.parent.name for p in paths] == ["h", "a"]
-    assert stat.S_IMODE(os.stat(out).st_mode) == 0o700
-    for p in paths:
-        key = p.parent / "private.key"
-        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(p.parent).st_mode) == 0o700
-        assert key.read_text().startswith("PRIVATE") and "PRIVATE" not in p.read_text()
-        cfg = tunnel.load_config(p)
-        assert cfg.private_key_file == key and cfg.ifname == "lsync0"
-    with pytest.raises(ConfigError, match="already holds"):
-        tunnel.init_overlay(out, nodes("h=192.0.2.1", "a"), "h", keygen=fake_keys())
-    # nothing is written when the plan is refused
-    with pytest.raises(ConfigError):
-        tunnel.init_overlay(tmp_path / "bad", nodes("h", "a"), "h", keygen=fake_keys())
-    assert not (tmp_path / "bad").exists()
-
+# ---------------------------------------------------------------- one node's config
 
 def test_load_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         tunnel.load_config(tmp_path / "missing.json")
     (tmp_path / "t.json").write_text("{\"version\": 9}")
-    with pytest.raises(ConfigError, match="re-run"):
+    with pytest.raises(ConfigError, match="tunnel assemble"):
         tunnel.load_config(tmp_path / "t.json")
-    paths = tunnel.init_overlay(tmp_path / "ov", nodes("h=192.0.2.1", "a"), "h", keygen=fake_keys())
+    paths = enrolled(tmp_path / "ov", ["h=192.0.2.1", "a"], "h")
     raw = json.loads(paths[0].read_text())
     raw["ifname"] = "a-name-far-too-long"
     paths[0].write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as e:
         tunnel.load_config(paths[0])
     assert e.value.field == "ifname"
-
-
-def test_cli_init_prints_no_private_key(tmp_path, capsys):
-    from lorasync import cli
-
-    out = tmp_path / "ov"
-    if not shutil.which("wg"):
-        pytest.skip("needs wireguard-tools (wg genkey): apt-get install -y wireguard-tools")
-    assert cli.main(["tunnel", "init", "--out", str(out), "--hub", "h=192.0.2.1",
-                     "--node", "a", "--node", "b"]) == 0
-    printed = capsys.readouterr()
-    for d in ("h", "a", "b"):
-        key = (out / d / "private.key").read_text().strip()
-        assert len(key) == 44 and key not in printed.out + printed.err
-    assert "via h" in printed.out and "(behind NAT)" in printed.out
 
 
 def test_cli_init_bad_input(capsys, tmp_path):
@@ -300,8 +199,7 @@ def test_backoff_is_capped():
 # ---------------------------------------------------------------- host checks
 
 def _cfg(tmp_path, **kw):
-    paths = tunnel.init_overlay(tmp_path / "ov", nodes("h=192.0.2.1", "a"), "h", keygen=fake_keys(), **kw)
-    return tunnel.load_config(paths[1])
+    return tunnel.load_config(enrolled(tmp_path / "ov", ["h=192.0.2.1", "a"], "h", **kw)[1])
 
 
 def test_address_clash(tmp_path):

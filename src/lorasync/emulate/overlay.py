@@ -1,12 +1,14 @@
 """The WireGuard overlay of an emulated cluster (``overlay=wireguard``).
 
 Every node runs the same tunnel a real host runs: ``lorasync tunnel up`` in
-its namespace, from configs :func:`lorasync.overlay.tunnel.init_overlay` writes
-for the whole cluster (under ``/run/lorasync/clusters/NAME.overlay/``, keys
-0600).  Nodes outside NAT get their cluster address as endpoint, nodes behind
-NAT none; the hub is the first node outside NAT.  WireGuard's UDP packets
-cross the cluster's shaped links (and its delay forwarder and NAT routers),
-so the overlay runs on top of the emulated network, not beside it.
+its namespace, from a config made the way a real overlay's is
+(:func:`lorasync.overlay.enroll.enroll_locally`: the plan, then each node's
+own ``join``, its key made in its own directory ``NODE/private.key``, 0600,
+then ``assemble``), under ``/run/lorasync/clusters/NAME.overlay/``.  Nodes
+outside NAT get their cluster address as endpoint, nodes behind NAT none; the
+hub is the first node outside NAT.  WireGuard's UDP packets cross the
+cluster's shaped links (and its delay forwarder and NAT routers), so the
+overlay runs on top of the emulated network, not beside it.
 
 Interface names are unique on the host (wireguard-go's control sockets share
 one directory across namespaces): ``lsw`` + 5 hex digits of the cluster name
@@ -47,7 +49,7 @@ def hub_index(nodes: int, nat: list[int]) -> int:
 
 def layout(nodes: int, nat: list[int], subnet: str, cluster: str) -> list[tuple[str, str]]:
     """(overlay address, interface) of each node: the hub gets the first address,
-    the others the next ones in node order (as :func:`~lorasync.overlay.tunnel.plan_overlay`)."""
+    the others the next ones in node order (as :func:`~lorasync.overlay.enroll.plan_overlay`)."""
     hosts = list(ipaddress.IPv4Network(subnet).hosts())
     h = hub_index(nodes, nat)
     order = [h] + [i for i in range(nodes) if i != h]
@@ -66,18 +68,18 @@ def build(cluster) -> None:
     Raises EnvironmentProblem (with the install command) when the WireGuard
     tools are missing; the caller removes what was made on failure.
     """
-    from lorasync.overlay import tunnel, wireguard as wg
+    from lorasync.overlay import enroll, wireguard as wg
 
     spec = cluster.spec
     nat = list(spec.nat)
     relay = sum(1 for i in range(spec.nodes) if i in nat) >= 2
     wg.require_tools(need_nft=relay)
     h = hub_index(spec.nodes, nat)
-    nodes = [tunnel.NodeSpec(n.name, None if n.nat else f"{n.outside}:{OVERLAY_PORT}", OVERLAY_PORT)
+    nodes = [enroll.NodeSpec(n.name, None if n.nat else f"{n.outside}:{OVERLAY_PORT}", OVERLAY_PORT)
              for n in cluster.nodes]
     d = config_dir(spec.name)
-    tunnel.init_overlay(d, nodes, cluster.nodes[h].name, subnet=spec.overlay_subnet,
-                        ifname=lambda i: ifname(spec.name, i), force=True)
+    enroll.enroll_locally(d, nodes, cluster.nodes[h].name, subnet=spec.overlay_subnet,
+                          ifname=lambda i: ifname(spec.name, i), force=True)
     order = [h] + [i for i in range(spec.nodes) if i != h]
     _up(cluster, order[:1], d)  # the others wait for the hub's handshake
     _up(cluster, order[1:], d)
@@ -88,7 +90,7 @@ def _up(cluster, indices: list[int], d: Path) -> None:
     for i in indices:
         n = cluster.nodes[i]
         argv = cluster.exec_argv(i, [sys.executable, "-m", "lorasync", "tunnel", "up", "--config",
-                                     str(d / n.name / "tunnel.json"), "--cluster", cluster.spec.name,
+                                     str(d / f"{n.name}.tunnel.json"), "--cluster", cluster.spec.name,
                                      "--quiet"])
         procs.append((n, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True)))
@@ -115,7 +117,7 @@ def remove(cluster: str | None) -> list[str]:
     dirs = [config_dir(cluster)] if cluster else sorted(CLUSTERS_DIR.glob("*.overlay"))
     for d in dirs:
         if d.is_dir():
-            for cfg in d.glob("*/tunnel.json"):
+            for cfg in [*d.glob("*.tunnel.json"), *d.glob("*/tunnel.json")]:  # and an older layout's
                 names.add(_ifname_of(cfg))
             shutil.rmtree(d)
             removed.append(f"overlay configs {d}")

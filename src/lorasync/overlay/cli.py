@@ -1,16 +1,28 @@
 """Train across networks that cannot reach each other: a supervised WireGuard
 overlay (wireguard-go in userspace, configured with wg; root on every node).
 
-On one machine, plan the overlay: the hub is a node every node can reach
-(its HOST:PORT), a node given no endpoint is behind NAT and connects out:
+Every node makes its own key pair; only public keys travel, one file at a
+time, none of them secret.  On one machine, plan the overlay: the hub is a
+node every node can reach (its HOST:PORT), a node given no endpoint is
+behind NAT and connects out:
 
     lorasync tunnel init --out overlay --hub node0=203.0.113.5 \\
         --node node1 --node node2=198.51.100.7:51820
 
-then copy overlay/NODE/ to each node (it holds that node's private key,
-0600; scp -rp) and on each node, the hub first:
+Carry overlay/NODE.plan.json to its node; there, as root (as `up` will run),
+make the node's key pair (the private key stays in NODE/private.key beside
+the plan file, 0600) and the file to carry back:
 
-    lorasync tunnel up --config overlay/node1/tunnel.json
+    lorasync tunnel join NODE.plan.json          # writes NODE.pub.json beside it
+
+Carry each NODE.pub.json back into overlay/; then, where init ran:
+
+    lorasync tunnel assemble --out overlay       # writes overlay/NODE.tunnel.json
+
+Carry overlay/NODE.tunnel.json to its node (public keys only) and there, as
+root, the hub first:
+
+    lorasync tunnel up --config NODE.tunnel.json
     lorasync tunnel status                       # per peer: handshake, bytes, RTT, rate
     lorasync tunnel launch -- train --output-dir runs/x      # on every node
     lorasync tunnel down
@@ -39,9 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sub = parser.add_subparsers(dest="tunnel_cmd", metavar="ACTION", required=True)
 
-    init = sub.add_parser("init", help="keys and a config for every node of the overlay")
+    init = sub.add_parser(
+        "init", help="plan the overlay: DIR/plan.json, and DIR/NODE.plan.json to carry to each node",
+        description="Plan the overlay (addresses, endpoints, the hub, who peers whom); no key is "
+        "made here. Writes DIR/plan.json (stays here) and DIR/NODE.plan.json for each node: "
+        "carry that one file to its node and run `lorasync tunnel join NODE.plan.json` there.")
     init.add_argument("--out", required=True, metavar="DIR",
-                      help="directory for the nodes' configs (DIR/NODE/tunnel.json, private.key)")
+                      help="directory for the plan (DIR/plan.json, DIR/NODE.plan.json)")
     init.add_argument("--hub", required=True, metavar="NAME=HOST[:PORT]",
                       help="the hub/relay: a node every node can reach, and its endpoint")
     init.add_argument("--node", action="append", default=[], metavar="NAME[=HOST[:PORT]]",
@@ -55,10 +71,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="persistent keepalive towards nodes with an endpoint, s (default: %(default)s)")
     init.add_argument("--mtu", default="auto",
                       help="overlay MTU (default auto: path MTU to the peers less WireGuard's 60/80 bytes)")
-    init.add_argument("--force", action="store_true", help="overwrite configs already in --out")
+    init.add_argument("--force", action="store_true",
+                      help="replace the plan already in --out (key directories are kept)")
+
+    jo = sub.add_parser(
+        "join", help="on a node: make its key pair here, write NODE.pub.json to carry back",
+        description="Run on the node a NODE.plan.json is for. Makes the node's WireGuard key "
+        "pair here: the private key goes to DIR/private.key (0600) and never leaves this node, "
+        "nor is it printed; a key already there is kept. Writes NODE.pub.json beside the plan "
+        "file (its public key, bound to the node and the plan): carry that one file back to "
+        "where `tunnel init` ran. Run it as the user that will run `tunnel up` (root), so "
+        "that the key is that user's.")
+    jo.add_argument("plan", metavar="NODE.plan.json", help="the file `tunnel init` wrote for this node")
+    jo.add_argument("--dir", default=None, metavar="DIR",
+                    help="where the private key stays (default: NODE/ beside the plan file)")
+
+    asm = sub.add_parser(
+        "assemble", help="where init ran: every NODE.pub.json -> DIR/NODE.tunnel.json per node",
+        description="Where `tunnel init` ran, once every node's NODE.pub.json is back: checks "
+        "each against the plan (same plan, a node of it, one key per node) and writes "
+        "DIR/NODE.tunnel.json for every node (public keys only). Carry that one file to its "
+        "node and run `lorasync tunnel up --config NODE.tunnel.json` there as root, the hub first.")
+    asm.add_argument("--out", required=True, metavar="DIR", help="the directory `tunnel init --out` wrote")
+    asm.add_argument("public", nargs="*", metavar="NODE.pub.json",
+                     help="the nodes' public-key files (default: every DIR/*.pub.json)")
 
     up = sub.add_parser("up", help="start this node's tunnel (supervised, in the background)")
-    up.add_argument("--config", required=True, metavar="FILE", help="this node's tunnel.json")
+    up.add_argument("--config", required=True, metavar="FILE",
+                    help="this node's NODE.tunnel.json (from `tunnel assemble`)")
     up.add_argument("--hub-timeout", type=float, default=20.0, metavar="S",
                     help="seconds to wait for the hub's handshake (default: %(default)s)")
     up.add_argument("--foreground", action="store_true",
@@ -92,13 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"init": _init, "up": _up, "status": _status, "down": _down,
-            "launch": _launch}[args.tunnel_cmd](args)
+    return {"init": _init, "join": _join, "assemble": _assemble, "up": _up, "status": _status,
+            "down": _down, "launch": _launch}[args.tunnel_cmd](args)
 
 
 def _init(args) -> int:
     from lorasync.errors import ConfigError
-    from lorasync.overlay import tunnel
+    from lorasync.overlay import enroll
 
     mtu = None if str(args.mtu).lower() == "auto" else args.mtu
     if mtu is not None:
@@ -110,22 +150,54 @@ def _init(args) -> int:
     if "=" not in args.hub:
         raise ConfigError("--hub", args.hub, "give the hub's endpoint too: NAME=HOST[:PORT], "
                           "e.g. node0=203.0.113.5 (every node must reach it)")
-    nodes = [tunnel.parse_node_spec(args.hub, args.port)]
-    nodes += [tunnel.parse_node_spec(n, args.port) for n in args.node]
+    nodes = [enroll.parse_node_spec(args.hub, args.port)]
+    nodes += [enroll.parse_node_spec(n, args.port) for n in args.node]
     if len(nodes) < 2:
         raise ConfigError("--node", "", "an overlay needs at least one node besides the hub")
-    paths = tunnel.init_overlay(args.out, nodes, nodes[0].name, force=args.force, subnet=args.subnet,
-                                ifname=args.ifname, keepalive_s=args.keepalive, mtu=mtu)
-    cfgs = [tunnel.load_config(p) for p in paths]
-    print(f"overlay {cfgs[0].subnet}, hub {nodes[0].name}, interface {args.ifname}: "
-          f"{len(cfgs)} nodes in {args.out}/")
+    enroll.init_overlay(args.out, nodes, nodes[0].name, force=args.force, subnet=args.subnet,
+                        ifname=args.ifname, keepalive_s=args.keepalive, mtu=mtu)
+    plan = enroll.read_plan(os.path.join(args.out, "plan.json"))
+    print(f"overlay {plan['subnet']}, hub {plan['hub']}, interface {args.ifname}: "
+          f"{len(plan['nodes'])} nodes, plan {plan['plan_id']} in {args.out}/")
     print(f"  {'node':16} {'overlay address':16} {'endpoint':28} route to the others")
-    for c in cfgs:
-        routes = ", ".join(f"{k} {v}" for k, v in c.routes.items())
-        print(f"  {c.node:16} {c.address:16} {c.endpoint or '(behind NAT)':28} {routes}")
-    print(f"each node's directory holds its private key (0600): copy it to that node only "
-          f"(scp -rp {args.out}/NODE NODE:), then run there, hub first:\n"
-          f"  lorasync tunnel up --config {args.out}/NODE/tunnel.json")
+    for n in plan["nodes"]:
+        routes = ", ".join(f"{k} {v}" for k, v in enroll.routes(plan, n["name"]).items())
+        print(f"  {n['name']:16} {n['address']:16} {n['endpoint'] or '(behind NAT)':28} {routes}")
+    print(f"no key is made here: each node makes its own. Next:\n"
+          f"  1. carry {args.out}/NODE.plan.json to its node; there, as root: "
+          f"lorasync tunnel join NODE.plan.json\n"
+          f"  2. carry the NODE.pub.json it writes back into {args.out}/; here: "
+          f"lorasync tunnel assemble --out {args.out}\n"
+          f"  3. carry {args.out}/NODE.tunnel.json to its node; there, as root, the hub first: "
+          f"lorasync tunnel up --config NODE.tunnel.json")
+    return 0
+
+
+def _join(args) -> int:
+    from lorasync.overlay import enroll
+
+    pub = enroll.join_overlay(args.plan, args.dir)
+    raw = json.loads(pub.read_text())
+    print(f"{raw['node']}: key pair made on this node; the private key stays in "
+          f"{raw['private_key_file']} (0600)\n"
+          f"  public key {raw['public_key']}, plan {raw['plan_id']}")
+    if (pub.parent / "plan.json").exists():  # this node is where init ran
+        print(f"{pub} is already where `tunnel assemble --out {pub.parent}` looks")
+    else:
+        print(f"carry {pub} back into the directory of `tunnel init`, then run there: "
+              f"lorasync tunnel assemble --out DIR")
+    return 0
+
+
+def _assemble(args) -> int:
+    from lorasync.overlay import enroll
+
+    paths = enroll.assemble_overlay(args.out, args.public or None)
+    print(f"{len(paths)} node configs (public keys only) in {args.out}/:")
+    for p in paths:
+        print(f"  {p}")
+    print("carry each NODE.tunnel.json to its node; there, as root, the hub first: "
+          "lorasync tunnel up --config NODE.tunnel.json")
     return 0
 
 

@@ -1,25 +1,19 @@
 """The overlay network: nodes in different networks (behind NAT, other sites)
 get addresses every node can reach, so gloo/NCCL's full mesh works across them.
 
-This module owns the overlay's plan, its per-node configuration, the
-supervisor that keeps one node's tunnel up, and the ``up`` / ``status`` /
-``down`` operations (:mod:`lorasync.overlay.wireguard` owns the calls to the
-WireGuard tools; ``lorasync tunnel`` is the command line).
+This module owns one node's configuration (``tunnel.json``: :func:`load_config`),
+the supervisor that keeps its tunnel up, and the ``up`` / ``status`` /
+``down`` operations (:mod:`lorasync.overlay.enroll` owns the plan and how
+keys are made and exchanged: ``tunnel init`` / ``join`` / ``assemble``;
+:mod:`lorasync.overlay.wireguard` owns the calls to the WireGuard tools;
+``lorasync tunnel`` is the command line).
 
-Plan (:func:`plan_overlay`, used by ``tunnel init`` and the emulated cluster):
-
-- every node gets an address in the overlay subnet (the hub first) and a key;
-- a node given an *endpoint* (``HOST:PORT``) is reachable from every node; a
-  node without one is behind NAT and only connects out;
-- two nodes are peers (a *direct* pair) when at least one of them has an
-  endpoint: the other one connects to it and keeps its NAT mapping open with
-  a persistent keepalive.  Two nodes both behind NAT cannot reach each other:
-  their traffic goes through the *hub* (a node with an endpoint), which
-  relays it.  A relayed pair loads the hub's link twice (in and out).
-
-A node's directory from ``init`` holds ``tunnel.json`` (its address, port,
-peers with their public keys, endpoints and allowed IPs; the whole overlay's
-layout for ``status``) and ``private.key`` (0600; never printed or logged).
+A node's ``tunnel.json`` (from ``tunnel assemble``) holds its address, port,
+peers with their public keys, endpoints and allowed IPs, the whole overlay's
+layout (for ``status``) and the path of its private key, which
+``tunnel join`` made on that node and which never left it.  Before anything
+starts, ``up`` checks that the key file is there, readable by its owner only,
+and that its public key is the one the config was assembled with.
 
 Supervision (:class:`Supervisor`, run in the background by ``up``): starts
 ``wireguard-go``, configures it, serves the link test on the overlay address
@@ -54,25 +48,27 @@ from lorasync.overlay import linktest
 from lorasync.overlay import wireguard as wg
 
 __all__ = [
+    "CONFIG_VERSION",
     "DEFAULT_PORT",
     "DEFAULT_SUBNET",
-    "NodeSpec",
     "Supervisor",
     "TunnelConfig",
+    "check_key_matches",
     "check_root",
     "down",
     "down_one",
-    "init_overlay",
+    "join_endpoint",
     "leftovers",
     "load_config",
-    "parse_node_spec",
-    "plan_overlay",
+    "split_endpoint",
     "states",
     "status",
     "supervise_step",
     "up",
 ]
 
+#: of tunnel.json and of the files init, join and assemble write (1: keys made by init)
+CONFIG_VERSION = 2
 DEFAULT_SUBNET = "10.77.0.0/24"
 DEFAULT_PORT = 51820
 DEFAULT_IFNAME = "lsync0"
@@ -83,25 +79,9 @@ DEFAULT_STALE_S = 180
 #: seconds before restarting a dead wireguard-go, doubled after each failed try
 RESTART_BACKOFF = (0.5, 30.0)
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,14}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 
 
-# ---------------------------------------------------------------- the plan
-
-@dataclasses.dataclass(frozen=True)
-class NodeSpec:
-    """One node as ``init`` is told about it."""
-
-    name: str
-    endpoint: str | None = None
-    """HOST:PORT every node can reach it on; None: behind NAT (connects out only)."""
-    listen_port: int = DEFAULT_PORT
-
-    def __post_init__(self):
-        if not _NAME_RE.match(self.name):
-            raise ConfigError("node", self.name, "use 1-32 letters, digits, '.', '_' or '-', "
-                              "starting with a letter or digit")
-
+# ---------------------------------------------------------------- endpoints
 
 def split_endpoint(text: str, field: str = "endpoint", default_port: int = DEFAULT_PORT
                    ) -> tuple[str, int]:
@@ -125,135 +105,6 @@ def split_endpoint(text: str, field: str = "endpoint", default_port: int = DEFAU
 
 def join_endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_node_spec(text: str, default_port: int = DEFAULT_PORT) -> NodeSpec:
-    """``"node1"`` (behind NAT) or ``"node0=203.0.113.5[:51820]"`` -> :class:`NodeSpec`."""
-    name, sep, ep = str(text).partition("=")
-    name = name.strip()
-    if not sep:
-        return NodeSpec(name, None, default_port)
-    host, port = split_endpoint(ep, f"node {name}", default_port)
-    return NodeSpec(name, join_endpoint(host, port), port)
-
-
-def direct(a: NodeSpec, b: NodeSpec) -> bool:
-    """A pair is direct when one of the two can be reached by the other."""
-    return bool(a.endpoint or b.endpoint)
-
-
-def plan_overlay(nodes: Sequence[NodeSpec], hub: str, *, subnet: str = DEFAULT_SUBNET,
-                 ifname: str | Callable[[int], str] = DEFAULT_IFNAME,
-                 keepalive_s: int = DEFAULT_KEEPALIVE, mtu: int | None = None,
-                 stale_s: int = DEFAULT_STALE_S,
-                 keygen: Callable[[], tuple[str, str]] = wg.generate_keypair,
-                 ) -> tuple[list[dict], list[str]]:
-    """Every node's configuration (without the key file path) and the private
-    keys, in ``nodes`` order: ([config, ...], [private key, ...]).
-
-    Validates the whole overlay: unique names, a hub with an endpoint, a
-    subnet with room for every node and containing no endpoint.
-    """
-    nodes = list(nodes)
-    if not nodes:
-        raise ConfigError("node", "", "give at least two nodes, e.g. --hub node0=HOST --node node1")
-    names = [n.name for n in nodes]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup:
-        raise ConfigError("node", dup, "every node needs a name of its own")
-    if hub not in names:
-        raise ConfigError("hub", hub, f"name one of the nodes: {', '.join(names)}")
-    h = names.index(hub)
-    if not nodes[h].endpoint:
-        raise ConfigError("hub", hub, "the hub relays for nodes behind NAT, so every node must "
-                          "reach it: give its endpoint, e.g. --hub node0=203.0.113.5:51820")
-    try:
-        net = ipaddress.IPv4Network(subnet)
-    except ValueError:
-        raise ConfigError("subnet", subnet, "give an IPv4 network such as 10.77.0.0/24") from None
-    if not net.is_private:
-        raise ConfigError("subnet", subnet, "use a private range such as 10.77.0.0/24")
-    hosts = list(net.hosts())
-    if len(nodes) > len(hosts):
-        raise ConfigError("subnet", subnet, f"has room for {len(hosts)} nodes, not {len(nodes)}: "
-                          "use a bigger one, e.g. /24")
-    for n in nodes:
-        if n.endpoint:
-            host, _ = split_endpoint(n.endpoint)
-            try:
-                ip = ipaddress.ip_address(host)
-            except ValueError:  # a name: resolved at `up`
-                ip = None
-            if ip is not None and ip in net:
-                raise ConfigError("subnet", subnet, f"contains {n.name}'s endpoint {host}: "
-                                  "the tunnel would route its own packets into itself; "
-                                  "choose a subnet no node's real address is in")
-    if mtu is not None and not wg.MIN_MTU <= int(mtu) <= wg.MAX_MTU:
-        raise ConfigError("mtu", mtu, f"must be between {wg.MIN_MTU} and {wg.MAX_MTU} (or auto)")
-    if not 1 <= int(keepalive_s) <= 3600:
-        raise ConfigError("keepalive", keepalive_s, "give seconds between 1 and 3600 (25 is usual)")
-    order = [h] + [i for i in range(len(nodes)) if i != h]  # the hub gets the first address
-    addr = {nodes[i].name: str(hosts[k]) for k, i in enumerate(order)}
-    keys = [keygen() for _ in nodes]
-    pub = {n.name: keys[i][1] for i, n in enumerate(nodes)}
-    hubn = nodes[h]
-    layout = [{"name": n.name, "address": addr[n.name], "endpoint": n.endpoint,
-               "public_key": pub[n.name]} for n in nodes]
-    configs = []
-    for i, a in enumerate(nodes):
-        peers = []
-        relayed = [c.name for c in nodes if c is not a and not direct(a, c)]
-        for b in nodes:
-            if b is a or not direct(a, b):
-                continue
-            ips = [f"{addr[b.name]}/32"]
-            via = []
-            if b is hubn:  # the hub also carries a's traffic to the nodes a cannot reach
-                via = relayed
-                ips += [f"{addr[c]}/32" for c in relayed]
-            peers.append({"name": b.name, "address": addr[b.name], "public_key": pub[b.name],
-                          "endpoint": b.endpoint, "allowed_ips": ips, "relays": via,
-                          "keepalive_s": int(keepalive_s) if b.endpoint else None})
-        routes = {c.name: ("direct" if direct(a, c) else f"via {hub}") for c in nodes if c is not a}
-        configs.append({
-            "version": 1, "node": a.name, "hub": hub, "is_hub": a is hubn,
-            "ifname": ifname(i) if callable(ifname) else ifname,
-            "address": addr[a.name], "subnet": str(net), "listen_port": a.listen_port,
-            "endpoint": a.endpoint, "mtu": mtu, "keepalive_s": int(keepalive_s),
-            "stale_s": int(stale_s), "public_key": pub[a.name], "private_key_file": "private.key",
-            # the hub relays when two of its peers cannot reach each other
-            "relay": a is hubn and any(not direct(x, y) for x in nodes for y in nodes if x is not y),
-            "peers": peers, "routes": routes, "nodes": layout,
-        })
-    return configs, [k[0] for k in keys]
-
-
-def init_overlay(out_dir: str | Path, nodes: Sequence[NodeSpec], hub: str, *,
-                 force: bool = False, **kw) -> list[Path]:
-    """Write ``OUT/NODE/tunnel.json`` and ``OUT/NODE/private.key`` (0600, in 0700
-    directories) for every node; return the config paths.  Nothing is written
-    when validation fails; an existing overlay is kept unless ``force``."""
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConfigError("--out", str(out), "already holds files (an earlier overlay?): choose "
-                          "another directory, or pass --force to replace its nodes' configs")
-    configs, privates = plan_overlay(nodes, hub, **kw)
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(out, 0o700)
-    paths = []
-    for cfg, key in zip(configs, privates):
-        d = out / cfg["node"]
-        d.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-        keyfile = d / "private.key"
-        if keyfile.exists():
-            keyfile.unlink()
-        wg.write_private_key(keyfile, key)
-        tmp = d / ".tunnel.json.tmp"
-        tmp.write_text(json.dumps(cfg, indent=1) + "\n")
-        tmp.replace(d / "tunnel.json")
-        paths.append(d / "tunnel.json")
-    return paths
 
 
 # ---------------------------------------------------------------- one node's config
@@ -280,6 +131,8 @@ class TunnelConfig:
     stale_s: int = DEFAULT_STALE_S
     relay: bool = False
     public_key: str = ""
+    """This node's, from its ``tunnel join``: ``up`` checks the key file against it."""
+    plan_id: str = ""
 
     def __post_init__(self):
         if not _IFNAME_RE.match(self.ifname):
@@ -299,8 +152,19 @@ class TunnelConfig:
         for p in self.peers:
             for key in ("name", "address", "public_key", "allowed_ips"):
                 if key not in p:
-                    raise ConfigError(f"peers.{key}", p.get("name", "?"),
-                                      "this tunnel.json is incomplete: re-run `lorasync tunnel init`")
+                    raise ConfigError(f"peers.{key}", p.get("name", "?"), "this tunnel.json is "
+                                      "incomplete: run `lorasync tunnel assemble` again")
+            if not wg.is_public_key(p["public_key"]):
+                raise ConfigError("peers.public_key", p["name"], "not a WireGuard public key: "
+                                  "run `lorasync tunnel assemble` again")
+        mine = next((n for n in self.nodes if n.get("name") == self.node), None)
+        if mine is None:
+            raise ConfigError("node", self.node, "not a node of this config's plan ("
+                              f"{', '.join(str(n.get('name')) for n in self.nodes)}): give the "
+                              "NODE.tunnel.json `lorasync tunnel assemble` wrote for this node")
+        if not wg.is_public_key(self.public_key) or mine.get("public_key") != self.public_key:
+            raise ConfigError("public_key", self.node, "missing, or not the key the plan's layout "
+                              "has for this node: run `lorasync tunnel assemble` again")
 
     @property
     def prefixlen(self) -> int:
@@ -332,13 +196,17 @@ def load_config(path: str | Path) -> TunnelConfig:
     try:
         raw = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ConfigError("--config", str(path), "no such file: give the tunnel.json that "
-                          "`lorasync tunnel init` wrote for this node") from None
+        raise ConfigError("--config", str(path), "no such file: give the NODE.tunnel.json that "
+                          "`lorasync tunnel assemble` wrote for this node") from None
     except (OSError, ValueError) as exc:
         raise ConfigError("--config", str(path), f"not a readable tunnel.json ({exc})") from None
-    if not isinstance(raw, dict) or raw.get("version") != 1:
+    if isinstance(raw, dict) and raw.get("version") == 1:
+        raise ConfigError("--config", str(path), "made by an older `tunnel init` that generated "
+                          "every node's private key on one machine: plan again (`lorasync tunnel "
+                          "init`, `tunnel join` on each node, `tunnel assemble`; docs/overlay.md)")
+    if not isinstance(raw, dict) or raw.get("version") != CONFIG_VERSION:
         raise ConfigError("--config", str(path), "not a tunnel.json of this lorasync version: "
-                          "re-run `lorasync tunnel init`")
+                          "give the NODE.tunnel.json `lorasync tunnel assemble` wrote")
     try:
         key = Path(raw["private_key_file"])
         if not key.is_absolute():
@@ -351,10 +219,23 @@ def load_config(path: str | Path) -> TunnelConfig:
             endpoint=raw.get("endpoint"), mtu=raw.get("mtu"),
             keepalive_s=int(raw.get("keepalive_s") or DEFAULT_KEEPALIVE),
             stale_s=int(raw.get("stale_s") or DEFAULT_STALE_S), relay=bool(raw.get("relay")),
-            public_key=raw.get("public_key", ""))
+            public_key=raw["public_key"], plan_id=raw["plan_id"])
     except KeyError as exc:
-        raise ConfigError(f"tunnel.json {exc.args[0]}", str(path), "missing: re-run "
-                          "`lorasync tunnel init`") from None
+        raise ConfigError(f"tunnel.json {exc.args[0]}", str(path), "missing: run `lorasync "
+                          "tunnel assemble` again") from None
+
+
+def check_key_matches(cfg: TunnelConfig, public_key_of: Callable[[Path], str] = wg.public_key_of
+                      ) -> None:
+    """ConfigError unless the key file's public key is the one ``cfg`` was
+    assembled with (this node's key changed after ``join``, or the config is
+    another node's or another plan's)."""
+    if public_key_of(cfg.private_key_file) != cfg.public_key:
+        raise ConfigError("private_key_file", str(cfg.private_key_file),
+                          f"its public key is not the one {cfg.node}'s config (plan {cfg.plan_id}) "
+                          f"was assembled with: give this node's own NODE.tunnel.json, or run "
+                          f"`lorasync tunnel join` here again, carry back NODE.pub.json and "
+                          f"assemble again")
 
 
 def resolve_endpoint(endpoint: str, who: str = "peer") -> str:
@@ -756,6 +637,7 @@ def preflight(config: str | Path) -> TunnelConfig:
     cfg = load_config(config)
     wg.require_tools(need_nft=cfg.relay)
     wg.check_key_file(cfg.private_key_file)
+    check_key_matches(cfg)
     for st in states():
         if st.get("ifname") == cfg.ifname and pid_alive(st.get("pid")):
             raise ConfigError("ifname", cfg.ifname, f"this tunnel is already up (supervisor pid "
@@ -828,7 +710,7 @@ def wait_handshake(cfg: TunnelConfig, peer: dict, timeout: float, netns: str | N
                 f"the hub {peer['name']} ({peer['endpoint']}) did not answer a WireGuard handshake "
                 f"within {timeout:g} s: check that `lorasync tunnel up` runs there, that UDP port "
                 f"{port} on {host} is open to this node (firewall, security group), and that both "
-                f"configs come from the same `lorasync tunnel init`")
+                f"configs come from the same `lorasync tunnel assemble`")
         time.sleep(0.1)
 
 

@@ -6,9 +6,11 @@ overlay interface (address, MTU, routes, the relay's forwarding rules):
 
 - keys: :func:`generate_keypair` runs ``wg genkey`` / ``wg pubkey`` through
   pipes, :func:`write_private_key` creates the file 0600 before anything is
-  written to it, :func:`check_key_file` refuses a key others can read.  A
-  private key never appears on a command line (``wg set ... private-key
-  FILE`` reads the file), in a log, an error message or a return value;
+  written to it, :func:`check_key_file` refuses a key others can read,
+  :func:`public_key_of` derives a key file's public key (``wg pubkey``, the
+  file as its stdin).  A private key never appears on a command line
+  (``wg set ... private-key FILE`` reads the file), in a log, an error
+  message or a return value other than :func:`generate_keypair`'s;
 - the device: :func:`start_daemon` runs ``wireguard-go -f IFNAME`` as a child
   of the caller (the supervisor in :mod:`lorasync.overlay.tunnel`),
   :func:`configure` applies port, key and peers with ``wg set``, then the
@@ -26,6 +28,7 @@ must be unique host-wide (the emulated cluster derives them from its name).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import ipaddress
 import os
@@ -48,9 +51,11 @@ __all__ = [
     "check_key_file",
     "configure",
     "generate_keypair",
+    "is_public_key",
     "nft_table_name",
     "parse_dump",
     "path_mtu",
+    "public_key_of",
     "relay_ruleset",
     "require_tools",
     "show",
@@ -95,6 +100,9 @@ def require_tools(need_nft: bool = False) -> None:
 def _wg(args: Sequence[str], stdin: str | None = None, netns: str | None = None,
         what: str = "wg") -> str:
     argv = (["ip", "netns", "exec", netns] if netns else []) + ["wg", *args]
+    if not shutil.which("wg"):
+        raise EnvironmentProblem(f"wg not found: the overlay's keys and configuration need "
+                                 f"wireguard-tools; install them: {INSTALL_HINT}")
     proc = subprocess.run(argv, input=stdin, capture_output=True, text=True)
     if proc.returncode != 0:
         # wg's own message only: our arguments never hold a key, its output might
@@ -108,6 +116,31 @@ def generate_keypair() -> tuple[str, str]:
     private = _wg(["genkey"], what="wg genkey").strip()
     public = _wg(["pubkey"], stdin=private + "\n", what="wg pubkey").strip()
     return private, public
+
+
+def public_key_of(path: str | Path) -> str:
+    """The public key of the private key in ``path`` (``wg pubkey`` reads the
+    file as its stdin: the key is neither on a command line nor in a message).
+    ConfigError when the file holds no WireGuard private key."""
+    if not shutil.which("wg"):
+        raise EnvironmentProblem(f"wg not found: install wireguard-tools: {INSTALL_HINT}")
+    with open(path, "rb") as f:
+        proc = subprocess.run(["wg", "pubkey"], stdin=f, capture_output=True, text=True)
+    public = proc.stdout.strip()
+    if proc.returncode != 0 or not is_public_key(public):
+        raise ConfigError("private_key_file", str(path), "does not hold a WireGuard private key: "
+                          "make a new one on this node with `lorasync tunnel join`")
+    return public
+
+
+def is_public_key(text) -> bool:
+    """A WireGuard key as wg writes it: 32 bytes in base64 (44 characters)."""
+    if not isinstance(text, str) or len(text) != 44 or not text.endswith("="):
+        return False
+    try:
+        return len(base64.b64decode(text, validate=True)) == 32
+    except ValueError:
+        return False
 
 
 def write_private_key(path: str | Path, key: str) -> None:
@@ -125,8 +158,9 @@ def check_key_file(path: str | Path) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError("private_key_file", str(path), "no such file: copy the node's "
-                          "directory from `lorasync tunnel init` (with its private.key)") from None
+        raise ConfigError("private_key_file", str(path), "no such file: a node's key is made on "
+                          "that node by `lorasync tunnel join NODE.plan.json` and never leaves "
+                          "it; run that here, carry back its NODE.pub.json and assemble again") from None
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError("private_key_file", str(path), "not a regular file")
     if st.st_mode & 0o077:
