@@ -166,7 +166,8 @@ def unreachable_message(nodes: list[dict], failures: list[tuple[int, int, str]])
             "gloo and NCCL connect every rank to every other on ephemeral ports in both "
             "directions, so a node behind NAT or a firewall breaks training even when the "
             "rendezvous works. Fix: put the nodes on an overlay that every node can reach "
-            "(`lorasync tunnel init/up`, then `lorasync tunnel launch`; on an emulated cluster add "
+            "(`lorasync tunnel init`/`join`/`assemble`/`up`, then `lorasync tunnel launch`: "
+            "docs/overlay.md; on an emulated cluster add "
             "overlay=wireguard to --emulate), or open those ports")
 
 

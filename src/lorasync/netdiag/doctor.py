@@ -389,8 +389,9 @@ def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) 
 
 
 # -- overlay ------------------------------------------------------------------------------
-_OVERLAY_FIX = ("put the nodes on an overlay: lorasync tunnel init / up on every node, then "
-                "lorasync tunnel launch -- train ... (see docs/overlay.md)")
+_OVERLAY_FIX = ("put the nodes on an overlay: lorasync tunnel init (plan), join (on each node), "
+                "assemble, then tunnel up and tunnel launch -- train ... on every node "
+                "(see docs/overlay.md)")
 
 
 def overlay_interfaces(host: HostInfo) -> list:
