@@ -285,3 +285,62 @@ def test_addresses_without_iproute2_match_ip():
     fallback = {d["ifname"]: sorted(a["local"] for a in d["addr_info"] if a["family"] == "inet")
                 for d in h._addr_without_ip()}
     assert fallback == via_ip
+
+
+def test_wildcard_rendezvous_endpoint_is_an_error():
+    f = one(static_checks(host("good"), nnodes=2, link=LAN_10G, rdzv_endpoint="0.0.0.0:29400"),
+            "rendezvous")
+    assert f.severity == "error" and "wildcard" in f.found and "--rdzv-endpoint ADDR:29400" in f.fix
+
+
+def test_one_node_without_endpoint_is_fine():
+    assert one(static_checks(host("good"), nnodes=1, link=LAN_10G), "rendezvous").severity == "ok"
+
+
+def test_exposure_names_a_wildcard_listener_of_a_running_job():
+    import socket
+    import subprocess
+    import sys
+
+    from lorasync.netdiag.doctor import HostInfo as RealHost
+
+    code = ("import socket,sys,time;s=socket.socket();s.bind(('0.0.0.0',0));s.listen();"
+            "print(s.getsockname()[1],flush=True);time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, "lorasync-test-store"], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        port = int(p.stdout.readline())
+        fs = [f for f in static_checks(RealHost(), nnodes=1, link=LAN_10G) if f.check == "exposure"]
+        bad = [f for f in fs if f.severity == "error" and f"0.0.0.0:{port}" in f.found]
+        assert bad, fs
+        assert "lorasync train" in bad[0].fix
+    finally:
+        p.kill()
+        p.wait()
+    with socket.socket() as s:   # bound to one address: not reported as exposed
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        fs = static_checks(RealHost(), nnodes=1, link=LAN_10G)
+        assert not [f for f in fs if f.check == "exposure" and f.severity == "error"
+                    and f"127.0.0.1:{s.getsockname()[1]}" in f.found]
+
+
+def test_exposure_names_a_readable_tunnel_key(tmp_path, monkeypatch):
+    import json
+    import os
+
+    from lorasync.netdiag import doctor
+
+    key = tmp_path / "private.key"
+    key.write_text("k\n")
+    os.chmod(key, 0o644)
+    cfg = tmp_path / "tunnel.json"
+    cfg.write_text(json.dumps({"private_key_file": str(key)}))
+    states = tmp_path / "tunnels"
+    states.mkdir()
+    (states / "lsync0.json").write_text(json.dumps({"config": str(cfg)}))
+    monkeypatch.setattr(doctor, "TUNNELS_DIR", states)
+    found = [f for f in doctor._check_exposure(doctor.HostInfo()) if str(key) in f.found]
+    assert found and found[0].severity == "error" and "chmod 600" in found[0].fix
+    os.chmod(key, 0o600)
+    assert not [f for f in doctor._check_exposure(doctor.HostInfo()) if str(key) in f.found]

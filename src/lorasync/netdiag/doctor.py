@@ -14,12 +14,15 @@ short pair probe names the slowest link.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
+import json
 import os
 import platform
 from dataclasses import asdict, dataclass, field
 
+from lorasync.hostops import TUNNELS_DIR
 from lorasync.netdiag.hostinfo import HostInfo, is_loopback_address, is_public_address
 from lorasync.netdiag.tune import default_link, recommend
 from lorasync.plan.planner import Link
@@ -342,11 +345,21 @@ def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) 
     if endpoint is None and env.get("MASTER_ADDR"):
         endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
     if not endpoint:
+        if nnodes == 1:
+            return [Finding("rendezvous", "ok", "one node: lorasync train's stores listen on "
+                            "loopback only")]
         return [Finding("rendezvous", "info", "no rendezvous endpoint to check",
                         "pass --rdzv-endpoint HOST:PORT (or set MASTER_ADDR/MASTER_PORT) to check "
                         "whether the c10d store is exposed")]
     name, port = _split_endpoint(endpoint)
     port = port or "29400"
+    if _is_wildcard(name):
+        return [Finding("rendezvous", "error", f"rendezvous endpoint {endpoint} is the wildcard "
+                        "address", "0.0.0.0 / :: is where a server listens on every interface, "
+                        "not an address a peer can connect to; a store on it is open on every "
+                        "network this host has",
+                        f"name this host's address on the training network (or the overlay's): "
+                        f"--rdzv-endpoint ADDR:{port}")]
     addrs = host.resolve(name)
     best = _best_candidate(host)
     cands = ([best] if best else []) + [i for i in host.candidate_interfaces() if i is not best]
@@ -383,8 +396,11 @@ def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) 
         out.append(Finding(
             "rendezvous-bind", "warn",
             f"this host serves the rendezvous and has public address(es) {', '.join(my_public)}",
-            "the store listens on every interface whatever address the endpoint names, so port "
-            f"{port} is reachable on {my_public[0]} too, without authentication", tunnel))
+            "lorasync's launchers bind the stores to one address, but a plain torchrun agent "
+            "listens on every interface whatever address the endpoint names, so port "
+            f"{port} is reachable on {my_public[0]} too, without authentication",
+            "launch with lorasync train --nnodes/--rdzv-endpoint or lorasync tunnel launch; "
+            + tunnel))
     return out
 
 
@@ -400,6 +416,13 @@ def overlay_interfaces(host: HostInfo) -> list:
     return [i for i in host.interfaces() if i.kind == "wireguard"
             or os.path.exists(host.path("var/run/wireguard", f"{i.name}.sock"))
             or os.path.exists(host.path("run/wireguard", f"{i.name}.sock"))]
+
+
+def _is_wildcard(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 def _in_networks(addr: str, networks) -> bool:
@@ -463,6 +486,107 @@ def _check_overlay(host: HostInfo, endpoint: str | None, nnodes: int | None) -> 
     return out
 
 
+# -- exposure of what runs here -------------------------------------------------------------
+def job_listeners(host: HostInfo) -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every TCP socket a lorasync or torchrun
+    process of this host listens on (read from /proc: real hosts only)."""
+    if host.fake:
+        return []
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        text = b" ".join(argv).decode(errors="replace")
+        if "lorasync" not in text and "torch.distributed.run" not in text and "torchrun" not in text:
+            continue
+        if pid == os.getpid():
+            continue   # this doctor itself
+        inodes = set()
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[8:-1]))
+        except OSError:
+            continue
+        if not inodes:
+            continue
+        for table, v6 in (("tcp", False), ("tcp6", True)):
+            try:
+                with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+                    rows = f.read()
+            except OSError:
+                continue
+            for addr, port, inode in parse_proc_net_tcp(rows, v6, with_inode=True):
+                if inode in inodes:
+                    out.append((pid, text[:80], addr, port))
+    return sorted(set(out))
+
+
+def _check_exposure(host: HostInfo) -> list[Finding]:
+    """Wildcard listeners of a job running here, and private keys others can read."""
+    out = []
+    listeners = job_listeners(host)
+    wild = [x for x in listeners if _is_wildcard(x[2])]
+    if wild:
+        pid, cmd, addr, port = wild[0]
+        out.append(Finding(
+            "exposure", "error",
+            f"a running job listens on every address: {addr}:{port} (pid {pid}: {cmd})"
+            + (f" and {len(wild) - 1} more" if len(wild) > 1 else ""),
+            "a c10d store has no authentication: whoever reaches the port on any address of this "
+            "host can list and write its keys, and torch unpickles what it reads from it",
+            "launch with lorasync train or lorasync tunnel launch (they bind every store to one "
+            "address); with plain torchrun, firewall the port to the training network"))
+    elif listeners:
+        out.append(Finding("exposure", "ok", "the running job listens on "
+                           + ", ".join(sorted({f"{a}:{p}" for _, _, a, p in listeners})[:6])
+                           + " only (no wildcard address)"))
+    for path in _tunnel_key_files(host):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_mode & 0o077:
+            out.append(Finding(
+                "exposure", "error", f"private key {path} is readable by others "
+                f"(mode {st.st_mode & 0o777:03o})",
+                "whoever reads a node's WireGuard key can pose as that node on the overlay",
+                f"chmod 600 {path}; then make a new key for the node (lorasync tunnel join) "
+                "if others may have read it"))
+    return out
+
+
+def _tunnel_key_files(host: HostInfo) -> list[str]:
+    """The private key of every tunnel this host runs (from their state files)."""
+    keys = []
+    folder = host.path(str(TUNNELS_DIR).lstrip("/")) if host.fake else str(TUNNELS_DIR)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                config = json.load(f).get("config")
+            with open(config, encoding="utf-8") as f:
+                key = json.load(f).get("private_key_file")
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+        if isinstance(key, str) and key:
+            keys.append(key if os.path.isabs(key) else os.path.join(os.path.dirname(config), key))
+    return keys
+
+
 def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | None = None,
                   rdzv_endpoint: str | None = None) -> list[Finding]:
     """Every check that needs only this host. ``nnodes``: how many nodes the
@@ -470,7 +594,8 @@ def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | Non
     link = link or default_link(host)
     return (_check_hostname(host, nnodes) + _check_ifname_env(host, nnodes) + _check_candidates(host, nnodes)
             + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host)
-            + _check_rendezvous(host, rdzv_endpoint, nnodes) + _check_overlay(host, rdzv_endpoint, nnodes))
+            + _check_rendezvous(host, rdzv_endpoint, nnodes) + _check_overlay(host, rdzv_endpoint, nnodes)
+            + _check_exposure(host))
 
 
 # -- live ------------------------------------------------------------------------------------
@@ -523,8 +648,9 @@ def _store_ports(env) -> set[int]:
     return ports
 
 
-def parse_proc_net_tcp(text: str, ipv6: bool = False) -> list[tuple[str, int]]:
-    """(address, port) of every listening socket in /proc/net/tcp or tcp6."""
+def parse_proc_net_tcp(text: str, ipv6: bool = False, with_inode: bool = False) -> list[tuple]:
+    """(address, port) of every listening socket in /proc/net/tcp or tcp6
+    (``with_inode``: (address, port, socket inode))."""
     out = []
     for line in text.splitlines()[1:]:
         f = line.split()
@@ -536,7 +662,10 @@ def parse_proc_net_tcp(text: str, ipv6: bool = False) -> list[tuple[str, int]]:
             # the kernel prints each 32-bit word in host (little-endian) order
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
             addr = str(ipaddress.IPv6Address(raw) if ipv6 else ipaddress.IPv4Address(raw))
-            out.append((addr, int(hexport, 16)))
+            if with_inode:
+                out.append((addr, int(hexport, 16), int(f[9]) if len(f) > 9 else -1))
+            else:
+                out.append((addr, int(hexport, 16)))
         except ValueError:
             continue
     return out
@@ -656,19 +785,20 @@ def _overlay_live(facts: list[dict]) -> list[Finding]:
             "reached by the others, and the unauthenticated store and the gradients cross the "
             "networks in the clear", _OVERLAY_FIX))
     wild = sorted({(r, a) for r, f in enumerate(facts) for a in f.get("store_listen") or []
-                   if a.rsplit(":", 1)[0] in ("0.0.0.0", "::")})
-    if wild and (spans or overlay):
+                   if _is_wildcard(a.rsplit(":", 1)[0])})
+    if wild:
         r, a = wild[0]
         out.append(Finding(
-            "store-exposed", "error",
+            "store-exposed", "error" if spans or overlay else "warn",
             f"the c10d store on rank {r}'s node listens on every address ({a})"
-            + (" although the job runs over the overlay" if overlay else " and the job spans networks"),
+            + (" although the job runs over the overlay" if overlay else
+               " and the job spans networks" if spans else ""),
             "the store has no authentication and lorasync passes per-rank metrics through it: anyone "
             "who reaches that port on any of the node's addresses can read or overwrite its keys, or "
             "join the job",
-            "launch with lorasync tunnel launch (its agent binds the stores to the overlay address), "
-            "or firewall the port to the training network"))
-    elif any(f.get("store_listen") for f in facts) and (spans or overlay):
+            "launch with lorasync train or lorasync tunnel launch (they bind every store to one "
+            "address), or firewall the port to the training network"))
+    elif any(f.get("store_listen") for f in facts):
         where = sorted({a for f in facts for a in f.get("store_listen") or []})
         out.append(Finding("store-exposed", "ok", f"the c10d stores listen on {', '.join(where)} only"))
     return out
