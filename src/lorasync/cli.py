@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lorasync.plan.cli", "predict and rank sync strategies for a network"),
     "bench": ("lorasync.bench.cli", "progressive-optimization benchmark"),
     "report": ("lorasync.monitor.report_cli", "HTML report of one or more runs"),
+    "secret": ("lorasync.launch.secret_cli", "write a shared secret for a job across nodes"),
 }
 
 

@@ -35,9 +35,9 @@ def _metrics(run):
         return [json.loads(line) for line in fh]
 
 
-def _start(*args):
+def _start(*args, **env):
     return subprocess.Popen([sys.executable, "-m", "lorasync", "train", *map(str, args)],
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
@@ -139,8 +139,13 @@ def _two_nodes(dirs, *args):
     """Two `lorasync train` launchers joined by one c10d rendezvous, like two machines,
     each with its own output directory (its own disk)."""
     port = _free_port()
+    secret = os.path.join(os.path.dirname(dirs[0]), "job.secret")
+    if not os.path.exists(secret):   # the job's shared secret, as every node would hold it
+        assert subprocess.run([sys.executable, "-m", "lorasync", "secret", secret],
+                              capture_output=True).returncode == 0
     procs = [_start(*TINY, "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
-                    f"127.0.0.1:{port}", "--output-dir", d, *args) for d in dirs]
+                    f"127.0.0.1:{port}", "--output-dir", d, *args,
+                    LORASYNC_SECRET_FILE=secret) for d in dirs]
     outs = []
     try:
         for p in procs:

@@ -1014,6 +1014,13 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"
     base_env = dict(os.environ if env is None else env)
     base_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if module == "lorasync":
+        # every node's agent guards its stores with the launch's own secret; a
+        # script of its own (module=None) creates its store with torch's plain
+        # client, which a guarded store would refuse: its stores stay on the
+        # nodes' addresses, inside the emulated network
+        from lorasync.launch.guard import ENV as SECRET_ENV, new_secret
+        base_env.setdefault(SECRET_ENV, new_secret())
     from lorasync.launch import restart_env
     nnodes = f"{min_nodes}:{nn}" if min_nodes else str(nn)
     base_env.update(restart_env(max_restarts, nnodes))

@@ -35,7 +35,7 @@ import sys
 import time
 from datetime import timedelta
 
-from lorasync.launch import stores
+from lorasync.launch import guard, stores
 
 __all__ = ["AgentOptions", "UnreachableNodes", "agent_argv", "exit_code", "main", "split_argv"]
 
@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.store_addr:
             os.environ[stores.ENV] = opts.store_addr   # the workers' env:// store too
-            stores.bind_stores(opts.store_addr)
+            # behind the job's secret when the launcher gave one (environment only)
+            stores.bind_stores(opts.store_addr, guard.job_secret())
         if opts.reach_timeout > 0 and args.local_addr:
             install_mesh_check(label, args.local_addr, opts.reach_timeout)
         conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)

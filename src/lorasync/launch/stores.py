@@ -28,9 +28,10 @@ import os
 import socket
 from datetime import timedelta
 
-__all__ = ["ENV", "LOOPBACK", "StoreBindError", "listening_socket", "bind_stores",
-           "interface_address", "collective_address", "route_address", "store_address",
-           "master_endpoint", "init_process_group"]
+__all__ = ["ENV", "GUARD_ENV", "LOOPBACK", "StoreBindError", "StoreAuthError",
+           "listening_socket", "bind_stores", "worker_secret", "connect", "interface_address",
+           "collective_address", "route_address", "store_address", "master_endpoint",
+           "init_process_group"]
 
 #: the address a launcher chose for this node's stores
 ENV = "LORASYNC_STORE_ADDR"
@@ -45,6 +46,10 @@ class StoreBindError(RuntimeError):
 
 def listening_socket(addr: str, port: int) -> int:
     """A listening TCP socket on addr:port; returns its fd (the store takes it over)."""
+    return _listening(addr, port).detach()
+
+
+def _listening(addr: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -57,7 +62,7 @@ def listening_socket(addr: str, port: int) -> int:
                 if exc.errno == errno.EADDRNOTAVAIL else "is another job using that port?")
         raise StoreBindError(f"cannot listen on {addr}:{port} for the c10d store "
                              f"({exc.strerror}): {hint}") from None
-    return s.detach()
+    return s
 
 
 def _wildcard(host) -> bool:
@@ -67,27 +72,103 @@ def _wildcard(host) -> bool:
         return False
 
 
-def bind_stores(addr: str) -> None:
-    """Make every TCPStore server this process starts from now on listen on
-    ``addr`` only: the agent's rendezvous store (c10d backend), its bootstrap
-    store for the workers, and a worker's env:// store."""
+#: set by a launcher whose agents guard their stores: the workers guard theirs too
+GUARD_ENV = "LORASYNC_STORE_GUARD"
+
+
+class StoreAuthError(RuntimeError):
+    """A store refused this process's secret, or did not answer as a guarded store."""
+
+
+def _store_class():
+    import torch.distributed as dist
+
+    return getattr(dist.TCPStore, "_lorasync_original", dist.TCPStore)
+
+
+def _master_flag(args, kw) -> bool:
+    return bool(kw.get("is_master", args[1] if len(args) > 1 else False))
+
+
+def _make_store_class(addr: str, secret: str | None):
+    """torch's TCPStore, bound to ``addr`` and, with ``secret``, guarded."""
+    from lorasync.launch.guard import Forwarder, Guard
+
+    original = _store_class()
+
+    class TCPStore(original):
+        """torch's TCPStore: a server listens on one address; with the job's
+        secret, behind a guard (:mod:`lorasync.launch.guard`), and a client
+        connects through the guard's handshake."""
+
+        _lorasync_original = original
+
+        def __init__(self, host_name, port, *args, **kw):
+            self._lorasync_port = None
+            if _master_flag(args, kw) and kw.get("master_listen_fd") is None:
+                if secret is None:
+                    kw["master_listen_fd"] = listening_socket(addr, int(port or 0))
+                    super().__init__(host_name, port, *args, **kw)
+                    return
+                # the store on loopback, the guard where peers connect; the guard
+                # first: a server given world_size waits in its constructor for
+                # every worker, and they arrive through the guard
+                inner = _listening(LOOPBACK, 0)
+                inner_port = inner.getsockname()[1]
+                guard = Guard(_listening(addr, int(port or 0)), inner_port, secret)
+                kw["master_listen_fd"] = inner.detach()
+                try:
+                    super().__init__(LOOPBACK, inner_port, *args, **kw)
+                except BaseException:
+                    guard.close()
+                    raise
+                self._lorasync_guard = guard
+                self._lorasync_port = guard.port
+                return
+            if secret is None or _master_flag(args, kw):
+                super().__init__(host_name, port, *args, **kw)
+                return
+            fw = Forwarder(str(host_name), int(port), secret,
+                           connect_timeout=_timeout_s(args, kw))
+            try:
+                super().__init__(LOOPBACK, fw.port, *args, **kw)
+            except Exception as exc:
+                if fw.error:
+                    raise StoreAuthError(
+                        f"the c10d store at {host_name}:{port} cannot be used: {fw.error}; every "
+                        "node needs the same secret (--secret-file, docs/guide.md)") from exc
+                raise
+            self._lorasync_forwarder = fw
+
+        @property
+        def port(self):
+            return self._lorasync_port if self._lorasync_port is not None \
+                else original.port.__get__(self)
+
+    return TCPStore
+
+
+def _timeout_s(args, kw) -> float:
+    t = kw.get("timeout", args[2] if len(args) > 2 else None)
+    try:
+        return float(t.total_seconds())
+    except AttributeError:
+        return 300.0
+
+
+def bind_stores(addr: str, secret: str | None = None) -> None:
+    """Make every TCPStore this process creates from now on listen on
+    ``addr`` only (a server) and, with ``secret``, guard it (a server) or go
+    through the guard (a client): the agent's rendezvous store (c10d
+    backend), its bootstrap store for the workers, and a worker's env://
+    store.  With a secret the workers this process starts guard theirs too
+    (``LORASYNC_STORE_GUARD``)."""
     import torch.distributed as dist
     from torch.distributed import rendezvous as env_rdzv
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
-    original = getattr(dist.TCPStore, "_lorasync_original", dist.TCPStore)
-
-    class TCPStore(original):
-        """torch's TCPStore; a server gets a socket bound to ``addr``."""
-
-        _lorasync_original = original
-
-        def __init__(self, host_name, port, *args, **kw):
-            master = kw.get("is_master", args[1] if len(args) > 1 else False)
-            if master and kw.get("master_listen_fd") is None:
-                kw["master_listen_fd"] = listening_socket(addr, int(port or 0))
-            super().__init__(host_name, port, *args, **kw)
+    TCPStore = _make_store_class(addr, secret)
 
     def create_server(self, master_addr, master_port):
         # the workers' bootstrap store (group rank 0's agent)
@@ -98,6 +179,24 @@ def bind_stores(addr: str) -> None:
     env_rdzv.TCPStore = TCPStore
     backend.TCPStore = TCPStore
     dyn.DynamicRendezvousHandler._create_tcp_store_server = create_server
+    if secret is not None:
+        os.environ[GUARD_ENV] = "1"
+
+
+def worker_secret(env=None) -> str | None:
+    """The secret a worker guards its stores with: only when its agent guards
+    the agent's stores too (a plain torchrun's are not)."""
+    from lorasync.launch.guard import job_secret
+
+    env = os.environ if env is None else env
+    return job_secret(env) if env.get(GUARD_ENV) == "1" else None
+
+
+def connect(host: str, port: int, world_size: int | None, timeout: timedelta, **kw):
+    """A client of the store at ``host``:``port``, through the guard when the
+    job has one."""
+    cls = _make_store_class(LOOPBACK, worker_secret())
+    return cls(host, port, world_size, False, timeout=timeout, **kw)
 
 
 def interface_address(ifname: str) -> str | None:
@@ -186,11 +285,10 @@ def init_process_group(backend: str, timeout: timedelta, **kw):
     host, port = master_endpoint(env)
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if agent_store or rank != 0:
-        store = dist.TCPStore(host, port, world, False, timeout=timeout)
+        store = connect(host, port, world, timeout)
     else:
-        fd = listening_socket(store_address(env), port)
-        store = dist.TCPStore(host, port, world, True, timeout=timeout, multi_tenant=True,
-                              master_listen_fd=fd)
+        cls = _make_store_class(store_address(env), worker_secret(env))
+        store = cls(host, port, world, True, timeout=timeout, multi_tenant=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             **kw)
     return store

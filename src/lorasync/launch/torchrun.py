@@ -23,7 +23,8 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["in_worker", "run_torchrun", "run_agent", "worker_env", "restart_env", "EXIT_FAULT"]
+__all__ = ["in_worker", "run_torchrun", "run_agent", "worker_env", "restart_env", "shared_secret",
+           "EXIT_FAULT"]
 
 #: exit code of a worker that stopped because a peer failed (train/watchdog.py; EX_TEMPFAIL)
 EXIT_FAULT = 75
@@ -54,37 +55,41 @@ def restart_env(max_restarts: int, nnodes: str | int = 1) -> dict[str, str]:
 
 
 def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node_rank: int = 0,
-                 rdzv_endpoint: str | None = None, rdzv_id: str = "lorasync",
-                 max_restarts: int = 0) -> int:
+                 rdzv_endpoint: str | None = None, max_restarts: int = 0) -> int:
     """Run ``python -m lorasync ARGV`` in ``nproc`` local workers via torchrun.
 
     Single node: ``--standalone`` (a free local port, rendezvous on loopback).
     Several nodes: c10d rendezvous at ``rdzv_endpoint``; ``nnodes`` is N or
     ``"MIN:MAX"`` (elastic).  Every store listens on one address
     (:mod:`lorasync.launch.stores`): loopback on one node, else the address of
-    ``GLOO_SOCKET_IFNAME`` or of the route to the rendezvous host.  ``max_restarts``: worker-group restarts after a
-    failure.  Returns the exit code of the first failed worker (2 for a user
-    error), 0 on success.
+    ``GLOO_SOCKET_IFNAME`` or of the route to the rendezvous host; and every
+    store connection is guarded by the job's secret (:mod:`lorasync.launch.guard`):
+    a fresh one on one node, across nodes the one every node was given
+    (``LORASYNC_SECRET_FILE``), which also names the rendezvous.
+    ``max_restarts``: worker-group restarts after a failure.  Returns the exit
+    code of the first failed worker (2 for a user error), 0 on success.
     """
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 
-    from lorasync.launch import stores
+    from lorasync.launch import guard, stores
 
     args = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     if str(nnodes) == "1" and rdzv_endpoint is None:
         args.append("--standalone")
         store_addr = stores.LOOPBACK
+        secret = guard.new_secret()
         # gloo's own listeners too: on one node nothing needs more than loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     else:
+        secret = shared_secret()
         host = str(rdzv_endpoint).rpartition(":")[0].strip("[]")
         store_addr = stores.collective_address() or stores.route_address(host) or stores.LOOPBACK
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
-                 "--rdzv-id", rdzv_id, "--local-addr", store_addr]
+                 "--rdzv-id", guard.run_id(secret), "--local-addr", store_addr]
     args += ["-m", "lorasync"]
     parsed = get_args_parser().parse_args(args)
     # Set the worker's arguments after parsing: argparse would otherwise match
@@ -93,9 +98,12 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     # one thread per worker unless the user said otherwise: ranks share cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.update(restart_env(max_restarts, nnodes))
-    # every store this agent and its workers serve listens on one address
+    # every store this agent and its workers serve listens on one address,
+    # behind the job's secret (in the environment of this process and its
+    # workers only: never on a command line)
     os.environ[stores.ENV] = store_addr
-    stores.bind_stores(store_addr)
+    os.environ[guard.ENV] = secret
+    stores.bind_stores(store_addr, secret)
     # a worker's user error is the same on every try: restarted workers stop at once
     with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal:
         os.environ["LORASYNC_FATAL_DIR"] = fatal
@@ -107,6 +115,23 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
         finally:
             os.environ.pop("LORASYNC_FATAL_DIR", None)
     return 0
+
+
+def shared_secret() -> str:
+    """The secret every node of a job across nodes holds
+    (``LORASYNC_SECRET_FILE``, or ``LORASYNC_SECRET`` set by a launcher), or
+    the error that says how to make one."""
+    from lorasync.errors import ConfigError
+    from lorasync.launch import guard
+
+    secret = guard.job_secret()
+    if secret is None:
+        raise ConfigError(guard.FILE_ENV, None,
+                          "a job across nodes needs a shared secret that guards its stores: "
+                          "`lorasync secret job.secret` on one node, copy the file to every node "
+                          "(scp -p; mode 0600), then `export LORASYNC_SECRET_FILE=job.secret` "
+                          "on each before lorasync train / probe / doctor")
+    return secret
 
 
 def run_agent(args) -> None:

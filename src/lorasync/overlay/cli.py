@@ -45,6 +45,8 @@ from lorasync.units import fmt_bytes, fmt_rate
 
 __all__ = ["add_arguments", "run"]
 
+RUN_ID = "lorasync-overlay"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lorasync.overlay.tunnel import DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_SUBNET
@@ -122,7 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     la.add_argument("--nnodes", type=int, default=None,
                     help="nodes in the job (default: every node of the overlay)")
     la.add_argument("--port", type=int, default=29400, help="rendezvous port on the hub (default 29400)")
-    la.add_argument("--run-id", default="lorasync-overlay", help="rendezvous id, the same on every node")
+    la.add_argument("--run-id", default=RUN_ID,
+                    help="rendezvous id, the same on every node (default: one derived from "
+                         "LORASYNC_SECRET_FILE's secret when set)")
     la.add_argument("--max-restarts", type=int, default=3, metavar="N",
                     help="worker-group restarts after a failure (default 3; the stores stay on "
                          "the overlay address either way)")
@@ -292,6 +296,10 @@ def _launch(args) -> int:
                           "name one")
     cfg = tunnel.load_config(ups[0]["config"])
     nnodes = args.nnodes or len(cfg.nodes)
+    from lorasync.launch.guard import job_secret, run_id
+    secret = job_secret()   # LORASYNC_SECRET_FILE: the stores also want the job's secret
+    if secret and args.run_id == RUN_ID:
+        args.run_id = run_id(secret)
     endpoint = f"{cfg.hub_address()}:{args.port}"
     cmd = agent_argv(sys.executable, label=cfg.node, store_addr=cfg.address, rdzv_wait=args.rdzv_wait)
     cmd += ["--nnodes", str(nnodes), "--nproc-per-node", str(args.nproc_per_node),

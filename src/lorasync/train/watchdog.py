@@ -183,9 +183,10 @@ class Watchdog:
     def _connect(self):
         import torch.distributed as dist
 
-        store = dist.TCPStore(self.store_addr, self.store_port, is_master=False,
-                              timeout=_dt.timedelta(seconds=self._op_timeout),
-                              wait_for_workers=False)
+        from lorasync.launch.stores import connect
+
+        store = connect(self.store_addr, self.store_port, None,
+                        _dt.timedelta(seconds=self._op_timeout), wait_for_workers=False)
         return dist.PrefixStore(self.prefix, store)
 
     def _send_beat(self) -> None:
