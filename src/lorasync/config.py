@@ -392,10 +392,17 @@ def parse_options(pairs) -> dict[str, Any]:
         try:
             out[k.strip()] = yaml.safe_load(v)
         except (yaml.YAMLError, RecursionError) as exc:
-            why = getattr(exc, "problem", None) or "nested too deeply"
-            raise ConfigError(f"comm.options.{k.strip()}", v, f"not a value ({why}); write a "
-                              "number, true/false or a word, e.g. period=8") from None
+            raise ConfigError(f"comm.options.{k.strip()}", v, f"not a value ({_yaml_why(exc)}); "
+                              "write a number, true/false or a word, e.g. period=8") from None
     return out
+
+
+def _yaml_why(exc: BaseException) -> str:
+    """What PyYAML (or the recursion limit) objected to, on one line."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    why = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc)
+    return " ".join(str(why).split())
 
 
 def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None
@@ -413,7 +420,7 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"{yaml_path}:{mark.line + 1}" if mark else yaml_path
-            raise LorasyncError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)}); "
+            raise LorasyncError(f"{where}: not valid YAML ({_yaml_why(exc)}); "
                                 "fix the syntax") from None
         except UnicodeDecodeError as exc:
             raise ConfigError("--config", yaml_path, f"not UTF-8 text (byte {exc.start}); "
