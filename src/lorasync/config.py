@@ -391,7 +391,7 @@ def parse_options(pairs) -> dict[str, Any]:
             raise ConfigError("comm.options", p, "write options as key=value, e.g. period=8")
         try:
             out[k.strip()] = yaml.safe_load(v)
-        except (yaml.YAMLError, RecursionError) as exc:
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:   # ValueError: 5000 digits
             raise ConfigError(f"comm.options.{k.strip()}", v, f"not a value ({_yaml_why(exc)}); "
                               "write a number, true/false or a word, e.g. period=8") from None
     return out
@@ -401,7 +401,8 @@ def _yaml_why(exc: BaseException) -> str:
     """What PyYAML (or the recursion limit) objected to, on one line."""
     if isinstance(exc, RecursionError):
         return "nested too deeply"
-    why = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc)
+    why = getattr(exc, "problem", None) or getattr(exc, "reason", None) or \
+        str(exc).split(";")[0]   # not Python's advice on sys.set_int_max_str_digits
     return " ".join(str(why).split())
 
 
@@ -428,6 +429,9 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
         except RecursionError:
             raise ConfigError("--config", yaml_path, "nested too deeply; a config is sections "
                               "of keys and values (model, lora, data, ...)") from None
+        except ValueError as exc:   # a date 2020-13-45, an integer of 5000 digits
+            raise ConfigError("--config", yaml_path, f"holds a value YAML cannot convert "
+                              f"({_yaml_why(exc)}); fix it") from None
         except OSError as exc:
             raise ConfigError("--config", yaml_path, f"cannot read it ({exc.strerror}); give a "
                               "readable YAML file") from None
