@@ -101,6 +101,9 @@ def test_comm_opt_that_is_no_yaml_value(guard, tmp_path, capsys):
     (["=8"], "comm.options"), (["period"], "comm.options"),
     (["period=" + "[" * 5000], "comm.options.period"), (["period=!!python/tuple [1]"],
                                                          "comm.options.period"),
+    (["period=" + "1" * 5000], "comm.options.period"), (["period=2020-13-45"],
+                                                        "comm.options.period"),
+    (["period=\x1f"], "comm.options.period"),
 ])
 def test_parse_options_errors(pairs, field):
     with pytest.raises(ConfigError) as e:
@@ -173,6 +176,8 @@ def test_output_dir_that_is_a_file(guard, tmp_path, capsys):
     (b"run: {nnodes: \"\xc2\xb2\"}\n", "run.nnodes"),
     (b"comm: {strategy: local, options: {perod: 8}}\n", "local.perod"),
     (b"model: {name: \xff}\n", "--config"), (b"[" * 3000, "--config"),
+    (b"train: {seed: 2020-13-45}\n", "--config"), (b"train: {seed: " + b"1" * 5000 + b"}\n",
+                                                    "--config"),
 ])
 def test_yaml_config_fields(tmp_path, text, field):
     p = tmp_path / "c.yaml"
