@@ -209,7 +209,7 @@ class CommConfig:
                "give a mapping of option names to values")
         for key, value in self.options.items():
             # a 400-digit integer overflows every float conversion downstream
-            _check(not _int(value) or abs(value) < 2**63, f"comm.options.{key}", value,
+            _check(not _int(value) or abs(value) < 2**63, _option_field(key), value,
                    "use a number of at most 19 digits")
         if self.strategy in catalog.names():   # an unknown name: the launcher's preflight says so
             catalog.parse_options(self.strategy, self.options)
@@ -392,9 +392,14 @@ def parse_options(pairs) -> dict[str, Any]:
         try:
             out[k.strip()] = yaml.safe_load(v)
         except (yaml.YAMLError, RecursionError, ValueError) as exc:   # ValueError: 5000 digits
-            raise ConfigError(f"comm.options.{k.strip()}", v, f"not a value ({_yaml_why(exc)}); "
+            raise ConfigError(_option_field(k.strip()), v, f"not a value ({_yaml_why(exc)}); "
                               "write a number, true/false or a word, e.g. period=8") from None
     return out
+
+
+def _option_field(key) -> str:
+    """``comm.options.period``; a key that is no name quoted (it may hold a line break)."""
+    return f"comm.options.{key}" if str(key).isidentifier() else f"comm.options[{key!r}]"
 
 
 def _yaml_why(exc: BaseException) -> str:

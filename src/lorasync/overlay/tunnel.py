@@ -453,7 +453,8 @@ def _check_fields(raw: dict) -> None:
           f"give {str(raw['node'] == raw['hub']).lower()}: this node is "
           + ("" if raw["node"] == raw["hub"] else "not ") + "the hub")
     for name, route in (raw.get("routes") or {}).items():
-        _need(f"routes.{name}", route, name in names and route in ("direct", f"via {raw['hub']}"),
+        _need(f"routes[{name!r}]", route,
+              name in names and route in ("direct", f"via {raw['hub']}"),
               f"give direct or via {raw['hub']} for a node of the overlay")
     # the underlay: the real addresses packets to the peers travel on
     underlay = {split_endpoint(ep)[0] for ep in [raw.get("endpoint")]
