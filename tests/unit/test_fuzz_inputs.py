@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from _bad_input import (Guard, Reached, assert_refused, files, probe_json, run,  # noqa: E402
                         tunnel_configs)
 from lorasync import catalog  # noqa: E402
-from lorasync.config import CommConfig, iter_fields, load_config, parse_options  # noqa: E402
+from lorasync.config import (SECTIONS, CommConfig, iter_fields, load_config,  # noqa: E402
+                             parse_options)
 from lorasync.errors import LorasyncError  # noqa: E402
 from lorasync.netdiag.tune import link_from_probe_data  # noqa: E402
 from lorasync.overlay import tunnel  # noqa: E402
@@ -112,18 +113,47 @@ def _field_values(section: str, f):
     return JSON
 
 
+#: plausible values of the fields whose default says little
+GOOD = {"comm.strategy": catalog.names(), "comm.options": [{}], "data.path": ["demo", "d.jsonl"],
+        "run.metrics_port": [0], "run.nnodes": ["", "1"], "run.output_dir": ["", "out"],
+        "run.rdzv_endpoint": ["", "127.0.0.1:29400"], "model.dtype": ["float32", "bfloat16"],
+        "train.schedule": ["constant", "linear", "cosine"], "run.backend": ["auto", "gloo"],
+        "comm.hierarchy": ["auto", "flat", "node"], "comm.cross_node": ["auto", "leaders"],
+        "comm.allreduce_algo": ["ring", "recursive_doubling", "auto"],
+        "lora.targets": [["q_proj", "v_proj"], "q_proj,k_proj", ["o_proj"]]}
+
+
+def _good_values(section: str, f):
+    """Values near the field's default, valid on their own."""
+    name = f"{section}.{f.name}"
+    if name in GOOD:
+        return st.sampled_from(GOOD[name])
+    default = getattr(SECTIONS[section](), f.name)
+    if isinstance(default, bool):
+        return st.booleans()
+    if isinstance(default, (int, float)):
+        return st.sampled_from(sorted({default, default + 1, default * 2}))
+    return st.just(default)
+
+
 @st.composite
 def yaml_configs(draw) -> bytes:
+    """Raw bytes, text that breaks YAML, or a config of valid values with at
+    most one field drawn from anything (an unknown section now and then)."""
     kind = draw(st.integers(0, 9))
     if kind == 0:
         return draw(st.binary(max_size=64))
     if kind == 1:
         return (draw(BREAKERS) + draw(st.text(max_size=20))).encode("utf-8", "surrogatepass")
     doc: dict = {}
-    for section, f in iter_fields():
-        if draw(st.integers(0, 5)) == 0:
-            doc.setdefault(section, {})[f.name] = draw(_field_values(section, f))
-    if kind == 2:
+    every = list(iter_fields())
+    for section, f in every:
+        if draw(st.integers(0, 7)) == 0:
+            doc.setdefault(section, {})[f.name] = draw(_good_values(section, f))
+    if kind in (2, 3, 4, 5, 6):
+        section, f = every[draw(st.integers(0, len(every) - 1))]
+        doc.setdefault(section, {})[f.name] = draw(_field_values(section, f))
+    if kind == 7:
         doc[draw(st.text(max_size=6))] = draw(JSON)
     text = yaml.safe_dump(doc, allow_unicode=True)
     return text.encode("utf-8", "surrogatepass")
@@ -135,9 +165,11 @@ def test_fuzz_yaml_config(guard, tmp_path, capsys, content):
     path = tmp_path / "c.yaml"
     path.write_bytes(content)
     (tmp_path / "d.jsonl").write_text('{"text": "a row"}\n' * 8)
-    cfg, err = _reads(load_config, str(path))
+    out = str(tmp_path / "run")
+    cfg, err = _reads(load_config, str(path), {   # what the flags below override
+        "model": {"name": "tiny"}, "run": {"progress": False, "output_dir": out}})
     rc = _cli(capsys, tmp_path, ["train", "--config", path, "--model", "tiny", "--no-progress",
-                                 "--output-dir", tmp_path / "run"], err is not None)
+                                 "--output-dir", out], err is not None)
     assert rc == 2 or cfg is not None
 
 
@@ -152,9 +184,20 @@ COMM_OPTS = st.one_of(
                         st.integers(1, 20000).map(_deep))))
 
 
+def _good_options(strategy: str):
+    """KEY=VALUE of one of ``strategy``'s options, its default or twice it."""
+    opts = catalog.option_help(strategy)
+    if not opts:
+        return st.just("warmup=0")   # an option it does not take
+    return st.sampled_from(opts).flatmap(lambda o: st.sampled_from(
+        [o[1], o[1] * 2 if isinstance(o[1], (int, float)) else o[1]]).map(
+        lambda v: f"{o[0]}={json.dumps(v)}"))
+
+
 @fuzz(50)
-@given(text=COMM_OPTS, strategy=st.sampled_from(catalog.names()))
-def test_fuzz_comm_opt(guard, tmp_path, capsys, text, strategy):
+@given(data=st.data(), strategy=st.sampled_from(catalog.names()))
+def test_fuzz_comm_opt(guard, tmp_path, capsys, data, strategy):
+    text = data.draw(COMM_OPTS | _good_options(strategy), label="text")
     opts, err = _reads(parse_options, [text])
     if err is None:
         _, err = _reads(CommConfig, strategy=strategy, options=opts)
