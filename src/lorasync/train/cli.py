@@ -170,15 +170,16 @@ def _preflight(cfg, world: int | None = None) -> None:
 
 def _check_targets(cfg) -> None:
     """``lora.targets`` against the model's module names, as ``add_lora`` sees
-    them, from the model built on the meta device (no weights: well under a
-    second once transformers is imported), so that a wrong name fails here
-    once instead of in every worker after the model loaded, on every restart."""
+    them, from the model built on the meta device (no weights, but the
+    modeling code's import: seconds), so that a wrong name fails here once
+    instead of in every worker after the model loaded, on every restart."""
     from lorasync.config import LoraSettings
+    from lorasync.train.model import EMBEDDED
 
     targets = cfg.lora.targets
-    if cfg.model.name == "tiny" and targets == LoraSettings().targets:
-        return   # tiny is a Llama: the default projections are its modules (and its
-        # launcher imports no transformers, which would take seconds)
+    if cfg.model.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets):
+        return   # both are Llamas: the default projections are theirs (the common
+        # case pays no import)
     names = _adaptable_modules(cfg.model.name)
     if names is None:
         return   # an architecture that does not build on the meta device: the worker checks
