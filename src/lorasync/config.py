@@ -18,8 +18,8 @@ YAML layout (every section and key optional)::
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -322,8 +322,9 @@ class Config:
 
 
 def _num(v) -> bool:
-    """A finite number (inf and NaN pass no range check the way they should)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite number (inf and NaN pass no range check the way they should; an
+    int beyond float range overflows every float conversion)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
 
 
 def _int(v) -> bool:

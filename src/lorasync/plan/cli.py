@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -229,7 +228,8 @@ def _link_flag(text: str | None, flag: str, parse, kind: str) -> float | None:
 
 
 def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and abs(v) <= sys.float_info.max)   # not NaN, inf or an int beyond float range
 
 
 def _kv(text: str, flag: str) -> tuple[str, str]:

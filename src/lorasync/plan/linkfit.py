@@ -164,8 +164,7 @@ def fit_sweep(sweep: Sequence[Mapping], world_size: int, where: str = "probe.swe
         point = []
         for key, top in _SWEEP_LIMITS.items():
             v = rec.get(key)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and math.isfinite(v) and 0 < v <= top):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= top):
                 raise ConfigError(f"{where}[{i}].{key}", v, f"give a number in (0, {top:g}]; "
                                   "re-run `lorasync probe --json`")
             point.append(float(v))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
@@ -271,7 +272,9 @@ def probe_number(d: Mapping, key: str, where: str, required: bool = True, *,
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite number: not NaN or inf, nor an int beyond float range (10**400)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and abs(v) <= sys.float_info.max)
 
 
 def probe_field(probe: Mapping, key: str, kind: type, what: str, where: str = "probe"):
