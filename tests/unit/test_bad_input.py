@@ -176,6 +176,7 @@ def test_output_dir_that_is_a_file(guard, tmp_path, capsys):
     (b"run: {nnodes: \"\xc2\xb2\"}\n", "run.nnodes"),
     (b"comm: {strategy: local, options: {perod: 8}}\n", "local.perod"),
     (b"model: {name: \xff}\n", "--config"), (b"[" * 3000, "--config"),
+    (b"train: {lr: 1" + b"0" * 400 + b"}\n", "train.lr"),
     (b"train: {seed: 2020-13-45}\n", "--config"), (b"train: {seed: " + b"1" * 5000 + b"}\n",
                                                     "--config"),
 ])
@@ -218,6 +219,7 @@ BANDWIDTH = "probe.model.bandwidth_Bps"
     ({"alpha_s": 1e-3, "bandwidth_Bps": -5.0}, BANDWIDTH, "-5.0"),
     ({"alpha_s": 1e-3, "bandwidth_Bps": math.nan}, BANDWIDTH, "nan"),
     ({"alpha_s": 1e9, "bandwidth_Bps": 1e6}, "probe.model.alpha_s", "1000000000.0"),
+    ({"alpha_s": 10 ** 400, "bandwidth_Bps": 1e6}, "probe.model.alpha_s", "1000"),
     ({"alpha_s": 1e-3, "beta_s_per_byte": 1e-20}, "probe.model.beta_s_per_byte", "1e+20"),
 ])
 def test_plan_probe_with_absurd_values(guard, tmp_path, capsys, model, field, value):
@@ -277,6 +279,7 @@ def test_net_from_probe_names_the_field(probe, field):
     ([{"collective": "all_reduce", "bytes": 1 << 20, "time_s": 0}], "probe.sweep[0].time_s"),
     ([{"collective": "all_reduce", "bytes": True, "time_s": 1}], "probe.sweep[0].bytes"),
     ([{"collective": "all_reduce", "bytes": 1e300, "time_s": 1}], "probe.sweep[0].bytes"),
+    ([{"collective": "all_reduce", "bytes": 10 ** 400, "time_s": 1}], "probe.sweep[0].bytes"),
 ])
 def test_fit_sweep_checks_its_records(sweep, field):
     with pytest.raises(ConfigError) as e:
