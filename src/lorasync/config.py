@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,7 +28,7 @@ from lorasync.errors import ConfigError, LorasyncError, UnknownKey
 
 __all__ = [
     "ModelConfig", "LoraSettings", "DataConfig", "TrainConfig", "CommConfig", "RunConfig",
-    "Config", "load_config", "config_to_dict", "iter_fields", "parse_nnodes",
+    "Config", "load_config", "config_to_dict", "iter_fields", "parse_nnodes", "parse_endpoint",
 ]
 
 
@@ -104,10 +105,14 @@ class DataConfig:
                "give 'demo' or a path to a JSONL file")
         _check(isinstance(self.seq_len, int) and 8 <= self.seq_len <= 32768, "data.seq_len",
                self.seq_len, "use an integer between 8 and 32768")
-        _check(isinstance(self.eval_size, int) and self.eval_size >= 0, "data.eval_size",
-               self.eval_size, "use an integer >= 0 (0 disables evaluation)")
-        _check(isinstance(self.demo_size, int) and self.demo_size >= 16, "data.demo_size",
-               self.demo_size, "use an integer >= 16")
+        _check(_int(self.eval_size) and 0 <= self.eval_size <= 100_000, "data.eval_size",
+               self.eval_size, "use an integer between 0 (no evaluation) and 100000")
+        _check(_int(self.demo_size) and 16 <= self.demo_size <= 1_000_000, "data.demo_size",
+               self.demo_size, "use an integer between 16 and 1000000")
+        # the demo task brings its own held-out split and would ignore the file
+        _check(not (self.path == "demo" and self.eval_path), "data.eval_path", self.eval_path,
+               "the demo task evaluates on its own held-out split: drop --eval-data, or give "
+               "--data FILE.jsonl to evaluate your rows on it")
 
 
 @dataclass
@@ -153,8 +158,8 @@ class TrainConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"train.{name}",
                    v, f"use an integer >= {lo}")
-        _check(isinstance(self.seed, int) and self.seed >= 0, "train.seed", self.seed,
-               "use an integer >= 0")
+        _check(_int(self.seed) and 0 <= self.seed < 2**32, "train.seed", self.seed,
+               "use an integer between 0 and 4294967295")
         _check(_num(self.lr) and 0 < self.lr < 1, "train.lr", self.lr, "use a number in (0, 1)")
         _check(_num(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay",
                self.weight_decay, "use a number >= 0")
@@ -207,6 +212,12 @@ class CommConfig:
                self.strategy, "name a strategy, e.g. allreduce")
         _check(isinstance(self.options, dict), "comm.options", self.options,
                "give a mapping of option names to values")
+        for key, value in self.options.items():
+            # a 400-digit integer overflows every float conversion downstream
+            _check(not _int(value) or abs(value) < 2**63, _option_field(key), value,
+                   "use a number of at most 19 digits")
+        if self.strategy in catalog.names():   # an unknown name: the launcher's preflight says so
+            catalog.parse_options(self.strategy, self.options)
         _check(_num(self.bucket_mb) and 0 < self.bucket_mb <= 1024, "comm.bucket_mb",
                self.bucket_mb, "use a number of MB in (0, 1024]")
         _check(self.hierarchy in catalog.HIERARCHIES, "comm.hierarchy", self.hierarchy,
@@ -258,8 +269,8 @@ class RunConfig:
                "use an integer between 1 and 256")
         _check(self.backend in ("auto", "gloo", "nccl"), "run.backend", self.backend,
                "use auto, gloo or nccl")
-        _check(isinstance(self.threads, int) and self.threads >= 0, "run.threads",
-               self.threads, "use an integer >= 0")
+        _check(_int(self.threads) and 0 <= self.threads <= 1024, "run.threads",
+               self.threads, "use an integer between 0 (cores / local workers) and 1024")
         _check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
                "run.metrics_port", self.metrics_port, "use a port 1-65535, or 0 for none")
         _check(isinstance(self.max_restarts, int) and not isinstance(self.max_restarts, bool)
@@ -268,20 +279,34 @@ class RunConfig:
         self.nnodes = str(self.nnodes).strip()
         _check(self.nnodes == "" or parse_nnodes(self.nnodes) is not None, "run.nnodes",
                self.nnodes, "give N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 or 1:3")
-        _check(self.rdzv_endpoint == "" or (":" in self.rdzv_endpoint
-                                            and self.rdzv_endpoint.rsplit(":", 1)[1].isdigit()),
-               "run.rdzv_endpoint", self.rdzv_endpoint, "give HOST:PORT, e.g. 10.0.0.1:29400")
+        if self.rdzv_endpoint:
+            parse_endpoint(self.rdzv_endpoint, "run.rdzv_endpoint")
         _check(_num(self.fault_timeout) and 1 <= self.fault_timeout <= 3600,
                "run.fault_timeout", self.fault_timeout, "use a number of seconds in [1, 3600]")
         _check(_num(self.fault_steps) and 2 <= self.fault_steps <= 1000, "run.fault_steps",
                self.fault_steps, "use a number of steps in [2, 1000]")
 
 
+def parse_endpoint(text: str, field: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``"10.0.0.1:29400"``, ``"[fd00::1]:29400"`` -> (host, port); a ConfigError
+    naming ``field`` when the host is missing or the port is not 1-65535."""
+    s = str(text).strip()
+    host, sep, port = (s[1:].partition("]:") if s.startswith("[") else s.rpartition(":"))
+    if not sep or not host or any(c.isspace() or c in "[]/" for c in host) or \
+            (":" in host and not s.startswith("[")):
+        raise ConfigError(field, text, "give HOST:PORT, e.g. 10.0.0.1:29400 or [fd00::1]:29400")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(field, text, "the port must be a number between 1 and 65535, "
+                          "e.g. 10.0.0.1:29400")
+    return host, int(port)
+
+
 def parse_nnodes(text: str) -> tuple[int, int] | None:
     """``"2"`` -> (2, 2), ``"1:3"`` -> (1, 3); None when malformed."""
     lo, _, hi = str(text).partition(":")
     hi = hi or lo
-    if not (lo.strip().isdigit() and hi.strip().isdigit()):
+    if not all(x.strip().isascii() and x.strip().isdigit() and len(x.strip()) < 10
+               for x in (lo, hi)):
         return None
     lo_n, hi_n = int(lo), int(hi)
     return (lo_n, hi_n) if 1 <= lo_n <= hi_n else None
@@ -302,7 +327,13 @@ class Config:
 
 
 def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number (inf and NaN pass no range check the way they should; an
+    int beyond float range overflows every float conversion)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def iter_fields():
@@ -349,7 +380,9 @@ def _coerce(section: str, f: dataclasses.Field, value):
     if isinstance(default, str):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(name, value, "use a string")
-        return str(value)
+        value = str(value)
+    if isinstance(value, str) and "\0" in value:   # no path, host or name holds one
+        raise ConfigError(name, value, "remove the NUL character")
     return value
 
 
@@ -359,11 +392,29 @@ def parse_options(pairs) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for p in pairs:
-        if "=" not in p:
+        k, eq, v = str(p).partition("=")
+        if not eq or not k.strip():
             raise ConfigError("comm.options", p, "write options as key=value, e.g. period=8")
-        k, v = p.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:   # ValueError: 5000 digits
+            raise ConfigError(_option_field(k.strip()), v, f"not a value ({_yaml_why(exc)}); "
+                              "write a number, true/false or a word, e.g. period=8") from None
     return out
+
+
+def _option_field(key) -> str:
+    """``comm.options.period``; a key that is no name quoted (it may hold a line break)."""
+    return f"comm.options.{key}" if str(key).isidentifier() else f"comm.options[{key!r}]"
+
+
+def _yaml_why(exc: BaseException) -> str:
+    """What PyYAML (or the recursion limit) objected to, on one line."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    why = getattr(exc, "problem", None) or getattr(exc, "reason", None) or \
+        str(exc).split(";")[0]   # not Python's advice on sys.set_int_max_str_digits
+    return " ".join(str(why).split())
 
 
 def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None
@@ -376,13 +427,25 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
         if not os.path.isfile(yaml_path):
             raise ConfigError("--config", yaml_path, "file not found; give a path to a YAML file")
         try:
-            with open(yaml_path) as fh:
+            with open(yaml_path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"{yaml_path}:{mark.line + 1}" if mark else yaml_path
-            raise LorasyncError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)}); "
+            raise LorasyncError(f"{where}: not valid YAML ({_yaml_why(exc)}); "
                                 "fix the syntax") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError("--config", yaml_path, f"not UTF-8 text (byte {exc.start}); "
+                              "save the file as UTF-8") from None
+        except RecursionError:
+            raise ConfigError("--config", yaml_path, "nested too deeply; a config is sections "
+                              "of keys and values (model, lora, data, ...)") from None
+        except ValueError as exc:   # a date 2020-13-45, an integer of 5000 digits
+            raise ConfigError("--config", yaml_path, f"holds a value YAML cannot convert "
+                              f"({_yaml_why(exc)}); fix it") from None
+        except OSError as exc:
+            raise ConfigError("--config", yaml_path, f"cannot read it ({exc.strerror}); give a "
+                              "readable YAML file") from None
         if not isinstance(data, dict):
             raise ConfigError(yaml_path, type(data).__name__,
                               "the file must be a mapping of sections (model, lora, data, ...)")

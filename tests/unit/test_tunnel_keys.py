@@ -333,7 +333,7 @@ def test_load_config_refuses_a_node_not_in_its_plan_and_old_configs(tmp_path):
     _edit(paths[1], node="zed")
     with pytest.raises(ConfigError) as e:
         tunnel.load_config(paths[1])
-    assert e.value.field == "node" and "not a node of this config's plan (h, a)" in e.value.fix
+    assert e.value.field == "node" and "name one of the nodes (h, a)" in e.value.fix
     _edit(paths[1], node="a", public_key=json.loads(paths[0].read_text())["public_key"])
     with pytest.raises(ConfigError) as e:
         tunnel.load_config(paths[1])

@@ -71,6 +71,10 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     """
     import tempfile
 
+    from lorasync.config import parse_endpoint
+
+    if rdzv_endpoint is not None:   # torchrun's own check ends in a traceback
+        parse_endpoint(rdzv_endpoint, "--rdzv-endpoint")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 

@@ -536,11 +536,12 @@ def _check_exposure(host: HostInfo) -> list[Finding]:
     listeners = job_listeners(host)
     wild = [x for x in listeners if _is_wildcard(x[2])]
     if wild:
-        pid, cmd, addr, port = wild[0]
+        pid, cmd, _, _ = wild[0]
+        where = ", ".join(f"{a}:{p} (pid {q})" for q, _, a, p in wild[:12])
         out.append(Finding(
             "exposure", "error",
-            f"a running job listens on every address: {addr}:{port} (pid {pid}: {cmd})"
-            + (f" and {len(wild) - 1} more" if len(wild) > 1 else ""),
+            f"a running job listens on every address: {where}"
+            + (f" and {len(wild) - 12} more" if len(wild) > 12 else "") + f"; pid {pid}: {cmd}",
             "a c10d store has no authentication: whoever reaches the port on any address of this "
             "host can list and write its keys, and torch unpickles what it reads from it",
             "launch with lorasync train or lorasync tunnel launch (they bind every store to one "

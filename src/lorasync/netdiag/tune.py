@@ -28,7 +28,7 @@ from typing import Callable
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import as_root, require_root
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.plan.planner import Link
+from lorasync.plan.planner import Link, probe_field, probe_number
 from lorasync.units import fmt_bytes, parse_duration, parse_rate_bps
 
 __all__ = [
@@ -89,25 +89,55 @@ class SysctlAdvice:
 
 # -- which link --------------------------------------------------------------
 def link_from_probe(path: str) -> Link:
-    """Rate and RTT from ``lorasync probe --output FILE``."""
+    """Rate and RTT from ``lorasync probe --output FILE``, every field checked
+    and held to what a link can be (:func:`lorasync.plan.planner.check_link`)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return link_from_probe_data(data, f"probe {path}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError("--from-probe", path, f"need the JSON written by `lorasync probe --output` ({exc})") from exc
+    except RecursionError:
+        raise ConfigError("--from-probe", path, "JSON nested too deeply: need the JSON written "
+                          "by `lorasync probe --output`") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--from-probe", path, f"need the JSON written by `lorasync probe "
+                          f"--output` ({exc})") from None
+    try:
+        return link_from_probe_data(data, f"probe {path}", strict=True)
+    except ConfigError as exc:   # name the file too
+        raise ConfigError(f"--from-probe {path}: {exc.field}", exc.value, exc.fix) from None
 
 
-def link_from_probe_data(data: dict, source: str = "measured by the probe") -> Link:
+def link_from_probe_data(data: dict, source: str = "measured by the probe", *,
+                         strict: bool = False) -> Link:
     """The group's fitted bandwidth, and as RTT twice the median over pairs of
     each pair's *base* one-way latency (its fastest ping-pong: the BDP is set
     by the path, not by queueing or a busy CPU); the fitted per-message
-    latency when the probe had no pairs."""
-    model = data["model"]
-    bw = float(model["bandwidth_Bps"])
-    lats = sorted(p.get("latency_min_s") or p["latency_s"] for p in data.get("pairs") or []
-                  if p.get("latency_min_s") or p.get("latency_s"))
-    one_way = lats[len(lats) // 2] if lats else float(model["latency_s"])
+    latency when the probe had no pairs.  A field of the wrong type is a
+    ConfigError naming it; ``strict`` (a file) also refuses values no link has."""
+    if not isinstance(data, dict):
+        raise ConfigError("probe", type(data).__name__, "need the JSON object written by "
+                          "`lorasync probe --output`")
+    model = probe_field(data, "model", dict, "an object {bandwidth_Bps, latency_s}")
+    if not model:
+        raise ConfigError("probe.model", model, "the probe fitted no model (it needs 2 ranks "
+                          "or more): re-run `lorasync probe --output` across the nodes")
+    bw = probe_number(model, "bandwidth_Bps", "probe.model", kind="bandwidth", strict=strict)
+    if not bw:
+        raise ConfigError("probe.model.bandwidth_Bps", bw, "needs a bandwidth > 0: re-run "
+                          "`lorasync probe --output`")
+    lats = []
+    for i, p in enumerate(probe_field(data, "pairs", list, "a list of pair records") or []):
+        if not isinstance(p, dict):
+            raise ConfigError(f"probe.pairs[{i}]", p, "give a pair record {src, dst, latency_s}"
+                              ", as `lorasync probe --output` writes")
+        lat = (probe_number(p, "latency_min_s", f"probe.pairs[{i}]", False, kind="latency",
+                            strict=strict)
+               or probe_number(p, "latency_s", f"probe.pairs[{i}]", False, kind="latency",
+                               strict=strict))
+        if lat:
+            lats.append(lat)
+    lats.sort()
+    one_way = lats[len(lats) // 2] if lats else \
+        probe_number(model, "latency_s", "probe.model", kind="latency", strict=strict)
     return Link(rate_Bps=bw, rtt_s=max(2 * one_way, 1e-6), source=source)
 
 

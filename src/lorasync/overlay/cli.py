@@ -286,7 +286,7 @@ def _launch(args) -> int:
         raise ConfigError("args", "", "give the lorasync command after --, e.g. "
                           "lorasync tunnel launch -- train --output-dir runs/x")
     # by default the host's own tunnels (an emulated cluster's live in its namespaces)
-    ups = [s for s in tunnel.states() if pid_alive(s.get("pid"))
+    ups = [s for s in tunnel.states() if pid_alive(s.get("pid")) and s.get("config")
            and (s["ifname"] == args.ifname if args.ifname else not s.get("cluster"))]
     if not ups:
         raise ConfigError("--ifname", args.ifname or "", "no tunnel is up here: "

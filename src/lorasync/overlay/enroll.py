@@ -31,7 +31,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import re
 import secrets
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -39,7 +38,8 @@ from typing import Callable, Iterable, Sequence
 from lorasync.errors import ConfigError
 from lorasync.overlay import wireguard as wg
 from lorasync.overlay.tunnel import (DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_STALE_S,
-                                     DEFAULT_SUBNET, CONFIG_VERSION, join_endpoint, split_endpoint)
+                                     DEFAULT_SUBNET, CONFIG_VERSION, NODE_NAME_RE, join_endpoint,
+                                     split_endpoint)
 
 __all__ = [
     "NodeSpec",
@@ -56,7 +56,6 @@ __all__ = [
 
 PLAN_KIND = "lorasync-overlay-plan"
 PUBLIC_KIND = "lorasync-overlay-public-key"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 #: the files init, join and assemble write, by the name of the node they are for
 _OURS = ("plan.json", "*.plan.json", "*.pub.json", "*.tunnel.json")
 
@@ -71,7 +70,7 @@ class NodeSpec:
     listen_port: int = DEFAULT_PORT
 
     def __post_init__(self):
-        if not _NAME_RE.match(self.name):
+        if not NODE_NAME_RE.fullmatch(self.name):
             raise ConfigError("node", self.name, "use 1-32 letters, digits, '.', '_' or '-', "
                               "starting with a letter or digit")
 

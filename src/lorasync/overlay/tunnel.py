@@ -78,6 +78,8 @@ DEFAULT_KEEPALIVE = 25
 DEFAULT_STALE_S = 180
 #: seconds before restarting a dead wireguard-go, doubled after each failed try
 RESTART_BACKOFF = (0.5, 30.0)
+#: a node name: 1-32 letters, digits, '.', '_' or '-'
+NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,14}$")
 
 
@@ -135,7 +137,7 @@ class TunnelConfig:
     plan_id: str = ""
 
     def __post_init__(self):
-        if not _IFNAME_RE.match(self.ifname):
+        if not _IFNAME_RE.fullmatch(self.ifname):   # match() lets a trailing newline through
             raise ConfigError("ifname", self.ifname, "an interface name of 1-15 letters, digits, "
                               "'_', '.', '-' (e.g. lsync0)")
         try:
@@ -189,15 +191,19 @@ class TunnelConfig:
 
 
 def load_config(path: str | Path) -> TunnelConfig:
-    """Read and validate a node's ``tunnel.json`` (ConfigError naming the field)."""
+    """Read and validate a node's ``tunnel.json``: every field, a ConfigError
+    naming it (``peers[1].allowed_ips``), its value and the fix."""
     p = Path(path)
     if p.is_dir():
         p = p / "tunnel.json"
     try:
-        raw = json.loads(p.read_text())
+        raw = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError("--config", str(path), "no such file: give the NODE.tunnel.json that "
                           "`lorasync tunnel assemble` wrote for this node") from None
+    except RecursionError:
+        raise ConfigError("--config", str(path), "not a tunnel.json (JSON nested too deeply): "
+                          "give the NODE.tunnel.json `lorasync tunnel assemble` wrote") from None
     except (OSError, ValueError) as exc:
         raise ConfigError("--config", str(path), f"not a readable tunnel.json ({exc})") from None
     if isinstance(raw, dict) and raw.get("version") == 1:
@@ -207,22 +213,24 @@ def load_config(path: str | Path) -> TunnelConfig:
     if not isinstance(raw, dict) or raw.get("version") != CONFIG_VERSION:
         raise ConfigError("--config", str(path), "not a tunnel.json of this lorasync version: "
                           "give the NODE.tunnel.json `lorasync tunnel assemble` wrote")
-    try:
-        key = Path(raw["private_key_file"])
-        if not key.is_absolute():
-            key = p.parent / key
-        return TunnelConfig(
-            path=p.resolve(), node=raw["node"], hub=raw["hub"], is_hub=bool(raw["is_hub"]),
-            ifname=raw["ifname"], address=raw["address"], subnet=raw["subnet"],
-            listen_port=int(raw["listen_port"]), private_key_file=key, peers=list(raw["peers"]),
-            nodes=list(raw["nodes"]), routes=dict(raw.get("routes") or {}),
-            endpoint=raw.get("endpoint"), mtu=raw.get("mtu"),
-            keepalive_s=int(raw.get("keepalive_s") or DEFAULT_KEEPALIVE),
-            stale_s=int(raw.get("stale_s") or DEFAULT_STALE_S), relay=bool(raw.get("relay")),
-            public_key=raw["public_key"], plan_id=raw["plan_id"])
-    except KeyError as exc:
-        raise ConfigError(f"tunnel.json {exc.args[0]}", str(path), "missing: run `lorasync "
-                          "tunnel assemble` again") from None
+    for key in ("node", "hub", "is_hub", "ifname", "address", "subnet", "listen_port",
+                "private_key_file", "peers", "nodes", "public_key", "plan_id"):
+        if key not in raw:
+            raise ConfigError(f"tunnel.json {key}", str(path), "missing: run `lorasync "
+                              "tunnel assemble` again")
+    _check_fields(raw)
+    key = Path(raw["private_key_file"])
+    if not key.is_absolute():
+        key = p.parent / key
+    return TunnelConfig(
+        path=p.resolve(), node=raw["node"], hub=raw["hub"], is_hub=raw["is_hub"],
+        ifname=raw["ifname"], address=raw["address"], subnet=raw["subnet"],
+        listen_port=raw["listen_port"], private_key_file=key, peers=list(raw["peers"]),
+        nodes=list(raw["nodes"]), routes=dict(raw.get("routes") or {}),
+        endpoint=raw.get("endpoint"), mtu=raw.get("mtu"),
+        keepalive_s=raw.get("keepalive_s") or DEFAULT_KEEPALIVE,
+        stale_s=raw.get("stale_s") or DEFAULT_STALE_S, relay=bool(raw.get("relay")),
+        public_key=raw["public_key"], plan_id=raw["plan_id"])
 
 
 def check_key_matches(cfg: TunnelConfig, public_key_of: Callable[[Path], str] = wg.public_key_of
@@ -236,6 +244,158 @@ def check_key_matches(cfg: TunnelConfig, public_key_of: Callable[[Path], str] = 
                           f"was assembled with: give this node's own NODE.tunnel.json, or run "
                           f"`lorasync tunnel join` here again, carry back NODE.pub.json and "
                           f"assemble again")
+
+
+_REINIT = "run `lorasync tunnel assemble` again rather than editing the file"
+
+
+def _int_in(lo: int, hi: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_name(v) -> bool:
+    return isinstance(v, str) and bool(NODE_NAME_RE.fullmatch(v))
+
+
+def _is_key(v) -> bool:
+    return isinstance(v, str) and v != "" and not any(c.isspace() or c == "\0" for c in v)
+
+
+def _is_ipv4(v) -> bool:
+    if not isinstance(v, str):   # IPv4Address() also takes an int
+        return False
+    try:
+        ipaddress.IPv4Address(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_endpoint(v) -> bool:
+    """None (behind NAT) or HOST[:PORT]."""
+    if v is None:
+        return True
+    try:
+        return isinstance(v, str) and "\0" not in v and bool(split_endpoint(v))
+    except ConfigError:
+        return False
+
+
+def _need(field: str, value, ok: bool, fix: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, f"{fix}; {_REINIT}")
+
+
+def _check_fields(raw: dict) -> None:
+    """Types and ranges of every field of a tunnel.json (TunnelConfig checks the
+    relations between address, subnet and interface name)."""
+    top = {
+        "node": (_is_name, "a node name of 1-32 letters, digits, '.', '_' or '-'"),
+        "hub": (_is_name, "the hub's node name"),
+        "is_hub": (lambda v: isinstance(v, bool), "true or false"),
+        "ifname": (lambda v: isinstance(v, str), "an interface name such as lsync0"),
+        "address": (_is_ipv4, "this node's overlay IPv4 address, e.g. 10.77.0.2"),
+        "listen_port": (_int_in(1, 65535), "a UDP port number between 1 and 65535"),
+        "private_key_file": (lambda v: isinstance(v, str) and v.strip() != "" and "\0" not in v,
+                             "the key file's path, e.g. private.key"),
+        "peers": (lambda v: isinstance(v, list), "a list of peer objects"),
+        "nodes": (lambda v: isinstance(v, list) and len(v) >= 2, "a list of the overlay's nodes"),
+        "routes": (lambda v: v is None or isinstance(v, dict), "an object NODE: direct|via HUB"),
+        "endpoint": (_is_endpoint, "null (behind NAT) or HOST:PORT"),
+        "mtu": (lambda v: v is None or _int_in(wg.MIN_MTU, wg.MAX_MTU)(v),
+                f"null (auto) or a number of bytes between {wg.MIN_MTU} and {wg.MAX_MTU}"),
+        "keepalive_s": (lambda v: v is None or _int_in(1, 3600)(v),
+                        "seconds between 1 and 3600 (25 is usual)"),
+        "stale_s": (lambda v: v is None or _int_in(1, 86400)(v), "seconds between 1 and 86400"),
+        "relay": (lambda v: v is None or isinstance(v, bool), "true or false"),
+        "public_key": (_is_key, "this node's public key, as `tunnel join` printed it"),
+        "plan_id": (lambda v: isinstance(v, str) and v != "" and "\0" not in v,
+                    "the plan's id, as `tunnel init` wrote it"),
+    }
+    for key, (ok, fix) in top.items():
+        if key in raw:
+            _need(key, raw[key], ok(raw[key]), f"give {fix}")
+    try:
+        net = ipaddress.IPv4Network(raw["subnet"])
+    except (ValueError, TypeError):
+        _need("subnet", raw["subnet"], False, "give the overlay's IPv4 network, e.g. "
+              "10.77.0.0/24")
+    names = []
+    for i, n in enumerate(raw["nodes"]):
+        where = f"nodes[{i}]"
+        _need(where, n, isinstance(n, dict), "give an object {name, address, endpoint, "
+              "public_key}")
+        _need(f"{where}.name", n.get("name"), _is_name(n.get("name")), "give a node name")
+        _need(f"{where}.address", n.get("address"),
+              _is_ipv4(n.get("address")) and ipaddress.IPv4Address(n["address"]) in net,
+              f"give the node's overlay address, inside {net}")
+        _need(f"{where}.endpoint", n.get("endpoint"), _is_endpoint(n.get("endpoint")),
+              "give null (behind NAT) or HOST:PORT")
+        names.append(n["name"])
+    for key in ("node", "hub"):
+        _need(key, raw[key], raw[key] in names, f"name one of the nodes ({', '.join(names)})")
+    _need("is_hub", raw["is_hub"], raw["is_hub"] == (raw["node"] == raw["hub"]),
+          f"give {str(raw['node'] == raw['hub']).lower()}: this node is "
+          + ("" if raw["node"] == raw["hub"] else "not ") + "the hub")
+    for name, route in (raw.get("routes") or {}).items():
+        _need(f"routes[{name!r}]", route,
+              name in names and route in ("direct", f"via {raw['hub']}"),
+              f"give direct or via {raw['hub']} for a node of the overlay")
+    # the underlay: the real addresses packets to the peers travel on
+    underlay = {split_endpoint(ep)[0] for ep in [raw.get("endpoint")]
+                + [n.get("endpoint") for n in raw["nodes"]]
+                + [p.get("endpoint") for p in raw["peers"] if isinstance(p, dict)]
+                if ep and _is_endpoint(ep)}
+    for i, peer in enumerate(raw["peers"]):
+        _check_peer(f"peers[{i}]", peer, net, names, underlay)
+
+
+def _check_peer(where: str, p, net: ipaddress.IPv4Network, names: list[str],
+                underlay: set[str]) -> None:
+    _need(where, p, isinstance(p, dict), "give an object {name, address, public_key, "
+          "endpoint, allowed_ips}")
+    for key in ("name", "address", "public_key", "allowed_ips"):
+        _need(f"{where}.{key}", None, key in p, "missing")
+    _need(f"{where}.name", p["name"], p["name"] in names, "name a node of the overlay")
+    _need(f"{where}.address", p["address"],
+          _is_ipv4(p["address"]) and ipaddress.IPv4Address(p["address"]) in net,
+          f"give the peer's overlay address, inside {net}")
+    _need(f"{where}.public_key", p["public_key"], _is_key(p["public_key"]),
+          "give the peer's WireGuard public key")
+    _need(f"{where}.endpoint", p.get("endpoint"), _is_endpoint(p.get("endpoint")),
+          "give null (behind NAT) or HOST:PORT")
+    _need(f"{where}.keepalive_s", p.get("keepalive_s"),
+          p.get("keepalive_s") is None or _int_in(1, 3600)(p["keepalive_s"]),
+          "give null or seconds between 1 and 3600")
+    _need(f"{where}.relays", p.get("relays"), p.get("relays") is None or (
+        isinstance(p["relays"], list) and all(r in names for r in p["relays"] if _is_name(r))
+        and all(_is_name(r) for r in p["relays"])), "give a list of node names")
+    ips = p["allowed_ips"]
+    _need(f"{where}.allowed_ips", ips, isinstance(ips, list) and ips != [],
+          f"give a list of overlay addresses, e.g. [\"{p['address']}/32\"]")
+    for ip in ips:
+        field = f"{where}.allowed_ips"
+        try:
+            cidr = ipaddress.ip_network(ip if isinstance(ip, str) else "-", strict=False)
+        except ValueError:
+            _need(field, ip, False, "give addresses as A.B.C.D/N, e.g. 10.77.0.1/32")
+        if cidr.prefixlen == 0 or cidr.num_addresses >= 1 << (cidr.max_prefixlen - 1):
+            raise ConfigError(field, ip, "would route all traffic of this host into the "
+                              f"tunnel; list only overlay addresses inside {net}")
+        hit = next((h for h in underlay if _contains(cidr, h)), None)
+        if hit:
+            raise ConfigError(field, ip, f"overlaps the underlay (endpoint {hit}): the tunnel "
+                              f"would route its own packets into itself; list only overlay "
+                              f"addresses inside {net}")
+        _need(field, ip, cidr.version == 4 and cidr.subnet_of(net),
+              f"lorasync's overlay routes only its own addresses: list addresses inside {net}")
+
+
+def _contains(cidr, host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host) in cidr
+    except ValueError:   # a name: resolved at `up`
+        return False
 
 
 def resolve_endpoint(endpoint: str, who: str = "peer") -> str:
@@ -621,11 +781,17 @@ def check_root() -> None:
 
 
 def states() -> list[dict]:
-    """The state file of every tunnel this host runs (also a crashed one's)."""
+    """The state file of every tunnel this host runs (also a crashed one's);
+    one that is not a state file (cut short, edited) is skipped."""
     out = []
     for f in sorted(TUNNELS_DIR.glob("*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            out.append(json.loads(f.read_text()))
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            st = json.loads(f.read_text())
+            # an interface name is all `down` needs; `launch` and `status` also read
+            # the config path
+            if isinstance(st, dict) and isinstance(st.get("ifname"), str) \
+                    and isinstance(st.get("config", ""), str):
+                out.append(st)
     return out
 
 
@@ -633,8 +799,8 @@ def preflight(config: str | Path) -> TunnelConfig:
     """Everything ``up`` checks before it starts anything: root, the tools, the
     key file, the interface name, the overlay address, the UDP port, the
     endpoints (each failure names the fix)."""
+    cfg = load_config(config)   # a bad file is the first thing to fix, root or not
     check_root()
-    cfg = load_config(config)
     wg.require_tools(need_nft=cfg.relay)
     wg.check_key_file(cfg.private_key_file)
     check_key_matches(cfg)

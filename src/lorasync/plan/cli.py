@@ -33,8 +33,8 @@ from lorasync.plan.costmodel import (
     ring_link_load,
 )
 from lorasync.plan.planner import (
-    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, Link, Plan, net_from_probe, options_text, plan,
-    what_if_net,
+    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, MAX_WORLD_SIZE, Link, Plan, check_link,
+    net_from_probe, options_text, plan, what_if_net,
 )
 from lorasync.units import (
     fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate_Bps, parse_size,
@@ -155,8 +155,13 @@ def _read_json(path: str, flag: str):
     if not os.path.isfile(path):
         raise ConfigError(flag, path, "file not found; give the path of an existing file")
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             return json.load(fh)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(flag, path, f"not UTF-8 text (byte {exc.start}); give the JSON "
+                          "file as written") from None
+    except RecursionError:
+        raise ConfigError(flag, path, "JSON nested too deeply; give the file as written") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(flag, path, f"not readable JSON ({exc})") from None
 
@@ -169,18 +174,23 @@ def _model_shape(name: str) -> ModelShape:
         raise ConfigError("--model", name, f"use one of {', '.join(MODELS)}, a model directory "
                           "with config.json, or give --adapter-params")
     cfg = _read_json(path, "--model")
-    try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return ModelShape(
-            name=os.path.basename(os.path.dirname(os.path.abspath(path))),
-            hidden=hidden, layers=int(cfg["num_hidden_layers"]), heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
-            vocab=int(cfg.get("vocab_size") or 0))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError("--model", path, f"config.json lacks a Llama-like field ({exc}); "
-                          "give --adapter-params instead") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("--model", path, "config.json is not a JSON object; give a Hugging "
+                          "Face model directory or --adapter-params")
+
+    def dim(key: str, default=None, lo: int = 1) -> int:
+        v = cfg.get(key) or default
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 1 << 31:
+            raise ConfigError(f"{path}: {key}", v, "a Llama-like config.json needs a positive "
+                              "integer here; give --adapter-params instead")
+        return v
+
+    hidden, heads = dim("hidden_size"), dim("num_attention_heads")
+    return ModelShape(
+        name=os.path.basename(os.path.dirname(os.path.abspath(path))),
+        hidden=hidden, layers=dim("num_hidden_layers"), heads=heads,
+        kv_heads=dim("num_key_value_heads", heads), head_dim=dim("head_dim", hidden // heads),
+        intermediate=dim("intermediate_size", 4 * hidden), vocab=dim("vocab_size", 0, lo=0))
 
 
 def _metrics(path: str) -> tuple[float, int | None]:
@@ -188,21 +198,38 @@ def _metrics(path: str) -> tuple[float, int | None]:
     if not os.path.isfile(path):
         raise ConfigError("--metrics", path, "file not found; give a run's metrics.jsonl")
     recs = []
-    with open(path) as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for i, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
                 recs.append(json.loads(line))
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ConfigError("--metrics", f"{path}:{i}", "not a JSON line") from None
-    recs = [r for r in recs if isinstance(r, dict) and isinstance(r.get("compute_s"), (int, float))]
+    recs = [r for r in recs if isinstance(r, dict) and _finite(r.get("compute_s"))
+            and r["compute_s"] > 0]
     if not recs:
-        raise ConfigError("--metrics", path, "no records with compute_s")
-    later = [r for r in recs if r.get("step", 2) > 1] or recs  # step 1 includes warm-up
-    samples = [r["samples"] for r in later if isinstance(r.get("samples"), int)]
+        raise ConfigError("--metrics", path, "no records with a positive compute_s; give a "
+                          "run's metrics.jsonl")
+    # step 1 includes warm-up
+    later = [r for r in recs if not _finite(r.get("step")) or r["step"] > 1] or recs
+    samples = [r["samples"] for r in later if isinstance(r.get("samples"), int)
+               and not isinstance(r["samples"], bool) and r["samples"] > 0]
     return (statistics.median(r["compute_s"] for r in later),
             int(statistics.median(samples)) if samples else None)
+
+
+def _link_flag(text: str | None, flag: str, parse, kind: str) -> float | None:
+    """A rate or time flag, parsed and within what a link can be."""
+    if not text:
+        return None
+    return check_link(flag, parse(text, flag), kind, given=text,
+                      fix=f"give a {'rate' if kind == 'bandwidth' else 'time'} in that range")
+
+
+def _finite(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and abs(v) <= sys.float_info.max)   # not NaN, inf or an int beyond float range
 
 
 def _kv(text: str, flag: str) -> tuple[str, str]:
@@ -233,17 +260,26 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         raise ConfigError("--ranks-per-node", g, "--intra-rate, --intra-latency and --layout "
                           "describe several ranks per node: give --ranks-per-node G > 1")
     ranks = None if args.nodes is None else args.nodes * g
-    rate = parse_rate_Bps(args.rate, "--rate") if args.rate else None
-    rtt = parse_duration(args.rtt, "--rtt") if args.rtt else None
+    if ranks is not None and ranks > MAX_WORLD_SIZE:
+        raise ConfigError("--nodes", args.nodes, f"at most {MAX_WORLD_SIZE} ranks in all "
+                          "(--nodes x --ranks-per-node)")
+    rate = _link_flag(args.rate, "--rate", parse_rate_Bps, "bandwidth")
+    rtt = _link_flag(args.rtt, "--rtt", parse_duration, "latency")
     window = parse_size(args.tcp_window, "--tcp-window")
     if not 0 < args.link_efficiency <= 1:
         raise ConfigError("--link-efficiency", args.link_efficiency, "use a fraction in (0, 1]")
 
     # network
     if args.probe:
-        net, link = net_from_probe(_read_json(args.probe, "--probe"), world_size=ranks,
-                                   allreduce_algo=args.allreduce_algo,
-                                   alltoall=not args.alltoall_fallback)
+        try:
+            net, link = net_from_probe(_read_json(args.probe, "--probe"), world_size=ranks,
+                                       allreduce_algo=args.allreduce_algo,
+                                       alltoall=not args.alltoall_fallback, strict=True)
+        except ConfigError as exc:   # name the file too
+            if exc.field.startswith("probe"):
+                raise ConfigError(f"--probe {args.probe}: {exc.field}", exc.value,
+                                  exc.fix) from None
+            raise
         link = Link(rtt_s=rtt if rtt is not None else link.rtt_s, rate_Bps=rate,
                     efficiency=args.link_efficiency, tcp_window_bytes=window,
                     rdma=link.rdma or args.rdma, source="probe")
@@ -271,8 +307,10 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         if net.world_size % g:
             raise ConfigError("--ranks-per-node", g, f"must divide the probe's world size "
                               f"{net.world_size} (or give --nodes)")
-        irate = parse_rate_Bps(args.intra_rate or _DEFAULT_INTRA_RATE, "--intra-rate")
-        ialpha = parse_duration(args.intra_latency or _DEFAULT_INTRA_ALPHA, "--intra-latency")
+        irate = _link_flag(args.intra_rate or _DEFAULT_INTRA_RATE, "--intra-rate",
+                           parse_rate_Bps, "bandwidth")
+        ialpha = _link_flag(args.intra_latency or _DEFAULT_INTRA_ALPHA, "--intra-latency",
+                            parse_duration, "latency")
         if not args.intra_rate:
             notes.append(f"intra-node link assumed {_DEFAULT_INTRA_RATE} (PCIe 4.0 x16; NVLink "
                          "is faster): give --intra-rate")
@@ -347,7 +385,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     for text in args.encode_ns:
         key, value = _kv(text, "--encode-ns")
         val = _scalar(value)
-        if not isinstance(val, (int, float)):
+        if not _finite(val) or val < 0:
             raise ConfigError("--encode-ns", text, "write STRATEGY=NS, e.g. int8=6")
         encode[key] = float(val)
 
@@ -356,9 +394,10 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
                           "use a share in [0, 1], e.g. 0.5")
     if not 0 <= head < 1:
         raise ConfigError("--head-share", head, "use a share in [0, 1), e.g. 0.2")
+    for flag, mb in (("--bucket-mb", args.bucket_mb), ("--first-bucket-mb", args.first_bucket_mb)):
+        if mb is not None and not (_finite(mb) and 0 < mb <= 1 << 20):
+            raise ConfigError(flag, mb, "use a number of MiB in (0, 1048576]")
     first = int(args.first_bucket_mb * MiB) if args.first_bucket_mb else None
-    if args.bucket_mb <= 0:
-        raise ConfigError("--bucket-mb", args.bucket_mb, "use a number of MiB > 0")
     wl = Workload(adapter_params=params, compute_s=compute, batch_size=batch,
                   backward_share=args.backward_share, head_share=head,
                   bucket_bytes=int(args.bucket_mb * MiB),

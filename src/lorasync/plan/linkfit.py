@@ -23,6 +23,7 @@ import math
 from typing import Mapping, NamedTuple, Sequence
 
 from lorasync import catalog
+from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import Net, path_terms
 
 __all__ = [
@@ -137,11 +138,37 @@ def busbw_factor(collective: str, n: int) -> float:
     raise ValueError(f"collective: unknown {collective!r}; use all_reduce, all_gather or broadcast")
 
 
-def fit_sweep(sweep: Sequence[Mapping], world_size: int) -> AllReduceModel | None:
+#: what a sweep record can hold: up to 1 PB in up to an hour
+_SWEEP_LIMITS = {"bytes": 1e15, "time_s": 3600.0}
+
+
+def fit_sweep(sweep: Sequence[Mapping], world_size: int, where: str = "probe.sweep"
+              ) -> AllReduceModel | None:
     """:func:`allreduce_model` of the all-reduce records of a probe's sweep
-    (``bytes``, ``time_s``), or None when fewer than two sizes were timed."""
-    pts = [(float(s["bytes"]), float(s["time_s"])) for s in sweep
-           if s.get("collective") == "all_reduce" and s.get("bytes") and s.get("time_s")]
+    (``bytes``, ``time_s``), or None when fewer than two sizes were timed.
+
+    A sweep that is not a list of records, or an all-reduce record without a
+    positive ``bytes`` and ``time_s``, is a ConfigError naming the record
+    (``where[i].bytes``): a probe JSON is read from a file."""
+    if not isinstance(sweep, (list, tuple)):
+        raise ConfigError(where, sweep, "give a list of records {\"collective\": "
+                          "\"all_reduce\", \"bytes\": B, \"time_s\": T}, as `lorasync probe "
+                          "--json` writes")
+    pts = []
+    for i, rec in enumerate(sweep):
+        if not isinstance(rec, Mapping):
+            raise ConfigError(f"{where}[{i}]", rec, "give a record {\"collective\", "
+                              "\"bytes\", \"time_s\"}, as `lorasync probe --json` writes")
+        if rec.get("collective") != "all_reduce":
+            continue
+        point = []
+        for key, top in _SWEEP_LIMITS.items():
+            v = rec.get(key)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= top):
+                raise ConfigError(f"{where}[{i}].{key}", v, f"give a number in (0, {top:g}]; "
+                                  "re-run `lorasync probe --json`")
+            point.append(float(v))
+        pts.append(tuple(point))
     if world_size < 2 or len({b for b, _ in pts}) < 2:
         return None
     return allreduce_model([b for b, _ in pts], [t for _, t in pts], world_size)

@@ -161,9 +161,14 @@ def _preflight(cfg, world: int | None = None) -> None:
     names = sorted(catalog.SPECS)
     if cfg.comm.strategy not in names:
         raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")
+    flat = catalog.flat_only(cfg.comm.strategy, cfg.comm.options)   # options: checked by config
+    if cfg.comm.hierarchy == "node" and flat:
+        raise ConfigError("comm.hierarchy", "node", f"{cfg.comm.strategy} runs flat only "
+                          f"({flat}); use --hierarchy flat or auto")
     if cfg.model.name == EMBEDDED:
         ensure_embedded(log=lambda m: print(m, file=sys.stderr))
     _, tok = _load_tokenizer(cfg.model.name, load_base)
+    _check_targets(cfg)
     world = world or cfg.run.nproc
     g = world * cfg.train.batch_size * cfg.train.grad_accum
     train, _ = load_datasets(cfg.data, tok, need=g)   # every row checked, g encoded
@@ -172,6 +177,54 @@ def _preflight(cfg, world: int | None = None) -> None:
             f"data.path: {len(train)} training examples is fewer than one global batch "
             f"({world} ranks x batch_size {cfg.train.batch_size} x grad_accum "
             f"{cfg.train.grad_accum} = {g}); add data or lower --batch-size")
+
+
+def _check_targets(cfg) -> None:
+    """``lora.targets`` against the model's module names, as ``add_lora`` sees
+    them, from the model built on the meta device (no weights, but the
+    modeling code's import: seconds), so that a wrong name fails here once
+    instead of in every worker after the model loaded, on every restart."""
+    from lorasync.config import LoraSettings
+    from lorasync.train.model import EMBEDDED
+
+    targets = cfg.lora.targets
+    if cfg.model.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets):
+        return   # both are Llamas: the default projections are theirs (the common
+        # case pays no import)
+    names = _adaptable_modules(cfg.model.name)
+    if names is None:
+        return   # an architecture that does not build on the meta device: the worker checks
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ConfigError("lora.targets", missing[0],
+                          f"not a linear or embedding layer of {cfg.model.name}; choose from "
+                          + ", ".join(sorted(names)))
+
+
+def _adaptable_modules(name: str) -> set[str] | None:
+    """Last name components of the modules of ``name`` LoRA can adapt (linear,
+    embedding and convolution layers), or None when the model cannot be built
+    without its weights."""
+    import torch
+
+    from lorasync.train.model import EMBEDDED, _embedded_dir, _tiny_model, _tiny_tokenizer
+
+    try:
+        with torch.device("meta"):
+            if name == "tiny":
+                tok = _tiny_tokenizer()
+                model = _tiny_model(len(tok), tok.pad_token_id, tok.eos_token_id)
+            else:
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                path = _embedded_dir() if name == EMBEDDED else os.path.expanduser(name)
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError, RuntimeError):
+        return None   # e.g. remote code, an architecture this transformers lacks
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
 def _load_tokenizer(name, load_base):
@@ -193,6 +246,20 @@ def _load_tokenizer(name, load_base):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return None, tok
+
+
+def _check_output_dir(given: str, out: str) -> None:
+    """The run directory can be made: it is no file, and what exists of its
+    path is a writable directory (the workers make it; a traceback there
+    would come after the model loaded)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError("--output-dir", given, "is a file; give a directory for the run")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--output-dir", given, f"{parent} is not a writable directory; "
+                          "choose a directory you can write to")
 
 
 def _worker_argv(argv: list[str], output_dir: str) -> list[str]:
@@ -238,6 +305,7 @@ def run(args) -> int:
         raise ConfigError("--output-dir", cfg.run.output_dir,
                           "already holds a run; pass --resume to continue it or choose another "
                           "directory")
+    _check_output_dir(cfg.run.output_dir, out)
     spec = None
     if args.emulate:
         from lorasync.emulate.cluster import parse_emulate

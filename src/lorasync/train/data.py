@@ -18,7 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from lorasync.errors import DataError
+from lorasync.errors import ConfigError, DataError
 
 __all__ = ["Example", "demo_rows", "read_jsonl", "encode_rows", "load_datasets",
            "batches_at", "steps_per_epoch", "collate"]
@@ -73,6 +73,18 @@ def demo_rows(n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
     return train_rows, eval_rows
 
 
+def _text(value: str, where: str, field: str) -> str:
+    """``value``, unless it holds an unpaired surrogate (a ``\\ud800`` escape
+    without its pair): valid JSON, but no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: field {field!r} holds an unpaired UTF-16 surrogate "
+                        f"({value[exc.start]!r} at character {exc.start}); write the character "
+                        "itself or its full surrogate pair") from None
+    return value
+
+
 def _check_row(row, path: str, lineno: int) -> dict:
     where = f"{path}:{lineno}"
     if not isinstance(row, dict):
@@ -84,11 +96,12 @@ def _check_row(row, path: str, lineno: int) -> dict:
             if not isinstance(row[k], str):
                 raise DataError(f"{where}: field {k!r} must be a string, got "
                                 f"{type(row[k]).__name__}")
+            _text(row[k], where, k)
         return {"prompt": row["prompt"], "completion": row["completion"]}
     if "text" in keys:
         if not isinstance(row["text"], str) or not row["text"]:
             raise DataError(f"{where}: field 'text' must be a non-empty string")
-        return {"text": row["text"]}
+        return {"text": _text(row["text"], where, "text")}
     if "messages" in keys:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -99,6 +112,7 @@ def _check_row(row, path: str, lineno: int) -> dict:
                     or not isinstance(m.get("content"), str)):
                 raise DataError(f"{where}: messages[{i}] must be {{\"role\": "
                                 "system|user|assistant, \"content\": string}")
+            _text(m["content"], where, f"messages[{i}].content")
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: 'messages' has no assistant turn, so nothing to learn; "
                             "add the assistant's reply")
@@ -110,21 +124,38 @@ def _check_row(row, path: str, lineno: int) -> dict:
                     '{"prompt","completion"}, {"text"} or {"messages"}')
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """Validated rows of a JSONL file; DataError names file, line and fix."""
+def read_jsonl(path: str, field: str = "data.path") -> list[dict]:
+    """Validated rows of a JSONL file; DataError names file, line and fix
+    (``field``: the option that named the file)."""
     if not os.path.isfile(path):
-        raise DataError(f"data.path: file {path!r} not found; give 'demo' or a JSONL file")
+        raise DataError(f"{field}: file {path!r} not found; give "
+                        + ("'demo' or " if field == "data.path" else "") + "a JSONL file")
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column "
-                                f"{exc.colno}); fix or remove the line") from None
-            rows.append(_check_row(row, path, lineno))
+    try:
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                try:   # line by line, so that the error names the line
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} "
+                                    f"at column {exc.start + 1}); save the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column "
+                                    f"{exc.colno}); fix or remove the line") from None
+                except RecursionError:
+                    raise DataError(f"{path}:{lineno}: JSON nested too deeply; a row is one "
+                                    'object such as {"prompt": ..., "completion": ...}') from None
+                except ValueError as exc:   # e.g. an integer of more than 4300 digits
+                    raise DataError(f"{path}:{lineno}: not usable JSON ({exc}); fix or remove "
+                                    "the line") from None
+                rows.append(_check_row(row, path, lineno))
+    except OSError as exc:
+        raise DataError(f"{field}: cannot read {path!r} ({exc.strerror}); give a readable "
+                        "JSONL file") from None
     if not rows:
         raise DataError(f"{path}: file has no rows; add JSONL rows")
     return rows
@@ -238,9 +269,17 @@ def load_datasets(data_cfg, tok, need: int | None = None
     if data_cfg.path == "demo":
         train_rows, eval_rows = demo_rows(data_cfg.demo_size, data_cfg.eval_size)
     else:
+        if data_cfg.eval_path and os.path.isfile(data_cfg.eval_path) \
+                and os.path.isfile(data_cfg.path) \
+                and os.path.samefile(data_cfg.eval_path, data_cfg.path):
+            raise ConfigError("data.eval_path", data_cfg.eval_path,
+                              "is the training file: evaluating on the rows the adapter trains "
+                              "on measures nothing; give a held-out JSONL file, or drop "
+                              "--eval-data to hold out the last rows of --data")
         rows = read_jsonl(data_cfg.path)
         if data_cfg.eval_path:
-            train_rows, eval_rows = rows, read_jsonl(data_cfg.eval_path)[: data_cfg.eval_size]
+            train_rows = rows
+            eval_rows = read_jsonl(data_cfg.eval_path, "data.eval_path")[: data_cfg.eval_size]
         else:
             # hold out the last rows, at most a fifth of the file
             n_eval = min(data_cfg.eval_size, len(rows) // 5)
