@@ -27,6 +27,7 @@ import ipaddress
 import os
 import socket
 from datetime import timedelta
+from typing import Callable
 
 __all__ = ["ENV", "GUARD_ENV", "LOOPBACK", "StoreBindError", "StoreAuthError",
            "listening_socket", "bind_stores", "worker_secret", "connect", "interface_address",
@@ -156,16 +157,20 @@ def _timeout_s(args, kw) -> float:
         return 300.0
 
 
-def bind_stores(addr: str, secret: str | None = None) -> None:
+def bind_stores(addr: str, secret: str | None = None) -> Callable[[], None]:
     """Make every TCPStore this process creates from now on listen on
     ``addr`` only (a server) and, with ``secret``, guard it (a server) or go
     through the guard (a client): the agent's rendezvous store (c10d
     backend), its bootstrap store for the workers, and a worker's env://
     store.  With a secret the workers this process starts guard theirs too
-    (``LORASYNC_STORE_GUARD``)."""
+    (``LORASYNC_STORE_GUARD``).  Returns what undoes it all (a launcher
+    running in a longer-lived process, e.g. a test)."""
+    import importlib
+
     import torch.distributed as dist
-    from torch.distributed import rendezvous as env_rdzv
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    # the module, not the function of the same name torch.distributed exports
+    env_rdzv = importlib.import_module("torch.distributed.rendezvous")
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
     TCPStore = _make_store_class(addr, secret)
@@ -175,12 +180,24 @@ def bind_stores(addr: str, secret: str | None = None) -> None:
         return TCPStore(host_name=master_addr, port=master_port, is_master=True,
                         multi_tenant=True)
 
+    before = (dist.TCPStore, env_rdzv.TCPStore, backend.TCPStore,
+              dyn.DynamicRendezvousHandler.__dict__["_create_tcp_store_server"],
+              os.environ.get(GUARD_ENV))
     dist.TCPStore = TCPStore
     env_rdzv.TCPStore = TCPStore
     backend.TCPStore = TCPStore
     dyn.DynamicRendezvousHandler._create_tcp_store_server = create_server
     if secret is not None:
         os.environ[GUARD_ENV] = "1"
+
+    def undo() -> None:
+        dist.TCPStore, env_rdzv.TCPStore, backend.TCPStore = before[:3]
+        dyn.DynamicRendezvousHandler._create_tcp_store_server = before[3]
+        if before[4] is None:
+            os.environ.pop(GUARD_ENV, None)
+        else:
+            os.environ[GUARD_ENV] = before[4]
+    return undo
 
 
 def worker_secret(env=None) -> str | None:

@@ -69,12 +69,24 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     ``max_restarts``: worker-group restarts after a failure.  Returns the exit
     code of the first failed worker (2 for a user error), 0 on success.
     """
-    import tempfile
-
     from lorasync.config import parse_endpoint
 
     if rdzv_endpoint is not None:   # torchrun's own check ends in a traceback
         parse_endpoint(rdzv_endpoint, "--rdzv-endpoint")
+    # what this launch sets in the environment (its agent's and workers') is
+    # undone when it returns: the caller's process may go on (tests, benches)
+    env_before = dict(os.environ)
+    try:
+        return _launch(list(argv), nproc, str(nnodes), node_rank, rdzv_endpoint, max_restarts)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+
+
+def _launch(argv: list[str], nproc: int, nnodes: str, node_rank: int, rdzv_endpoint: str | None,
+            max_restarts: int) -> int:
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 
@@ -107,7 +119,7 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     # workers only: never on a command line)
     os.environ[stores.ENV] = store_addr
     os.environ[guard.ENV] = secret
-    stores.bind_stores(store_addr, secret)
+    undo = stores.bind_stores(store_addr, secret)
     # a worker's user error is the same on every try: restarted workers stop at once
     with tempfile.TemporaryDirectory(prefix="lorasync-fatal-") as fatal:
         os.environ["LORASYNC_FATAL_DIR"] = fatal
@@ -117,7 +129,7 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
             codes = [f.exitcode for f in exc.failures.values()]
             return next((c for c in codes if c == 2), codes[0] if codes else 1) or 1
         finally:
-            os.environ.pop("LORASYNC_FATAL_DIR", None)
+            undo()
     return 0
 
 
