@@ -1,0 +1,168 @@
+"""No hang in any phase, in one process: the watchdog tells a stuck peer from a
+slow one, and the verdict exits when its record cannot be written."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+
+import pytest
+
+from lorasync.train import watchdog as wd
+
+
+def _members(n):
+    return [{"rank": r, "node": r, "host": "h", "addr": f"10.0.0.{r + 1}", "pid": 100 + r,
+             "boot": ""} for r in range(n)]
+
+
+@pytest.fixture
+def store():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+def _dogs(store, n, fired, bound=1.0):
+    members = _members(n)
+
+    def make(rank):
+        return wd.Watchdog(rank=rank, members=members, store_addr="127.0.0.1",
+                           store_port=store.port, prefix="t/", min_timeout_s=bound, steps=10,
+                           on_fault=lambda e: fired.setdefault(rank, {}).update(event=e),
+                           next_action=lambda: ("give up", "giving up"),
+                           exit=lambda code: fired.setdefault(rank, {}).update(code=code))
+    dogs = [make(r) for r in range(n)]
+    for d in dogs:
+        d.mark("checkpoint", 4)
+        d.start()
+    return dogs
+
+
+def _wait_for(cond, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not cond():
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_stuck_peer_behind_the_others_is_named_with_its_phase(store):
+    """Ranks 0 and 2 wait at a checkpoint barrier; rank 1 beats (its thread
+    lives) but its main thread makes no progress before that barrier."""
+    fired = {}
+    dogs = _dogs(store, 3, fired)
+    with contextlib.ExitStack() as waits:
+        try:
+            for r in (0, 2):
+                waits.enter_context(dogs[r].waiting("the barrier after writing"))
+            t0 = time.monotonic()
+            assert _wait_for(lambda: 0 in fired and 2 in fired, 30), fired
+            took = time.monotonic() - t0
+        finally:
+            for d in dogs:
+                d.stop()
+    assert 1 not in fired                       # the stuck rank does not judge itself
+    for r in (0, 2):
+        e = fired[r]["event"]
+        assert fired[r]["code"] == wd.EXIT_FAULT and e["peer"] == 1, e
+        assert (e["peer_phase"], e["peer_step"]) == ("checkpoint", 4)
+        assert "rank 1 (node 1" in e["message"] and "alive but stuck" in e["message"]
+    first = [fired[r]["event"] for r in (0, 2) if "reported" not in fired[r]["event"]["what"]]
+    assert first and first[0]["kind"] == "stuck"
+    assert "waits at the barrier after writing" in first[0]["message"]
+    assert took < 15  # the bound is 1 s here: named, not the process group's 10 minutes
+
+
+def test_a_slow_peer_that_makes_progress_is_not_stuck(store):
+    """Rank 1 takes twice the bound to reach the barrier, but ticks on its
+    way: no verdict.  Once it stops ticking, it is named.  (Bounds of 3 s where
+    nothing may be named: a loaded host can starve a thread for a second.)"""
+    fired = {}
+    dogs = _dogs(store, 2, fired, bound=3.0)
+    try:
+        with dogs[0].waiting("the evaluation's all-reduce"):
+            for _ in range(30):              # 6 s of work, a mark every 0.2 s
+                dogs[1].tick("batch")
+                time.sleep(0.2)
+            assert not fired, fired
+            assert _wait_for(lambda: 0 in fired, 20), fired   # now it stops
+        assert fired[0]["event"]["peer"] == 1 and fired[0]["event"]["kind"] == "stuck"
+    finally:
+        for d in dogs:
+            d.stop()
+
+
+def test_a_peer_ahead_or_level_is_never_stuck(store):
+    """Both ranks wait at the same point (the network, not a rank, is slow),
+    or the one that makes no progress is ahead: nobody is named."""
+    fired = {}
+    dogs = _dogs(store, 2, fired, bound=3.0)
+    try:
+        with dogs[0].waiting("a barrier"), dogs[1].waiting("a barrier"):
+            time.sleep(5)
+        with dogs[0].waiting("the next barrier"):
+            for _ in range(25):              # rank 1 works, rank 0 ahead waits for it
+                dogs[1].tick()
+                time.sleep(0.2)
+        assert not fired, fired
+    finally:
+        for d in dogs:
+            d.stop()
+
+
+def test_the_model_load_has_no_bound_of_its_own(store):
+    fired = {}
+    dogs = _dogs(store, 2, fired, bound=3.0)
+    try:
+        dogs[1].tick("load", allow_s=float("inf"))
+        with dogs[0].waiting("the gather of every rank's checkpoints"):
+            time.sleep(5)
+        assert not fired, fired
+    finally:
+        for d in dogs:
+            d.stop()
+
+
+def test_a_bound_grows_with_the_measured_pause():
+    d = wd.Watchdog(rank=0, members=_members(1), store_addr="", store_port=0, prefix="",
+                    min_timeout_s=2, steps=10, on_fault=print,
+                    next_action=lambda: ("", ""))
+    d.mark("eval", 3)
+    assert d.stage_bound() == 2
+    d._moved -= 0.5                        # a batch took half a second
+    d.tick("batch")
+    assert d.stage_bound() == pytest.approx(5, rel=0.05)   # 10 x 0.5 s
+    d.tick(allow_s=40)
+    assert d.stage_bound() == 40
+    d.step_done(1.0)
+    assert d.stage_bound("train", 0) == 10 and d.stage_bound("checkpoint", 1) == 10
+
+
+def test_the_verdict_exits_when_its_record_hangs(monkeypatch):
+    """The rank stream sits on a disk that hangs: the line is said, the worker
+    exits 75 anyway, within the verdict's write deadline."""
+    monkeypatch.setattr(wd, "_VERDICT_WRITE_S", 0.5)
+    said, exited, hung = [], [], threading.Event()
+    monkeypatch.setattr(wd, "_say", said.append)
+    d = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
+                    min_timeout_s=2, steps=10, on_fault=lambda e: hung.wait(),
+                    next_action=lambda: ("give up", "giving up"), exit=exited.append)
+    t0 = time.monotonic()
+    d.connection_lost(RuntimeError("Connection reset by peer"))
+    assert exited == [wd.EXIT_FAULT] and time.monotonic() - t0 < 3
+    assert said and "lost the connection to rank 1" in said[0]
+    hung.set()
+
+
+def test_stall_hook_is_off_unless_it_names_this_rank(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(wd.STALL_ENV, "eval.batch:0,checkpoint:1")
+    wd.stall_here("eval", "batch")           # rank 0's
+    wd.stall_here("checkpoint", "write")     # another point
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    wd.stall_here("checkpoint")              # a restarted group runs through
+    monkeypatch.delenv(wd.STALL_ENV)
+    wd.stall_here("checkpoint")
