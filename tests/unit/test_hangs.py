@@ -1,5 +1,6 @@
 """No hang in any phase, in one process: the watchdog tells a stuck peer from a
-slow one, and the verdict exits when its record cannot be written."""
+slow one, the verdict exits when its record cannot be written, and the start
+of a group names the rank that did not arrive."""
 
 from __future__ import annotations
 
@@ -166,3 +167,44 @@ def test_stall_hook_is_off_unless_it_names_this_rank(monkeypatch):
     wd.stall_here("checkpoint")              # a restarted group runs through
     monkeypatch.delenv(wd.STALL_ENV)
     wd.stall_here("checkpoint")
+
+
+# ---------------------------------------------------------------- the start of the group
+
+
+def _guard(store, rank, world, said, exited):
+    return wd.StartGuard(rank=rank, world=world, bound_s=1.0, store_addr="127.0.0.1",
+                         store_port=store.port, bound_text="1 s",
+                         next_action=lambda: ("give up", "giving up"), exit=exited.append)
+
+
+@pytest.mark.parametrize("rank1, expect", [
+    (None, "rank 1 (its worker never connected to the group's store at 127.0.0.1:"),
+    ("store", "rank 1 (node 0, "),
+])
+def test_the_start_names_the_rank_that_did_not_arrive(store, monkeypatch, rank1, expect):
+    said, exited = [], []
+    monkeypatch.setattr(wd, "_say", said.append)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    g0 = _guard(store, 0, 2, said, exited).start()
+    g0.connecting()
+    g0.reached("store", store)
+    g0.reached("group", store)
+    if rank1:   # rank 1's own marks (its guard is not what is tested here)
+        _guard(store, 1, 2, [], []).reached(rank1, store)
+    assert _wait_for(lambda: exited, 15)
+    assert exited == [wd.EXIT_FAULT]
+    msg = said[0]
+    assert msg.startswith("lorasync: rank 0 (node 0), start of the group (created the "
+                          "process group") and expect in msg, msg
+    assert ("did not connect to the group's store" if rank1 is None else
+            "connected to the group's store but did not create the process group") in msg
+
+
+def test_a_start_that_completes_in_time_says_nothing(store, monkeypatch):
+    said, exited = [], []
+    g = _guard(store, 0, 1, said, exited).start()
+    g.reached("members", store)
+    g.done()
+    time.sleep(1.5)
+    assert not exited and not said

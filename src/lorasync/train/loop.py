@@ -111,7 +111,7 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     from transformers.utils import logging as hf_logging
 
     from lorasync.train.recovery import next_action
-    from lorasync.train.watchdog import Watchdog, describe_self
+    from lorasync.train.watchdog import StartGuard, Watchdog, describe_self, stall_here
 
     spawned = time.time()
     env = worker_env()
@@ -130,9 +130,25 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    # the group's store on this node's address only, never every interface
-    init_process_group(backend, _dt.timedelta(minutes=10),
-                       device_id=device if backend == "nccl" else None)
+    # Until the watchdog runs (it needs the store and every rank's description) the
+    # start has a bound of its own: a rank that does not arrive is named.
+    store_addr, store_port = master_endpoint()
+    guard = StartGuard(rank=rank, world=env["world_size"], store_addr=store_addr,
+                       store_port=store_port, bound_s=start_bound(cfg.run.fault_timeout),
+                       bound_text=f"max({START_BOUND_MIN_S:g} s, 2 x --fault-timeout "
+                       f"{cfg.run.fault_timeout:g} s)",
+                       next_action=lambda: next_action(cfg.run.output_dir)).start()
+    try:
+        stall_here("init")  # test hook (off unless LORASYNC_TEST_STALL names this rank)
+        guard.connecting()
+        # the group's store on this node's address only, never every interface
+        store = init_process_group(backend, _dt.timedelta(minutes=10),
+                                   device_id=device if backend == "nccl" else None,
+                                   on_store=lambda st: guard.reached("store", st))
+        guard.reached("group", store)
+    except BaseException:
+        guard.done()
+        raise
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
             int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
         log("note: torchrun shares one c10d store between restarts here; set "
@@ -145,7 +161,7 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         me = describe_self(rank)
         me["token"] = uuid.uuid4().hex if rank == 0 else None
         dist.all_gather_object(members, me)
-        store_addr, store_port = master_endpoint()
+        guard.reached("members", store)
         watchdog = Watchdog(rank=rank, members=members, store_addr=store_addr,
                             store_port=store_port,
                             prefix=f"lorasync/watchdog/{members[0]['token']}/",
@@ -155,6 +171,7 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         watchdog.start()
         # every rank's first beat is in the store before anyone watches
         dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
+        guard.done()
         trainer = Trainer(cfg, resume, env, device, backend, log, watchdog=watchdog,
                           spawned=spawned)
         trainer.setup()
@@ -167,9 +184,20 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
             watchdog.connection_lost(exc)  # names the peer, records it, exits
         raise
     finally:
+        guard.done()
         if watchdog is not None:
             watchdog.stop()
         dist.destroy_process_group()
+
+
+#: the least time the start of a group (store, process group, first gather) gets
+START_BOUND_MIN_S = 20.0
+
+
+def start_bound(fault_timeout: float) -> float:
+    """Seconds the start of a group may take before the ranks that did not
+    arrive are named: max(20 s, 2 x --fault-timeout)."""
+    return max(START_BOUND_MIN_S, 2 * float(fault_timeout))
 
 
 def _is_comm_failure(exc: BaseException) -> bool:

@@ -47,6 +47,10 @@ that error into the same named verdict.  The first verdict is also put in
 the store, so ranks that only see the consequence (a peer that exited
 because *it* detected a failure) report the original cause.
 
+Before the watchdog can run (it needs the group's store and every rank's
+description) ``StartGuard`` bounds the start of the group: the store,
+``init_process_group``, the first gather and the first barrier; a rank that
+does not arrive is named from the marks each rank leaves in the store.
 ``stall_here`` is the test hook that makes one rank stuck on purpose.
 """
 
@@ -68,7 +72,7 @@ from typing import Callable
 
 from lorasync.launch import EXIT_FAULT
 
-__all__ = ["Watchdog", "Pace", "EXIT_FAULT", "describe_self", "member_name",
+__all__ = ["Watchdog", "Pace", "StartGuard", "EXIT_FAULT", "describe_self", "member_name",
            "peer_in_error", "stall_here", "STALL_ENV", "PHASES"]
 
 #: the phases of a step in the order a rank goes through them (a position compares by
@@ -529,6 +533,132 @@ class Watchdog(Pace):
             return json.loads(got.decode() if isinstance(got, bytes) else got)
         except Exception:  # noqa: BLE001 - no store: this rank's own view stands
             return None
+
+
+# ---------------------------------------------------------------- the start of the group
+
+
+class StartGuard:
+    """A bound on the start of the group, before the watchdog runs: connecting
+    to the group's store, ``init_process_group`` (gloo/NCCL connect every rank
+    to every other through it), the first gather of the members and the
+    barrier after the watchdog's first beat.  Each rank leaves a mark in the
+    store at every stage it reaches (``reached``); when the bound passes with
+    the start unfinished, a thread reads the marks, names the ranks that did
+    not arrive (the ones furthest behind) and what they did not do, and ends
+    the worker with exit code 75, as the watchdog does.
+
+    ``bound_s``: max(20 s, 2 x --fault-timeout) in the trainer: the workers of
+    a group start within seconds of each other (torchrun starts them after its
+    rendezvous), and a verdict here costs a restart.
+    """
+
+    #: the stages in order: what a rank there has done, and what it has not done yet
+    STAGES = {None: ("started", "connect to the group's store"),
+              "store": ("connected to the group's store",
+                        "create the process group (init_process_group)"),
+              "group": ("created the process group", "join the first gather of the members"),
+              "members": ("joined the first gather", "start its watchdog and reach the "
+                          "first barrier")}
+
+    def __init__(self, *, rank: int, world: int, bound_s: float, store_addr: str,
+                 store_port: int, bound_text: str, next_action: Callable[[], tuple[str, str]],
+                 exit: Callable[[int], None] = os._exit):
+        self.rank, self.world, self.bound_s = rank, world, float(bound_s)
+        self.store_addr, self.store_port, self.bound_text = store_addr, store_port, bound_text
+        self.next_action, self._exit = next_action, exit
+        # one round of the group: a store shared between rounds (torch's default) may
+        # still hold an earlier round's marks
+        self.prefix = (f"lorasync/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                       f"{world}/")
+        self.stage: str | None = None
+        self._connecting = False
+        self._done = threading.Event()
+
+    def start(self) -> "StartGuard":
+        threading.Thread(target=self._run, name="lorasync-start", daemon=True).start()
+        return self
+
+    def done(self) -> None:
+        """The start is complete (or failed with an error of its own)."""
+        self._done.set()
+
+    def connecting(self) -> None:
+        """The main thread is about to create or connect to the group's store."""
+        self._connecting = True
+
+    def reached(self, stage: str, store) -> None:
+        """The main thread reached ``stage`` (store, group, members): a mark in
+        the group's ``store``."""
+        self.stage = stage
+        store.set(f"{self.prefix}{self.rank}",
+                  json.dumps({"stage": stage, "who": describe_self(self.rank)}))
+
+    def _run(self) -> None:
+        if self._done.wait(self.bound_s):
+            return
+        try:
+            what, peer = self._who_is_missing()
+        except Exception as exc:  # noqa: BLE001 - the verdict is due either way
+            what, peer = f"the start did not complete ({type(exc).__name__}: {exc})", None
+        if self._done.is_set():  # it completed while the marks were read
+            return
+        word, sentence = self.next_action()
+        where = _main_thread_site()
+        stage = ("connecting to the group's store" if self.stage is None and self._connecting
+                 else self.STAGES[self.stage][0])
+        msg = (f"lorasync: rank {self.rank} (node {os.environ.get('GROUP_RANK', '0')}), start "
+               f"of the group ({stage}{', in ' + where if where else ''}): {what} within "
+               f"{self.bound_s:g} s (bound {self.bound_text}); {sentence}")
+        try:
+            _write_all([lambda: _say(msg)], _VERDICT_WRITE_S)
+        finally:
+            self._exit(EXIT_FAULT)
+
+    def _who_is_missing(self) -> tuple[str, int | None]:
+        """The ranks furthest behind, named, and what they did not do."""
+        import torch.distributed as dist
+
+        endpoint = f"{self.store_addr}:{self.store_port}"
+        try:
+            store = dist.TCPStore(self.store_addr, self.store_port, is_master=False,
+                                  wait_for_workers=False,
+                                  timeout=_dt.timedelta(seconds=min(5.0, self.bound_s / 4)))
+        except Exception:  # noqa: BLE001 - refused, timed out: nobody serves it
+            if self.rank == 0:
+                return f"this rank could not open the group's store at {endpoint}", 0
+            return (f"rank 0 did not open the group's store at {endpoint} (its worker is stuck "
+                    "before init_process_group, or this node cannot reach it)"), 0
+        order = list(self.STAGES)
+        marks: dict[int, dict | None] = {}
+        for r in range(self.world):
+            key = f"{self.prefix}{r}"
+            marks[r] = json.loads(store.get(key)) if store.check([key]) else None
+        level = {r: order.index(m["stage"]) if m else 0 for r, m in marks.items()}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            level[0] = max(level[0], 1)  # rank 0 serves the store this thread just reached
+        # this rank's own stage: its mark may not be written yet (rank 0 waits for every
+        # rank to connect inside the store's constructor)
+        mine = order.index(self.stage) if self.stage in order else 0
+        level[self.rank] = max(level[self.rank], mine, 1 if self._connecting else 0)
+        low = min(level.values())
+        behind = [r for r in sorted(level) if level[r] == low]
+        done, todo = self.STAGES[order[low]]
+        if len(behind) == self.world:
+            return (f"every rank {done}, and none could {todo} (the ranks cannot connect to "
+                    "each other: a firewall, NAT or a wrong GLOO_SOCKET_IFNAME?)"), None
+        names = []
+        for r in behind:
+            who = (marks[r]["who"] if marks[r] else describe_self(r) if r == self.rank
+                   else None)
+            names.append(member_name({**who, "rank": r}) + (" [this rank]" if r == self.rank
+                                                            else "") if who
+                         else f"rank {r} (its worker never connected to the group's store at "
+                         f"{endpoint})")
+        they = "it" if len(names) == 1 else "they"
+        return (f"{', '.join(names)} did not arrive: "
+                + (f"{they} {done} but did not {todo}" if low else f"{they} did not {todo}")), \
+            behind[0]
 
 
 def _main_thread_site(tb=None) -> str:
