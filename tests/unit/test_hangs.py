@@ -1,6 +1,7 @@
 """No hang in any phase, in one process: the watchdog tells a stuck peer from a
-slow one, the verdict exits when its record cannot be written, and the start
-of a group names the rank that did not arrive."""
+slow one, the verdict exits when its record cannot be written, the start of a
+group names the rank that did not arrive, and a teardown that does not return
+is left behind."""
 
 from __future__ import annotations
 
@@ -156,6 +157,17 @@ def test_the_verdict_exits_when_its_record_hangs(monkeypatch):
     assert exited == [wd.EXIT_FAULT] and time.monotonic() - t0 < 3
     assert said and "lost the connection to rank 1" in said[0]
     hung.set()
+
+
+def test_bounded_call():
+    assert wd.bounded_call(lambda: None, 1)
+    stop = threading.Event()
+    t0 = time.monotonic()
+    assert not wd.bounded_call(stop.wait, 0.3)
+    assert time.monotonic() - t0 < 2
+    stop.set()
+    with pytest.raises(ValueError):
+        wd.bounded_call(lambda: int("x"), 1)
 
 
 def test_stall_hook_is_off_unless_it_names_this_rank(monkeypatch):

@@ -111,7 +111,8 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     from transformers.utils import logging as hf_logging
 
     from lorasync.train.recovery import next_action
-    from lorasync.train.watchdog import StartGuard, Watchdog, describe_self, stall_here
+    from lorasync.train.watchdog import (StartGuard, Watchdog, bounded_call, describe_self,
+                                         stall_here)
 
     spawned = time.time()
     env = worker_env()
@@ -187,7 +188,12 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         guard.done()
         if watchdog is not None:
             watchdog.stop()
-        dist.destroy_process_group()
+        # a peer stuck in its own teardown must not keep this worker: it ends anyway
+        if not bounded_call(lambda: (stall_here("destroy"), dist.destroy_process_group()),
+                            cfg.run.fault_timeout, "lorasync-destroy"):
+            print(f"lorasync: rank {rank}: destroy_process_group did not return within "
+                  f"{cfg.run.fault_timeout:g} s (--fault-timeout); this worker ends without it",
+                  file=sys.stderr, flush=True)
 
 
 #: the least time the start of a group (store, process group, first gather) gets

@@ -51,6 +51,7 @@ Before the watchdog can run (it needs the group's store and every rank's
 description) ``StartGuard`` bounds the start of the group: the store,
 ``init_process_group``, the first gather and the first barrier; a rank that
 does not arrive is named from the marks each rank leaves in the store.
+``bounded_call`` gives ``destroy_process_group`` a deadline, and
 ``stall_here`` is the test hook that makes one rank stuck on purpose.
 """
 
@@ -73,7 +74,7 @@ from typing import Callable
 from lorasync.launch import EXIT_FAULT
 
 __all__ = ["Watchdog", "Pace", "StartGuard", "EXIT_FAULT", "describe_self", "member_name",
-           "peer_in_error", "stall_here", "STALL_ENV", "PHASES"]
+           "peer_in_error", "bounded_call", "stall_here", "STALL_ENV", "PHASES"]
 
 #: the phases of a step in the order a rank goes through them (a position compares by
 #: step, then phase, then the common points entered)
@@ -194,6 +195,28 @@ def stall_here(phase: str, point: str | None = None) -> None:
           f"{time.time():.3f}", file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
+
+
+def bounded_call(fn: Callable[[], object], seconds: float, name: str = "lorasync-bounded") -> bool:
+    """Run ``fn`` in a helper thread and wait at most ``seconds``: True when it
+    returned (its exception is raised here), False when it still runs (the
+    thread is left behind; it ends with the process)."""
+    done, err = threading.Event(), []
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            err.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if not done.wait(seconds):
+        return False
+    if err:
+        raise err[0]
+    return True
 
 
 def _write_all(writers: list[Callable[[], object]], seconds: float) -> None:
