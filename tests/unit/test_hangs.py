@@ -1,7 +1,8 @@
 """No hang in any phase, in one process: the watchdog tells a stuck peer from a
 slow one, the verdict exits when its record cannot be written, the start of a
-group names the rank that did not arrive, and a teardown that does not return
-is left behind."""
+group and a rendezvous round after a failure name who did not arrive, and a
+teardown that does not return is left behind.  (The same on real gloo runs:
+tests/dist/test_hangs.py.)"""
 
 from __future__ import annotations
 
@@ -220,3 +221,62 @@ def test_a_start_that_completes_in_time_says_nothing(store, monkeypatch):
     g.done()
     time.sleep(1.5)
     assert not exited and not said
+
+
+# ---------------------------------------------------------------- the rendezvous
+
+
+def test_a_round_after_a_failure_is_bounded_and_names_the_node_not_back(monkeypatch):
+    """Two agents meet; after a failure one comes back for the next round and
+    the other never leaves the round before (its agent is stuck stopping a
+    worker): the one that came back stops with a line naming the other after
+    the restart bound, not torch's 600 s."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import \
+        C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler, create_handler)
+
+    from lorasync.launch import EXIT_FAULT
+    from lorasync.launch import rendezvous as rdzv
+
+    # as lorasync's launchers run it: a fresh store per round (no store server
+    # for the workers created by the handler); installed once, undone after the test
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setattr(DynamicRendezvousHandler, "next_rendezvous",
+                        DynamicRendezvousHandler.next_rendezvous)
+    rdzv.install_rendezvous_bound("node-a", restart_join_s=2.0)
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{host.port}",
+                                  run_id="hangs", min_nodes=2, max_nodes=2,
+                                  local_addr=socket.gethostname(), last_call_timeout=1)
+    # each agent with a connection of its own (one TCPStore client is not for two threads)
+    clients = [dist.TCPStore("127.0.0.1", host.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=30)) for _ in range(2)]
+    handlers = [create_handler(c, C10dRendezvousBackend(c, "hangs"), params) for c in clients]
+    try:
+        with_both = [None, None]
+        threads = [threading.Thread(target=lambda i=i: with_both.__setitem__(
+            i, handlers[i].next_rendezvous())) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(with_both), "the first round did not complete"
+        t0 = time.monotonic()
+        with pytest.raises(rdzv.RendezvousStalled) as stalled:
+            handlers[0].next_rendezvous()
+        assert time.monotonic() - t0 < 20
+        msg = str(stalled.value)
+        assert msg.startswith("node-a: the rendezvous 'hangs' timed out after ")
+        assert "bound 2 s for a round after a failure" in msg
+        other = handlers[1]._this_node
+        assert f"{other.addr} (agent pid {other.pid}) never left the round before" in msg
+        assert stalled.value.exit_code == EXIT_FAULT == 75
+    finally:
+        for h in handlers:
+            h.shutdown()
