@@ -19,7 +19,10 @@ additions, each an option given before torchrun's own arguments:
   address and port it could not reach, and the fix.  gloo and NCCL would
   otherwise retry those connections until the process-group timeout.
   Before joining, an agent that does not host the rendezvous checks that
-  it can open a connection to it (``--lorasync-rdzv-wait S``).
+  it can open a connection to it (``--lorasync-rdzv-wait S``);
+- a bound on the rendezvous rounds after the first (the nodes coming back
+  after a failure, ``RESTART_JOIN_S``), and one line naming the nodes that
+  did not come when a round times out (:mod:`lorasync.launch.rendezvous`).
 
     python -m lorasync.launch.agent [--lorasync-label NAME] [--lorasync-store-addr ADDR] \\
         [--lorasync-reach-timeout S] [--lorasync-rdzv-wait S] TORCHRUN_ARGS...
@@ -35,7 +38,12 @@ import sys
 import time
 from datetime import timedelta
 
+<<<<<<< HEAD
 from lorasync.launch import guard, stores
+=======
+from lorasync.launch import stores
+from lorasync.launch.rendezvous import RendezvousStalled, install_rendezvous_bound
+>>>>>>> no-hangs
 
 __all__ = ["AgentOptions", "UnreachableNodes", "agent_argv", "exit_code", "main", "split_argv"]
 
@@ -223,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             stores.bind_stores(opts.store_addr, guard.job_secret())
         if opts.reach_timeout > 0 and args.local_addr:
             install_mesh_check(label, args.local_addr, opts.reach_timeout)
+        install_rendezvous_bound(label)
         conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
         if opts.rdzv_wait > 0 and conf.get("is_host") != "1" and args.rdzv_endpoint:
             wait_rendezvous(args.rdzv_endpoint, opts.rdzv_wait, label)
@@ -237,10 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # torch wraps what the rendezvous raised; ours may sit in the chain
         cause = exc
-        while cause is not None and not isinstance(cause, (UnreachableNodes, stores.StoreBindError)):
+        while cause is not None and not isinstance(
+                cause, (UnreachableNodes, stores.StoreBindError, RendezvousStalled)):
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             raise
+        if isinstance(cause, RendezvousStalled):  # it names this node itself
+            print(f"lorasync: {cause}", file=sys.stderr, flush=True)
+            return cause.exit_code
         print(f"lorasync: error: {label}: {getattr(cause, 'brief', None) or cause}",
               file=sys.stderr, flush=True)
         return 2

@@ -290,11 +290,13 @@ def master_endpoint(env=None) -> tuple[str, int]:
     return env["MASTER_ADDR"], port
 
 
-def init_process_group(backend: str, timeout: timedelta, **kw):
+def init_process_group(backend: str, timeout: timedelta, *, on_store=None, **kw):
     """``torch.distributed.init_process_group`` for a torchrun worker, with the
     group's store created here: rank 0 (unless the agent's store is shared)
     hosts it on :func:`store_address` only, the others connect to
-    :func:`master_endpoint`.  Returns the store."""
+    :func:`master_endpoint`.  ``on_store(store)`` is called once the store is
+    there, before the process group is created (the trainer leaves a mark in
+    it: a rank that stops between the two is named).  Returns the store."""
     import torch.distributed as dist
 
     env = os.environ
@@ -306,6 +308,8 @@ def init_process_group(backend: str, timeout: timedelta, **kw):
     else:
         cls = _make_store_class(store_address(env), worker_secret(env))
         store = cls(host, port, world, True, timeout=timeout, multi_tenant=True)
+    if on_store is not None:
+        on_store(store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             **kw)
     return store

@@ -20,6 +20,7 @@ keys and fail to connect (docs/faults.md).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Sequence
 
@@ -106,6 +107,11 @@ def _launch(argv: list[str], nproc: int, nnodes: str, node_rank: int, rdzv_endpo
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
                  "--rdzv-id", guard.run_id(secret), "--local-addr", store_addr]
+        # a round after a failure waits RESTART_JOIN_S for the nodes, and a round
+        # that times out names the ones that did not come (RendezvousStalled, exit 75)
+        from lorasync.launch.rendezvous import install_rendezvous_bound
+
+        install_rendezvous_bound(socket.gethostname())
     args += ["-m", "lorasync"]
     parsed = get_args_parser().parse_args(args)
     # Set the worker's arguments after parsing: argparse would otherwise match

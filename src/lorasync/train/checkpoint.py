@@ -50,12 +50,31 @@ import shutil
 from dataclasses import dataclass, field
 
 from lorasync.errors import CheckpointError
+from lorasync.train.watchdog import Pace
 
 __all__ = ["save", "latest", "load_rank", "read_meta", "verified", "intact", "inventory", "choose",
            "ResumePlan", "Checkpointer", "Progress", "rng_state", "set_rng_state"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
+
+
+#: the slowest disk a rank's checkpoint work is given time for (bytes/s), on top of
+#: the watchdog's bounds: a rank writing or reading N bytes is not stuck before N /
+#: this many seconds (a first checkpoint has no measured write to go by)
+SLOW_DISK_BPS = 4e6
+
+
+def _bytes_under(root: str) -> int:
+    """Bytes of the files under ``root`` (0 when there is none)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
 
 
 def _fsync_dir(path: str) -> None:
@@ -76,31 +95,41 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, local_rank: int,
-         world_size: int, barrier, keep: int) -> str:
-    """Collective: every rank calls it at the same step. Returns the final folder."""
+         world_size: int, barrier, keep: int, pace: Pace | None = None) -> str:
+    """Collective: every rank calls it at the same step. Returns the final folder.
+
+    ``pace`` (the watchdog) is told of every barrier and of the work between
+    them, so that a rank stuck on its disk is named by the ranks that wait for
+    it at the next barrier."""
     import torch
 
+    pace = pace or Pace()
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:06d}")
     tmp = os.path.join(root, f".tmp-step-{step:06d}")
     if local_rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
-    barrier()
+    with pace.waiting("the barrier before writing"):
+        barrier()
     buf = io.BytesIO()
     torch.save(rank_state, buf)
     data = buf.getvalue()
+    pace.tick("write", allow_s=len(data) / SLOW_DISK_BPS)
     _write_atomic(os.path.join(tmp, f"rank{rank}.pt"), data)
     _write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(
         {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}).encode())
-    barrier()
+    with pace.waiting("the barrier after writing"):
+        barrier()
     # Who finalizes: with a file system shared by all ranks (one node, or NFS)
     # global rank 0 alone; with node-local disks each node's local rank 0
     # renames the folder holding its own ranks' files.
     shared = all(os.path.exists(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size))
-    barrier()  # everyone has looked before anyone renames
+    with pace.waiting("the barrier before finalizing"):
+        barrier()  # everyone has looked before anyone renames
     finalizer = (rank == 0) if shared else (local_rank == 0)
     if finalizer:
+        pace.tick("finalize")
         meta = {**meta, "step": step, "world_size": world_size}
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
         # Later steps than this one (and a stale folder of this step) were written
@@ -114,8 +143,10 @@ def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, lo
         _fsync_dir(root)
     # Prune only once every node has its copy of this checkpoint: a node that
     # dies while finalizing must still share an older one with the others.
-    barrier()
+    with pace.waiting("the barrier after finalizing"):
+        barrier()
     if finalizer:
+        pace.tick("prune", allow_s=_bytes_under(root) / SLOW_DISK_BPS)  # it verifies what it keeps
         _prune(root, step, keep)
     return final
 
@@ -473,14 +504,17 @@ REPLICATED_SYNC_STATE = frozenset({"allreduce", "fp16", "bf16", "none", "local",
 class Checkpointer:
     """Agrees on, restores and writes the checkpoints of one rank of a run.
 
-    ``interval`` 0 writes only at the end; ``keep`` is how many stay on disk.
+    ``interval`` 0 writes only at the end; ``keep`` is how many stay on disk;
+    ``pace`` (the watchdog) is told of every collective and of the disk work
+    between them.
     """
 
     def __init__(self, run_dir: str, *, rank: int, local_rank: int, world_size: int, barrier,
-                 interval: int, keep: int):
+                 interval: int, keep: int, pace: Pace | None = None):
         self.run_dir, self.rank, self.local_rank = run_dir, rank, local_rank
         self.world_size, self.barrier = world_size, barrier
         self.interval, self.keep = interval, keep
+        self.pace = pace or Pace()
 
     def agree(self, *, resume: bool, history: dict) -> tuple[ResumePlan, dict, list[dict]]:
         """Collective: (plan, meta of the checkpoint, every rank's ``history``).
@@ -489,10 +523,14 @@ class Checkpointer:
         restarted it); then every rank's inventory decides (``choose``)."""
         import torch.distributed as dist
 
+        # the inventory verifies every checkpoint file this disk holds
+        self.pace.tick("inventory", allow_s=_bytes_under(
+            os.path.join(self.run_dir, "checkpoints")) / SLOW_DISK_BPS)
         mine = {"resume": bool(resume), "history": history,
                 "held": {str(k): v for k, v in inventory(self.run_dir).items()}}
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
+        with self.pace.waiting("the gather of every rank's checkpoints"):
+            dist.all_gather_object(everyone, mine)
         histories = [e["history"] for e in everyone]
         if not any(e["resume"] for e in everyone):
             return ResumePlan(note="new run"), {}, histories
@@ -502,7 +540,8 @@ class Checkpointer:
         # the checkpoint's meta (eval_before, total_steps), from a rank that has the folder
         src = plan.source if plan.source is not None else plan.own[0]
         box = [read_meta(self._folder(plan.step)) if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        with self.pace.waiting("the broadcast of the checkpoint's meta"):
+            dist.broadcast_object_list(box, src=src)
         return plan, box[0], histories
 
     def _folder(self, step: int) -> str:
@@ -521,7 +560,7 @@ class Checkpointer:
                  "sample_offset": progress.sample_offset, "grad_accum": progress.grad_accum}
         return save(self.run_dir, progress.step, state, meta, rank=self.rank,
                     local_rank=self.local_rank, world_size=self.world_size,
-                    barrier=self.barrier, keep=self.keep)
+                    barrier=self.barrier, keep=self.keep, pace=self.pace)
 
     def restore(self, plan: ResumePlan, progress: Progress, global_batch: int, *, model, opt,
                 sched, sync, seed: int) -> list[str]:
@@ -536,6 +575,7 @@ class Checkpointer:
 
         folder = self._folder(plan.step)
         st = err = None
+        self.pace.tick("load", allow_s=_bytes_under(folder) / SLOW_DISK_BPS)
         try:
             if self.rank in plan.own:
                 st = load_rank(folder, self.rank)
@@ -548,7 +588,8 @@ class Checkpointer:
             box = [None]
             if self.rank == plan.source:
                 box = [{k: v for k, v in st.items() if k != "rng"}]
-            dist.broadcast_object_list(box, src=plan.source)
+            with self.pace.waiting("the broadcast of the replicated state"):
+                dist.broadcast_object_list(box, src=plan.source)
             if self.rank in plan.peer:
                 st = box[0]
         reset: list[str] = []
@@ -565,7 +606,8 @@ class Checkpointer:
         import torch.distributed as dist
 
         errs: list = [None] * self.world_size
-        dist.all_gather_object(errs, err)
+        with self.pace.waiting("the gather of every rank's restore result"):
+            dist.all_gather_object(errs, err)
         first = next((e for e in errs if e), None)
         if first is not None:
             raise CheckpointError(first)

@@ -21,16 +21,24 @@ import json
 import os
 import time
 
+from lorasync.train.watchdog import Pace
+
 __all__ = ["evaluate", "Evaluator"]
 
 
-def evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batch=16):
-    """(eval loss per token, exact-match count, examples checked): sharded over ranks."""
+def evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batch=16,
+             pace: Pace | None = None):
+    """(eval loss per token, exact-match count, examples checked): sharded over ranks.
+
+    ``pace`` (the watchdog) hears of every batch done and of the all-reduce at
+    the end: a rank that stops making progress in an evaluation is named by
+    the ranks waiting for it there."""
     import torch
     import torch.distributed as dist
 
     from lorasync.train.data import collate
 
+    pace = pace or Pace()
     mine = examples[rank::world]
     was_training = model.training
     model.eval()
@@ -46,6 +54,7 @@ def evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batch
             tok_count += n
             gen = [e for e in chunk if e.gen_prompt_ids is not None]
             if not gen:
+                pace.tick("batch")
                 continue
             width = max(len(e.gen_prompt_ids) for e in gen)
             ids = torch.full((len(gen), width), tok.pad_token_id, dtype=torch.long)
@@ -60,9 +69,11 @@ def evaluate(model, examples, tok, device, *, rank, world, max_new_tokens, batch
                 text = tok.decode(outs[j, width:], skip_special_tokens=True).strip()
                 correct += float(text == e.answer)
                 checked += 1
+            pace.tick("batch")
     # on the model's device: NCCL reduces only GPU tensors (32 bytes, once per evaluation)
     t = torch.tensor([loss_sum, tok_count, correct, checked], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    with pace.waiting("the evaluation's all-reduce"):
+        dist.all_reduce(t)
     if was_training:
         model.train()
     loss_sum, tok_count, correct, checked = t.tolist()
@@ -78,7 +89,8 @@ class Evaluator:
 
     def __init__(self, model, examples, tok, device, *, rank: int, world: int,
                  max_new_tokens: int, run_dir: str, sinks, sync=None,
-                 mean_replicas: bool = False):
+                 mean_replicas: bool = False, pace: Pace | None = None):
+        self.pace = pace or Pace()
         self.model, self.examples, self.tok, self.device = model, examples, tok, device
         self.rank, self.world, self.max_new_tokens = rank, world, max_new_tokens
         self.path = os.path.join(run_dir, "evals.jsonl")
@@ -103,7 +115,8 @@ class Evaluator:
         with torch.no_grad():
             own = [p.detach().clone() for p in params]
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-            dist.all_reduce(flat)
+            with self.pace.waiting("the all-reduce of the replicas' mean"):
+                dist.all_reduce(flat)
             flat.div_(self.world)
             off = 0
             for p in params:
@@ -130,12 +143,13 @@ class Evaluator:
         with self._replicas_mean() as mean:
             loss, correct, n = evaluate(self.model, self.examples, self.tok, self.device,
                                         rank=self.rank, world=self.world,
-                                        max_new_tokens=self.max_new_tokens)
+                                        max_new_tokens=self.max_new_tokens, pace=self.pace)
         rec = {"step": step, "eval_loss": loss, "exact_match": correct / n if n else None,
                "correct": correct, "n": n, "time": time.time()}
         if mean:
             rec["replicas"] = "mean"
         if self.rank == 0:
+            self.pace.tick("record")
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
             if self.sinks is not None:

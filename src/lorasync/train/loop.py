@@ -57,6 +57,7 @@ from lorasync.train.ddp import buffer_sync_kwarg as _buffer_sync_kwarg
 from lorasync.train.ddp import make_identical
 from lorasync.train.summary import format_summary
 from lorasync.train.summary import summarize as _summarize
+from lorasync.train.watchdog import Pace
 
 __all__ = ["train_worker", "resolve_backend", "Trainer"]
 
@@ -110,7 +111,8 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     from transformers.utils import logging as hf_logging
 
     from lorasync.train.recovery import next_action
-    from lorasync.train.watchdog import Watchdog, describe_self
+    from lorasync.train.watchdog import (StartGuard, Watchdog, bounded_call, describe_self,
+                                         stall_here)
 
     spawned = time.time()
     env = worker_env()
@@ -129,9 +131,25 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    # the group's store on this node's address only, never every interface
-    init_process_group(backend, _dt.timedelta(minutes=10),
-                       device_id=device if backend == "nccl" else None)
+    # Until the watchdog runs (it needs the store and every rank's description) the
+    # start has a bound of its own: a rank that does not arrive is named.
+    store_addr, store_port = master_endpoint()
+    guard = StartGuard(rank=rank, world=env["world_size"], store_addr=store_addr,
+                       store_port=store_port, bound_s=start_bound(cfg.run.fault_timeout),
+                       bound_text=f"max({START_BOUND_MIN_S:g} s, 2 x --fault-timeout "
+                       f"{cfg.run.fault_timeout:g} s)",
+                       next_action=lambda: next_action(cfg.run.output_dir)).start()
+    try:
+        stall_here("init")  # test hook (off unless LORASYNC_TEST_STALL names this rank)
+        guard.connecting()
+        # the group's store on this node's address only, never every interface
+        store = init_process_group(backend, _dt.timedelta(minutes=10),
+                                   device_id=device if backend == "nccl" else None,
+                                   on_store=lambda st: guard.reached("store", st))
+        guard.reached("group", store)
+    except BaseException:
+        guard.done()
+        raise
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
             int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
         log("note: torchrun shares one c10d store between restarts here; set "
@@ -144,7 +162,7 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         me = describe_self(rank)
         me["token"] = uuid.uuid4().hex if rank == 0 else None
         dist.all_gather_object(members, me)
-        store_addr, store_port = master_endpoint()
+        guard.reached("members", store)
         watchdog = Watchdog(rank=rank, members=members, store_addr=store_addr,
                             store_port=store_port,
                             prefix=f"lorasync/watchdog/{members[0]['token']}/",
@@ -154,6 +172,7 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         watchdog.start()
         # every rank's first beat is in the store before anyone watches
         dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
+        guard.done()
         trainer = Trainer(cfg, resume, env, device, backend, log, watchdog=watchdog,
                           spawned=spawned)
         trainer.setup()
@@ -166,9 +185,25 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
             watchdog.connection_lost(exc)  # names the peer, records it, exits
         raise
     finally:
+        guard.done()
         if watchdog is not None:
             watchdog.stop()
-        dist.destroy_process_group()
+        # a peer stuck in its own teardown must not keep this worker: it ends anyway
+        if not bounded_call(lambda: (stall_here("destroy"), dist.destroy_process_group()),
+                            cfg.run.fault_timeout, "lorasync-destroy"):
+            print(f"lorasync: rank {rank}: destroy_process_group did not return within "
+                  f"{cfg.run.fault_timeout:g} s (--fault-timeout); this worker ends without it",
+                  file=sys.stderr, flush=True)
+
+
+#: the least time the start of a group (store, process group, first gather) gets
+START_BOUND_MIN_S = 20.0
+
+
+def start_bound(fault_timeout: float) -> float:
+    """Seconds the start of a group may take before the ranks that did not
+    arrive are named: max(20 s, 2 x --fault-timeout)."""
+    return max(START_BOUND_MIN_S, 2 * float(fault_timeout))
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
@@ -235,6 +270,8 @@ class Trainer:
         self.barrier = (lambda: dist.barrier(device_ids=[device.index])) if backend == "nccl" \
             else dist.barrier
         self.watchdog = watchdog
+        # what the main thread tells the watchdog about its progress (no-ops without one)
+        self.pace = watchdog if watchdog is not None else Pace()
         self.spawned = spawned if spawned is not None else time.time()
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.steplog = None
@@ -243,8 +280,11 @@ class Trainer:
         self._eval_now = False    # evaluate after this step
 
     def _mark(self, phase: str, step: int | None = None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.mark(phase, self.progress.step if step is None else step)
+        self.pace.mark(phase, self.progress.step if step is None else step)
+
+    def _barrier(self, what: str) -> None:
+        with self.pace.waiting(what):
+            self.barrier()
 
     def record_event(self, event: dict) -> None:
         """An event of this rank (a fault verdict) into its stream, once it is open."""
@@ -269,8 +309,11 @@ class Trainer:
         self.attempt = Attempt()
         self._mark("setup")
         t_load = time.time()
+        # the one stage without a bound of its own: a first download may take any time
+        self.pace.tick("load", allow_s=math.inf)
         base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
         self.train_set, self.eval_set = load_datasets(cfg.data, self.tok)
+        self.pace.tick("loaded")
         self.global_batch = world * tc.batch_size * tc.grad_accum
         if len(self.train_set) < self.global_batch:
             raise DataError(f"data.path: {len(self.train_set)} training examples is fewer than "
@@ -284,7 +327,7 @@ class Trainer:
 
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
-                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts)
+                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
         self.plan, meta, histories = self.ckpt.agree(
@@ -306,22 +349,25 @@ class Trainer:
         # Make the adapter identical on every rank: rank 0's init is the truth.
         # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
         lora = [p for n, p in model.named_parameters() if "lora_" in n]
-        self.startup_bytes = make_identical(lora, device)
+        with self.pace.waiting("the check that every rank's adapter is the same"):
+            self.startup_bytes = make_identical(lora, device)
         self.n_adapter = adapter_param_count(model)
         self.log(f"lorasync: {world} rank(s), backend {self.backend}, model {cfg.model.name}, "
                  f"{self.n_adapter:,} trainable adapter parameters, strategy "
                  f"{cfg.comm.strategy}, {len(self.train_set)} train / {len(self.eval_set)} eval "
                  f"examples, loaded in {time.time() - t_load:.1f} s")
 
-        self.ddp = DDP(model, device_ids=[device.index] if self.backend == "nccl" else None,
-                       init_sync=False, bucket_cap_mb=cfg.comm.bucket_mb,
-                       find_unused_parameters=False,
-                       **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
+        with self.pace.waiting("DDP's check of the parameters across ranks"):
+            self.ddp = DDP(model, device_ids=[device.index] if self.backend == "nccl" else None,
+                           init_sync=False, bucket_cap_mb=cfg.comm.bucket_mb,
+                           find_unused_parameters=False,
+                           **_buffer_sync_kwarg(cfg.comm.broadcast_buffers))
         try:
-            self.sync = attach(self.ddp, cfg.comm.strategy, hierarchy=cfg.comm.hierarchy,
-                               ranks_per_node=cfg.comm.ranks_per_node or None,
-                               allreduce_algo=cfg.comm.allreduce_algo,
-                               cross_node=cfg.comm.cross_node, **cfg.comm.options)
+            with self.pace.waiting("the set-up of the sync strategy"):
+                self.sync = attach(self.ddp, cfg.comm.strategy, hierarchy=cfg.comm.hierarchy,
+                                   ranks_per_node=cfg.comm.ranks_per_node or None,
+                                   allreduce_algo=cfg.comm.allreduce_algo,
+                                   cross_node=cfg.comm.cross_node, **cfg.comm.options)
         except ValueError as exc:
             raise LorasyncError(f"comm: {exc}") from None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -352,8 +398,9 @@ class Trainer:
         # restored on every rank (a failed resume stops every rank in restore):
         # only now write.
         if rank == 0:
+            self.pace.tick("run directory")
             prepare_run_dir(cfg, self.resume)
-        self.barrier()
+        self._barrier("the barrier after the run directory is written")
         if self.local_rank == 0 and not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
             # node-local disks: every node gets the config, so `--resume` works on each
             prepare_run_dir(cfg, self.resume)
@@ -380,7 +427,7 @@ class Trainer:
                                   rank=self.rank, world=self.world,
                                   max_new_tokens=tc.max_new_tokens, run_dir=self.run_dir,
                                   sinks=self.steplog.sinks, sync=lambda: self.sync,
-                                  mean_replicas=tc.eval_mean)
+                                  mean_replicas=tc.eval_mean, pace=self.pace)
         try:
             if self.plan.step:  # evaluations after the checkpoint will run again
                 self.evaluate.forget_after(self.progress.step)
@@ -529,19 +576,26 @@ class Trainer:
         import torch.distributed as dist
 
         from lorasync.monitor.metrics import effective_records, write_merged
+        from lorasync.train.checkpoint import SLOW_DISK_BPS
         from lorasync.train.recovery import fault_summary
 
         cfg, rank, world, run_dir = self.cfg, self.rank, self.world, self.run_dir
         self._mark("finish")
-        self.sync.finish()
+        with self.pace.waiting("the final sync"):
+            self.sync.finish()
         eval_after = self.evaluate(self.total_steps) if cfg.data.eval_size and self.eval_set \
             else None
         if rank == 0:
+            self.pace.tick("adapter", allow_s=self.n_adapter * 4 / SLOW_DISK_BPS)
             self.model.save_pretrained(os.path.join(run_dir, "adapter"))
+        self.pace.tick("end event")
         self._end_event("done")
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object(self.steplog.records, gathered, dst=0)
+        with self.pace.waiting("the gather of every rank's records"):
+            dist.gather_object(self.steplog.records, gathered, dst=0)
         if rank == 0:
+            # metrics.jsonl and summary.json: about half a kB per record
+            self.pace.tick("summary", allow_s=sum(map(len, gathered)) * 512 / SLOW_DISK_BPS)
             steps = effective_records(gathered)
             write_merged(os.path.join(run_dir, "metrics.jsonl"), steps)
             summary = _summarize(steps, cfg, world, self.n_adapter, self.startup_bytes,
@@ -550,6 +604,6 @@ class Trainer:
             with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=1)
             print(format_summary(summary, run_dir))
-        self.barrier()
+        self._barrier("the final barrier")
         return 0
 
