@@ -38,12 +38,8 @@ import sys
 import time
 from datetime import timedelta
 
-<<<<<<< HEAD
 from lorasync.launch import guard, stores
-=======
-from lorasync.launch import stores
 from lorasync.launch.rendezvous import RendezvousStalled, install_rendezvous_bound
->>>>>>> no-hangs
 
 __all__ = ["AgentOptions", "UnreachableNodes", "agent_argv", "exit_code", "main", "split_argv"]
 
