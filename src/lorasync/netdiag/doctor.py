@@ -492,6 +492,10 @@ def job_listeners(host: HostInfo) -> list[tuple[int, str, str, int]]:
     process of this host listens on (read from /proc: real hosts only)."""
     if host.fake:
         return []
+    try:   # sockets of another network namespace are not on this host's interfaces
+        here = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        here = None
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -507,6 +511,11 @@ def job_listeners(host: HostInfo) -> list[tuple[int, str, str, int]]:
             continue
         if pid == os.getpid():
             continue   # this doctor itself
+        try:
+            if here is not None and os.stat(f"/proc/{pid}/ns/net").st_ino != here:
+                continue
+        except OSError:
+            continue
         inodes = set()
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -589,14 +598,16 @@ def _tunnel_key_files(host: HostInfo) -> list[str]:
 
 
 def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | None = None,
-                  rdzv_endpoint: str | None = None) -> list[Finding]:
+                  rdzv_endpoint: str | None = None, exposure: bool = True) -> list[Finding]:
     """Every check that needs only this host. ``nnodes``: how many nodes the
-    job spans (None: unknown), which decides how bad a loopback address is."""
+    job spans (None: unknown), which decides how bad a loopback address is.
+    ``exposure``: also look at the jobs running here (off inside a live
+    check, which looks at its own job's stores)."""
     link = link or default_link(host)
     return (_check_hostname(host, nnodes) + _check_ifname_env(host, nnodes) + _check_candidates(host, nnodes)
             + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host)
             + _check_rendezvous(host, rdzv_endpoint, nnodes) + _check_overlay(host, rdzv_endpoint, nnodes)
-            + _check_exposure(host))
+            + (_check_exposure(host) if exposure else []))
 
 
 # -- live ------------------------------------------------------------------------------------

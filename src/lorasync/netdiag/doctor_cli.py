@@ -121,7 +121,7 @@ def _worker(args, host, link) -> int:
         dist = init_group(args)
     except Exception as exc:  # the finding is the point: say what we saw here, then fail
         nn = max(args.nnodes or 1, env["world_size"] // max(1, env["local_world_size"]))
-        findings = static_checks(host, nnodes=nn, link=link) + [Finding(
+        findings = static_checks(host, nnodes=nn, link=link, exposure=False) + [Finding(
             "reachable", "error",
             f"rank {env['rank']} could not join the other {env['world_size'] - 1} rank(s) within "
             f"{args.timeout:g} s: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
@@ -142,7 +142,7 @@ def _worker(args, host, link) -> int:
                               time_budget_s=8.0)
         if link is None and probe and probe.get("model") and probe["model"].get("bandwidth_Bps"):
             link = link_from_probe_data(probe, "measured by a quick probe")
-        mine = static_checks(host, nnodes=nnodes, link=link)
+        mine = static_checks(host, nnodes=nnodes, link=link, exposure=False)
         per_rank: list = [None] * world
         dist.all_gather_object(per_rank, mine)
         findings = merge_findings(per_rank) + live_checks(all_facts, probe)

@@ -641,13 +641,13 @@ class StartGuard:
 
     def _who_is_missing(self) -> tuple[str, int | None]:
         """The ranks furthest behind, named, and what they did not do."""
-        import torch.distributed as dist
+        from lorasync.launch.stores import connect
 
         endpoint = f"{self.store_addr}:{self.store_port}"
-        try:
-            store = dist.TCPStore(self.store_addr, self.store_port, is_master=False,
-                                  wait_for_workers=False,
-                                  timeout=_dt.timedelta(seconds=min(5.0, self.bound_s / 4)))
+        try:   # through the guard when the job has one, as every store client
+            store = connect(self.store_addr, self.store_port, None,
+                            _dt.timedelta(seconds=min(5.0, self.bound_s / 4)),
+                            wait_for_workers=False)
         except Exception:  # noqa: BLE001 - refused, timed out: nobody serves it
             if self.rank == 0:
                 return f"this rank could not open the group's store at {endpoint}", 0
