@@ -29,8 +29,12 @@ before the interpreter finalizes:
 
 Steps 1-2 run on a daemon helper thread, waited for at most
 :data:`EXIT_TIMEOUT_S` seconds (env ``LORASYNC_EXIT_TIMEOUT``), so a dead peer
-cannot hang the exit; step 4 at most :data:`IDLE_TIMEOUT_S`.  Nothing is
-raised and the exit code stays the script's: a problem is one line on stderr.
+cannot hang the exit (Python 3.12 refuses new threads at exit: there they run
+inline, without the deadline); step 4 takes at most :data:`IDLE_TIMEOUT_S`.
+Nothing is raised and the exit code stays the script's: a problem is one
+line on stderr.  A helper left behind by the deadline is still inside torch
+when the interpreter finalizes and may abort the process then: that is a
+peer that died, where the run has failed anyway.
 """
 
 from __future__ import annotations
@@ -159,8 +163,12 @@ def at_exit() -> None:
         timeout = _timeout()
         helper = threading.Thread(target=_settle_and_destroy, args=(errors,), daemon=True,
                                   name="lorasync-exit")
-        helper.start()
-        helper.join(timeout)
+        try:
+            helper.start()
+        except RuntimeError:   # Python 3.12 starts no thread at exit: no deadline there
+            _settle_and_destroy(errors)
+        else:
+            helper.join(timeout)
         if helper.is_alive():
             _say(f"the process group did not settle within {timeout:g} s (a peer gone or "
                  "stuck in a collective); leaving it to the interpreter (raise "
