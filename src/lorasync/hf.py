@@ -725,7 +725,16 @@ def _attach_trainer(trainer, strategy: str, options: dict[str, Any], *,
         handle.notes.append(note)
     # first, so that the metrics it adds in on_log reach the report_to callbacks
     trainer.callback_handler.callbacks.insert(0, _Callback(handle, trainer))
+    _exit_guard()
     return handle
+
+
+def _exit_guard() -> None:
+    """The process ends cleanly (docs/huggingface.md, "Clean exits"): neither the
+    Trainer nor accelerate destroys the process group, so lorasync does at exit."""
+    from lorasync.comm import shutdown
+
+    shutdown.install()
 
 
 #: below this many steps between the Trainer's logs, attach says what they cost
@@ -771,4 +780,5 @@ def _attach_accelerator(acc, strategy: str, options: dict[str, Any]) -> HFSync:
                       find_unused=bool(user.pop("find_unused_parameters", False)),
                       buffers=bool(user.pop("broadcast_buffers", False)), extra=user)
     acc.ddp_handler = _LorasyncDDPKwargs(handle, ddp)
+    _exit_guard()
     return handle

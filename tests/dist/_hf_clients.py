@@ -9,12 +9,15 @@ JOB:
                     "NAME:STRATEGY[:opts]" (see job_trainer); env HF_RESUME
   accelerate        an accelerate loop with lorasync.hf.attach(accelerator, ...) and one
                     with lorasync.attach(accelerator.prepare(model), ...)
+  exit SPEC...      the trainer job, then the script ends as users' scripts do: no barrier,
+                    no destroy_process_group (tests/dist/test_hf_exits.py, bench/hf_exits.py)
 
 Each run leaves DUMP_DIR/NAME/rank-R.pt: this rank's adapter, log history,
 lorasync stats and per-step records (and, on a resume, the strategy state
 right after lorasync loaded it).
 """
 
+import functools
 import importlib.util
 import os
 import sys
@@ -25,6 +28,43 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 warnings.filterwarnings("ignore")
+
+#: the exit job's runs, one per strategy (tests/dist/test_hf_exits.py, bench/hf_exits.py):
+#: (id, "STRATEGY[:KEY=VALUE,...]")
+EXIT_STRATEGIES = [
+    ("allreduce", "allreduce"),
+    ("fp16", "fp16"),
+    ("bf16", "bf16"),
+    ("int8", "int8"),
+    ("onebit", "onebit:warmup_steps=2"),
+    ("topk", "topk"),
+    ("powersgd", "powersgd"),
+    ("local", "local:period=2"),
+    ("diloco", "diloco:period=2"),
+    ("diloco-streaming", "diloco:period=2,streaming=true"),
+    ("auto", "auto:probe=live,measure_steps=1,interval=2"),
+]
+#: the strategy the issue saw abort at exit
+EXIT_AT_RISK = "diloco-streaming"
+
+
+def exit_spec(name, strategy_opts, steps=6):
+    """The exit job's spec NAME:STRATEGY:OPTS,steps=STEPS."""
+    strategy, _, opts = strategy_opts.partition(":")
+    return f"{name}:{strategy}:" + ",".join(o for o in (opts, f"steps={steps}") if o)
+
+
+def exit_clean(returncode, output, ranks=2):
+    """What is wrong with an exit job's run (empty: a clean exit): its exit code,
+    lines of an abort or a traceback, lorasync's exit guard reporting trouble,
+    a rank that did not reach the end."""
+    bad = [] if returncode == 0 else [f"exit code {returncode}"]
+    bad += [line.strip() for line in output.splitlines()
+            if any(m in line for m in ("terminate called", "Fatal Python error", "Traceback",
+                                       "SIGABRT", "lorasync: at exit"))]
+    if output.count("trained, leaving") != ranks:
+        bad.append(f"{output.count('trained, leaving')} of {ranks} ranks reached the end")
+    return bad
 
 
 def rank() -> int:
@@ -101,13 +141,14 @@ def _collator(tok):
     return collate_fn
 
 
-def job_trainer(dump_dir, specs):
+def job_trainer(dump_dir, specs, *, results=True):
     """Options of a spec besides the strategy's: ga (micro-batches per step),
     steps, save (checkpoint every N steps; with env HF_RESUME=DIR resume from
     DIR/NAME/out/checkpoint-N), perturb (rank 1 changes one frozen base weight first: a start-up
     broadcast would undo it), attach (false: plain Trainer DDP, no lorasync),
     keep_token_average (attach's);
-    a NAME starting with "bad" expects attach/train to fail (message dumped)."""
+    a NAME starting with "bad" expects attach/train to fail (message dumped).
+    ``results=False`` dumps nothing after training (the exit job ends at once)."""
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
@@ -160,6 +201,8 @@ def job_trainer(dump_dir, specs):
             if not name.startswith("bad"):
                 raise
             dump(dump_dir, name, error=f"{type(e).__name__}: {e}")
+            continue
+        if not results:
             continue
         dump(dump_dir, name, adapter=adapter_of(trainer.model),
              frozen=frozen.detach().clone(), log_history=trainer.state.log_history,
@@ -299,7 +342,11 @@ def main():
     job, dump_dir, *specs = sys.argv[1:]
     torch.set_num_threads(1)
     {"sft": job_sft, "trainer": job_trainer, "accelerate": job_accelerate,
-     "bad": job_bad}[job](dump_dir, specs)
+     "bad": job_bad, "exit": functools.partial(job_trainer, results=False)}[job](dump_dir, specs)
+    if job == "exit":
+        # like a user's script: the Trainer leaves the process group to the exit
+        print(f"rank {rank()}: trained, leaving", flush=True)
+        return
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()

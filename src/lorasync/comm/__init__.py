@@ -87,6 +87,11 @@ def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
     take or a bad value, or a backend that lacks what the strategy needs.
     Every rank must call it (some strategies probe the backend with a tiny
     collective; the topology is one all-gather of host keys).
+
+    At exit the sync is settled and the process groups are destroyed
+    (:mod:`lorasync.comm.shutdown`); a loop should still end with
+    ``sync.finish()`` (the replicas identical) and may call
+    ``dist.destroy_process_group()`` itself.
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(
@@ -108,15 +113,22 @@ def attach(ddp: torch.nn.parallel.DistributedDataParallel, strategy: str,
         raise ConfigError("ranks_per_node", ranks_per_node, "applies to the default process "
                           "group only")
     if strategy == "auto":
-        return cls(ddp, process_group=process_group, hierarchy=hierarchy, topology=topo,
-                   allreduce_algo=allreduce_algo, cross_node=cross_node, **options)
+        return _track(cls(ddp, process_group=process_group, hierarchy=hierarchy, topology=topo,
+                         allreduce_algo=allreduce_algo, cross_node=cross_node, **options))
     if use_hierarchy(strategy, hierarchy, topo, options):
-        return Hierarchical(ddp, strategy, topo, allreduce_algo=allreduce_algo,
-                            cross_node=cross_node, **options)
+        return _track(Hierarchical(ddp, strategy, topo, allreduce_algo=allreduce_algo,
+                                  cross_node=cross_node, **options))
     sync = cls(ddp, process_group=process_group, **options)
     sync.spans_nodes = topo.num_nodes > 1 if topo is not None else True
     if allreduce_algo != "ring":
         sync.wire.set_algo(_chooser(allreduce_algo, sync.wire, sync))
+    return _track(sync)
+
+
+def _track(sync: Sync) -> Sync:
+    """``sync``, settled at exit by lorasync's exit guard (lorasync.comm.shutdown)."""
+    from lorasync.comm import shutdown
+    shutdown.track(sync)
     return sync
 
 

@@ -448,9 +448,19 @@ class _Runner:
         self._q.put((job, fut))
         return _ThreadWork(fut)
 
+    def stop(self, timeout: float) -> bool:
+        """End the thread once the jobs queued before have run; False if it
+        is still running after ``timeout`` seconds."""
+        self._q.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _loop(self) -> None:
         while True:
-            job, fut = self._q.get()
+            item = self._q.get()
+            if item is None:
+                return
+            job, fut = item
             try:
                 out = job()
             except Exception as e:  # noqa: BLE001 - handed to whoever waits
@@ -470,6 +480,16 @@ def _runner(group: dist.ProcessGroup | None) -> _Runner:
         if r is None:
             r = _runners[key] = _Runner()
         return r
+
+
+def stop_runners(timeout: float) -> bool:
+    """Stop every point-to-point worker (at exit: a thread inside a collective
+    when the interpreter finalizes aborts the process); False if one did not
+    stop within ``timeout`` seconds.  A later collective starts a new one."""
+    with _runners_lock:
+        runners = list(_runners.values())
+        _runners.clear()
+    return all([r.stop(timeout) for r in runners])
 
 
 class _Done:
