@@ -241,6 +241,33 @@ def scaling() -> str:
     return "\n".join(lines)
 
 
+def hf_exits() -> str:
+    """bench/hf_exits.py: runs of the Trainer exit script that did not exit 0
+    cleanly, with the exit guard (this checkout) and, in the same rounds,
+    without it (the checkout before it); then the guard's own 20-run series."""
+    paired = _load("hf", "exits-paired.json")
+    alone = _load("hf", "exits.json")
+    after, before = paired["strategies"], paired["before"]["strategies"]
+    lines = ["| strategy | without the guard: not clean | with the guard: not clean | "
+             "with the guard, alone: not clean |", "|---|---|---|---|"]
+
+    def cell(r: dict | None) -> str:
+        return "-" if r is None else f"{r['runs'] - r['clean']} of {r['runs']}"
+
+    for name in after:
+        lines.append(f"| {name} | {cell(before.get(name))} | {cell(after[name])} | "
+                     f"{cell(alone['strategies'].get(name))} |")
+    tb, ta, t1 = paired["before"]["total"], paired["total"], alone["total"]
+    lines.append(f"| **all** | **{tb['runs'] - tb['clean']} of {tb['runs']}** | "
+                 f"**{ta['runs'] - ta['clean']} of {ta['runs']}** | "
+                 f"**{t1['runs'] - t1['clean']} of {t1['runs']}** |")
+    lines.append("")
+    lines.append(f"Host load (1-minute average) {paired['load_before']:.1f} before and "
+                 f"{paired['load_after']:.1f} after the paired rounds; {alone['load_before']:.1f} "
+                 f"and {alone['load_after']:.1f} for the series alone.")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -254,6 +281,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "quality": quality,
     "auto-cut": auto_cut,
     "scaling": scaling,
+    "hf-exits": hf_exits,
 }
 
 
