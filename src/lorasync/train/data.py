@@ -474,6 +474,9 @@ class _Formatter:
         gen_prompt, answer = None, None
         for i, m in enumerate(msgs):
             if m["role"] == "assistant":
+                if i == 0:
+                    raise DataError("the conversation starts with the assistant, so it has no "
+                                    "prompt; start it with a user (or system) turn")
                 try:
                     head = self._render(msgs[:i], True)
                     full = self._render(msgs[: i + 1], False)
@@ -548,6 +551,7 @@ def pack(examples: list[Example], seq_len: int) -> list[Example]:
     except ImportError:
         raise DataError("data.packing: --packing needs TRL and datasets: pip install "
                         "'lorasync[hf]'") from None
+    _datasets()   # quiet: no progress bar per packing
     table = Dataset.from_dict({
         "input_ids": [e.input_ids for e in examples],
         "labels": [[IGNORE] + e.labels[1:] for e in examples]})
@@ -672,7 +676,9 @@ def collate(examples: list[Example], pad_id: int):
     attention mask: transformers then builds a causal mask that is also
     block-diagonal over the examples packed in a row.  Padding continues the
     positions of the row's last example, so it joins that block, after every
-    real token (which therefore never sees it), with no labels."""
+    real token (which therefore never sees it), with no labels.  The model must
+    run without a KV cache (``use_cache=False``, as the trainer calls it):
+    transformers builds that mask only then."""
     import torch
 
     width = max(len(e.input_ids) for e in examples)

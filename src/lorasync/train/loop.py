@@ -502,12 +502,14 @@ class Trainer:
             data_s += time.perf_counter() - td
             last = i == len(micro) - 1
             sync.last_ready_time = None
+            # use_cache=False: no KV cache to build, and transformers masks attention
+            # between packed examples (--packing) only when there is none
             if last:
-                loss = ddp(**batch).loss
+                loss = ddp(**batch, use_cache=False).loss
                 (loss / len(micro)).backward()
             else:
                 with ddp.no_sync():  # accumulate locally; sync once per step
-                    loss = ddp(**batch).loss
+                    loss = ddp(**batch, use_cache=False).loss
                     (loss / len(micro)).backward()
             if last and sync.last_ready_time is not None:
                 if device.type == "cuda":
