@@ -150,10 +150,13 @@ def test_hub_dataset_from_the_local_cache_only(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_unknown_file_type(tmp_path):
-    (tmp_path / "d.txt").write_text("hello\n")
-    with pytest.raises(DataError, match=r"\.txt file; give a \.jsonl"):
+def test_other_files_are_read_as_jsonl(tmp_path):
+    """As before the other formats: a file that is not a table is JSONL."""
+    (tmp_path / "d.txt").write_text('{"text": "hello"}\nhello\n')
+    with pytest.raises(DataError, match=r"d.txt:2: not valid JSON"):
         read_rows(str(tmp_path / "d.txt"))
+    with pytest.raises(DataError, match="file .*nope.txt' not found"):
+        read_rows(str(tmp_path / "nope.txt"))
 
 
 # ---------------------------------------------------------------- config

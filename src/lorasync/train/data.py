@@ -249,9 +249,8 @@ _TABLES = {".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 
 
 def _datasets():
-    """The ``datasets`` library, offline: lorasync never downloads at run time."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """The ``datasets`` library, offline: lorasync never downloads at run time
+    (set on the library, not in the environment the workers inherit)."""
     try:
         import datasets
     except ImportError:
@@ -284,9 +283,6 @@ def _load_table(spec: str, field: str, split: str):
     """(dataset of the split, the dataset's held-out split or None, what to call
     it in messages) for a file, a directory or a cached Hub dataset id."""
     ext = os.path.splitext(spec)[1].lower()
-    if os.path.isfile(spec) and ext not in _TABLES:
-        raise DataError(f"{field}: {spec!r} is a {ext or 'extension-less'} file; give a .jsonl, "
-                        ".json, .csv, .tsv or .parquet file, or a dataset directory")
     if not os.path.exists(spec) and not _is_hub_id(spec):
         raise DataError(f"{field}: file {spec!r} not found; give "
                         + ("'demo', " if field == "data.path" else "")
@@ -368,8 +364,10 @@ def read_rows(spec: str, field: str = "data.path", fmt: str = "auto",
     """(validated rows, the held-out rows of a dataset with a validation or
     test split, else None) of any source ``--data`` takes."""
     ext = os.path.splitext(spec)[1].lower()
-    if ext in _JSONL or (field == "data.path" and not os.path.exists(spec) and ext == ""
-                         and not _is_hub_id(spec)):
+    # JSONL, and any other file that is not a table (read as JSONL, as lorasync always did:
+    # its errors name the line)
+    if ext in _JSONL or (os.path.isfile(spec) and ext not in _TABLES) or \
+            (not os.path.exists(spec) and ext not in _TABLES and not _is_hub_id(spec)):
         return read_jsonl(spec, field, fmt, columns), None
     table, held = _load_table(spec, field, split)
     return _table_rows(table, spec, fmt, columns), \
