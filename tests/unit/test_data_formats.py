@@ -70,7 +70,8 @@ def test_sharegpt_rows_map_their_roles(tmp_path):
 
 @pytest.mark.parametrize("row, fmt, needle", [
     ({"conversations": [{"from": "human", "value": "a"}, {"from": "tool", "value": "b"}]},
-     "auto", "conversations[1]"),
+     "auto", "conversations[1].from is 'tool'"),
+    ({"messages": [{"role": ["user"], "content": "a"}]}, "auto", "messages[0] must be"),
     ({"conversations": [{"from": "human", "value": "a"}]}, "auto", "no assistant turn"),
     ({"instruction": "a"}, "auto", "no 'output' field"),
     ({"instruction": "a", "output": 3}, "auto", "'output' must be a string"),
@@ -178,16 +179,30 @@ def test_data_columns_and_format_options():
         DataConfig(format="chatml")
 
 
-def test_bad_csv_column_is_refused_before_any_worker(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("files, flags, needles", [
+    ({"d.csv": "question,answer\n" + "q,a\n" * 20},
+     ["--data", "d.csv", "--data-columns", "prompt=question,completion=reply"],
+     ("d.csv", "no column 'reply'", "question, answer")),
+    ({}, ["--data", "someone/uncached"],
+     ("data.path", "`hf download someone/uncached --repo-type dataset`")),
+    ({"d.jsonl": json.dumps({"prompt": "p", "completion": "c"}) + "\n"},
+     ["--data", "d.jsonl", "--data-format", "sharegpt"],
+     ("d.jsonl:1", "'conversations'", "--data-format sharegpt")),
+    # 20 short rows pack into fewer rows than a global batch of 2 x 4
+    ({"d.jsonl": "".join(json.dumps({"text": f"r{i}"}) + "\n" for i in range(20))},
+     ["--data", "d.jsonl", "--packing", "--eval-size", "0", "--batch-size", "4"],
+     ("data.path", "fewer than one global batch")),
+])
+def test_bad_data_is_refused_before_any_worker(monkeypatch, tmp_path, capsys, files, flags,
+                                               needles):
     work = tmp_path / "w"   # datasets' cache (the fixture's) lies beside it
     work.mkdir()
     monkeypatch.chdir(work)
     Guard(monkeypatch)
-    (work / "d.csv").write_text("question,answer\n" + "q,a\n" * 20)
-    refused(capsys, work, ["train", "--model", "tiny", "--no-progress", "--data", "d.csv",
-                               "--data-columns", "prompt=question,completion=reply",
-                               "--output-dir", "r"],
-            "d.csv", "no column 'reply'", "question, answer")
+    for name, text in files.items():
+        (work / name).write_text(text)
+    refused(capsys, work, ["train", "--model", "tiny", "--no-progress", *flags,
+                           "--output-dir", "r"], *needles)
 
 
 # ---------------------------------------------------------------- chat templates, lengths

@@ -1,4 +1,13 @@
-"""Training data: the bundled demo task, JSONL files, tokenization, sharding.
+"""Training data: the bundled demo task, the data people have, tokenization,
+packing, sharding.
+
+Sources: JSONL (read here, line by line), JSON, CSV/TSV, Parquet, datasets'
+save_to_disk directories and Hub datasets in the local cache (through the
+``datasets`` library, offline).  Rows: prompt/completion, text, messages,
+Alpaca and ShareGPT, detected per row or named (``--data-format``), with the
+user's column names mapped (``--data-columns``); all become the three forms
+``encode_rows`` takes.  Chat templates come from the tokenizer, with the loss
+on the assistant's tokens only; docs/data.md has the fallback without one.
 
 The demo task is generated, deterministic and exactly checkable: a mix of
 3-digit addition, sorting five 2-digit numbers and reversing four words.  A
@@ -115,7 +124,12 @@ def _conversation(turns, where: str, key: str) -> list[dict]:
     for i, m in enumerate(turns):
         rk, ck = ("from", "value") if isinstance(m, dict) and m.get("role") is None \
             and m.get("from") is not None else ("role", "content")
-        role = _ROLES.get(m.get(rk)) if isinstance(m, dict) else None
+        name = m.get(rk) if isinstance(m, dict) else None
+        role = _ROLES.get(name) if isinstance(name, str) else None
+        if isinstance(name, str) and role is None:
+            raise DataError(f"{where}: {key}[{i}].{rk} is {name[:40]!r}, a role lorasync does "
+                            "not train on; use system, user or assistant (ShareGPT: system, "
+                            "human or gpt)")
         if role is None or not isinstance(m.get(ck), str):
             raise DataError(f"{where}: {key}[{i}] must be {{\"role\": system|user|assistant, "
                             '"content": string} (ShareGPT: {"from": system|human|gpt, '
