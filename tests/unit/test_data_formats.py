@@ -231,7 +231,8 @@ def test_a_template_that_refuses_a_conversation_names_the_row():
                          "raise_exception('System role not supported') }}{% endif %}{% endfor %}"
                          + CHATML)
     user, bot = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
-    rows = [{"messages": [user, bot]}, {"messages": [{"role": "system", "content": "s"}, user, bot]}]
+    rows = [{"messages": [user, bot]},
+            {"messages": [{"role": "system", "content": "s"}, user, bot]}]
     with pytest.raises(DataError, match="data.path: row 2: the tokenizer's chat template "
                                         "refused .*System role not supported"):
         encode_rows(rows, tok, 64)
