@@ -638,6 +638,10 @@ def load_datasets(data_cfg, tok, need: int | None = None, warn=None
                         f"within seq_len={cfg.seq_len}; raise --seq-len")
     _warn_lengths(stats, cfg.seq_len, "training", warn)
     if cfg.packing:
+        if check_only and -(-sum(len(e.input_ids) for e in train) // cfg.seq_len) >= need:
+            # packing makes at least tokens / seq_len rows: enough for sure, and the
+            # launcher is spared importing TRL (seconds)
+            return train, []
         train = pack(train, cfg.seq_len)
     if check_only:
         return train, []
