@@ -9,7 +9,7 @@ YAML layout (every section and key optional)::
 
     model: {name: smollm2-135m}
     lora:  {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj]}
-    data:  {path: demo, seq_len: 128}
+    data:  {path: demo, seq_len: 1024, format: auto, packing: false}
     train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 120, seed: 0}
     comm:  {strategy: allreduce, bucket_mb: 1.0, options: {period: 8}}
     run:   {output_dir: runs/..., nproc: 2}
@@ -89,20 +89,40 @@ class LoraSettings:
                "lora.targets", self.targets, "give a non-empty list of module names, e.g. q_proj,v_proj")
 
 
+# row formats of --data-format, and the fields --data-columns can map (train/data.py)
+DATA_FORMATS = ("auto", "prompt_completion", "text", "messages", "alpaca", "sharegpt")
+DATA_COLUMNS = ("prompt", "completion", "text", "messages", "conversations", "instruction",
+                "input", "output", "system")
+
+
 @dataclass
 class DataConfig:
-    path: str = _f("demo", "'demo' (bundled generated task) or a JSONL file with "
-                   "{prompt, completion}, {text} or {messages} rows", flag="--data")
-    seq_len: int = _f(128, "maximum tokens per example (longer ones are truncated)",
+    path: str = _f("demo", "'demo' (bundled generated task), a .jsonl, .json, .csv, .tsv or "
+                   ".parquet file, a directory written by datasets' save_to_disk (or of such "
+                   "files), or the id of a Hub dataset in the local cache (docs/data.md)",
+                   flag="--data")
+    seq_len: int = _f(1024, "maximum tokens per example: longer ones are truncated and counted "
+                      "in a warning; batches are padded only to their longest example",
                       flag="--seq-len")
-    eval_path: str = _f("", "JSONL file for evaluation; default: the demo's held-out split, "
-                        "or the last eval_size rows of --data", flag="--eval-data")
+    eval_path: str = _f("", "evaluation data, any form --data takes; default: the demo's "
+                        "held-out split, the dataset's validation/test split, or the last "
+                        "eval_size rows of --data", flag="--eval-data")
     eval_size: int = _f(48, "examples used for eval loss and exact-match", flag="--eval-size")
     demo_size: int = _f(4000, "training examples the demo task generates", flag="--demo-size")
+    format: str = _f("auto", "row format: auto (detected from the columns), prompt_completion, "
+                     "text, messages, alpaca or sharegpt", flag="--data-format")
+    columns: dict = _f(dict, "map your column names to the format's, e.g. "
+                       "prompt=question,completion=answer (fields: " + ", ".join(DATA_COLUMNS)
+                       + ")", flag="--data-columns")
+    split: str = _f("train", "split of a dataset directory or Hub dataset to train on",
+                    flag="--data-split")
+    packing: bool = _f(False, "pack several examples into each sequence of seq_len tokens "
+                       "(fewer, fuller rows; attention and loss stay within each example)",
+                       flag="--packing")
 
     def __post_init__(self):
         _check(isinstance(self.path, str) and self.path != "", "data.path", self.path,
-               "give 'demo' or a path to a JSONL file")
+               "give 'demo', a data file, a dataset directory or a cached Hub dataset id")
         _check(isinstance(self.seq_len, int) and 8 <= self.seq_len <= 32768, "data.seq_len",
                self.seq_len, "use an integer between 8 and 32768")
         _check(_int(self.eval_size) and 0 <= self.eval_size <= 100_000, "data.eval_size",
@@ -113,6 +133,37 @@ class DataConfig:
         _check(not (self.path == "demo" and self.eval_path), "data.eval_path", self.eval_path,
                "the demo task evaluates on its own held-out split: drop --eval-data, or give "
                "--data FILE.jsonl to evaluate your rows on it")
+        _check(self.format in DATA_FORMATS, "data.format", self.format, _use_either(DATA_FORMATS))
+        self.columns = _column_map(self.columns)
+        _check(isinstance(self.split, str) and self.split.strip() != "", "data.split",
+               self.split, "name a split, e.g. train")
+
+
+def _column_map(value) -> dict[str, str]:
+    """``"prompt=question,completion=answer"`` (or the YAML mapping) -> {field: column}."""
+    if isinstance(value, str):
+        pairs = {}
+        for part in (p.strip() for p in value.split(",")):
+            if not part:
+                continue
+            k, eq, v = part.partition("=")
+            _check(bool(eq) and k.strip() != "" and v.strip() != "", "data.columns", value,
+                   "write FIELD=COLUMN pairs separated by commas, e.g. "
+                   "prompt=question,completion=answer")
+            _check(k.strip() not in pairs, "data.columns", value,
+                   f"{k.strip()!r} is mapped twice; map each field once")
+            pairs[k.strip()] = v.strip()
+        value = pairs
+    _check(isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) and v
+                                           for k, v in value.items()),
+           "data.columns", value, "give a mapping of field names to column names, e.g. "
+           "prompt=question,completion=answer")
+    for k in value:
+        _check(k in DATA_COLUMNS, "data.columns", k, "map one of the format's fields: "
+               + ", ".join(DATA_COLUMNS))
+    _check(len(set(value.values())) == len(value), "data.columns", value,
+           "map each column to one field only")
+    return dict(value)
 
 
 @dataclass

@@ -312,7 +312,7 @@ class Trainer:
         # the one stage without a bound of its own: a first download may take any time
         self.pace.tick("load", allow_s=math.inf)
         base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
-        self.train_set, self.eval_set = load_datasets(cfg.data, self.tok)
+        self.train_set, self.eval_set = load_datasets(cfg.data, self.tok, warn=self.log)
         self.pace.tick("loaded")
         self.global_batch = world * tc.batch_size * tc.grad_accum
         if len(self.train_set) < self.global_batch:
@@ -486,7 +486,7 @@ class Trainer:
         """One optimizer step: micro-batches, optimizer, strategy, record."""
         import torch
 
-        from lorasync.train.data import batches_at, collate
+        from lorasync.train.data import batch_tokens, batches_at, collate
 
         tc, sync, ddp, device, pg = self.tc, self.sync, self.ddp, self.device, self.progress
         t0 = time.perf_counter()
@@ -496,17 +496,20 @@ class Trainer:
         losses, samples, tokens, data_s, hook_wait = [], 0, 0, 0.0, 0.0
         for i, idx in enumerate(micro):
             td = time.perf_counter()
-            batch = collate([self.train_set[j] for j in idx], self.tok.pad_token_id)
+            examples = [self.train_set[j] for j in idx]
+            batch = collate(examples, self.tok.pad_token_id)
             batch = {k: v.to(device) for k, v in batch.items()}
             data_s += time.perf_counter() - td
             last = i == len(micro) - 1
             sync.last_ready_time = None
+            # use_cache=False: no KV cache to build, and transformers masks attention
+            # between packed examples (--packing) only when there is none
             if last:
-                loss = ddp(**batch).loss
+                loss = ddp(**batch, use_cache=False).loss
                 (loss / len(micro)).backward()
             else:
                 with ddp.no_sync():  # accumulate locally; sync once per step
-                    loss = ddp(**batch).loss
+                    loss = ddp(**batch, use_cache=False).loss
                     (loss / len(micro)).backward()
             if last and sync.last_ready_time is not None:
                 if device.type == "cuda":
@@ -514,7 +517,7 @@ class Trainer:
                 hook_wait += max(0.0, time.perf_counter() - sync.last_ready_time)
             losses.append(float(loss.detach()))
             samples += len(idx)
-            tokens += int(batch["attention_mask"].sum())
+            tokens += batch_tokens(examples)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
