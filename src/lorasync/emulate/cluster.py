@@ -1021,6 +1021,13 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
         # nodes' addresses, inside the emulated network
         from lorasync.launch.guard import ENV as SECRET_ENV, new_secret
         base_env.setdefault(SECRET_ENV, new_secret())
+    else:
+        # nor may a secret the caller's environment holds reach the agents: the
+        # script's workers would meet a guarded agent store with a plain client
+        from lorasync.launch.guard import ENV as SECRET_ENV, FILE_ENV
+        from lorasync.launch.stores import GUARD_ENV
+        for k in (SECRET_ENV, FILE_ENV, GUARD_ENV):
+            base_env.pop(k, None)
     from lorasync.launch import restart_env
     nnodes = f"{min_nodes}:{nn}" if min_nodes else str(nn)
     base_env.update(restart_env(max_restarts, nnodes))
