@@ -73,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ex = sub.add_parser("exec", help="run a command inside a node's namespace")
     common(ex)
     ex.add_argument("node", help="node index or name (0 or node0)")
-    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    # not dest "command": that is the subcommand's name, which error messages show
+    ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="command",
+                    help="-- COMMAND [ARGS...]")
 
     sr = sub.add_parser("set-rate", help="change link rates live")
     common(sr)
@@ -93,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="stop everything after this long, e.g. 30m (exit code 124)")
     la.add_argument("--log-dir", default=None, metavar="DIR",
                     help="write each node's output to DIR/nodeI.log instead of the terminal")
-    la.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    la.add_argument("argv", nargs=argparse.REMAINDER, metavar="script",
+                    help="-- SCRIPT [ARGS...]")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             _print_status(st)
         return 0
     if cmd == "exec":
-        argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not argv:
             raise ConfigError("command", "", "give a command after --, e.g. cluster exec node0 -- ip addr")
         c = cl.Cluster.load(args.name)
@@ -154,7 +157,7 @@ def _launch(args: argparse.Namespace) -> int:
     from lorasync.emulate import cluster as cl
     from lorasync.units import parse_duration
 
-    argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ConfigError("SCRIPT", "", "give the script after --, e.g. cluster launch "
                           "--emulate nodes=2,rate=10mbit -- train.py --epochs 1")
