@@ -80,7 +80,8 @@ with open(os.path.join(sys.argv[1], "rank%d.json" % rank), "w") as f:
                "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
                "weight": model.module.weight.sum().item(),
                "env": {k: os.environ.get(k) for k in
-                       ("LSYNC_TEST_VAR", "LORASYNC_STRATEGY", "LORASYNC_SECRET_FILE")}}, f)
+                       ("LSYNC_TEST_VAR", "LORASYNC_STRATEGY", "LORASYNC_SECRET_FILE",
+                         "OMP_NUM_THREADS")}}, f)
 dist.destroy_process_group()
 """
 
@@ -97,6 +98,7 @@ def test_plain_ddp_script_with_the_callers_environment(tmp_path, monkeypatch):
     script.write_text(textwrap.dedent(DDP))
     monkeypatch.setenv("LSYNC_TEST_VAR", "mine")
     monkeypatch.setenv("LORASYNC_STRATEGY", "fp16")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")   # a script keeps the caller's threads
     # a caller's job secret: an agent guarding its store with it would refuse the
     # script's workers (torch's plain store client): it must not reach the agents
     secret = tmp_path / "job.secret"
@@ -110,7 +112,7 @@ def test_plain_ddp_script_with_the_callers_environment(tmp_path, monkeypatch):
     assert {r["ifname"] for r in res} == {"eth0"}
     assert res[0]["weight"] == pytest.approx(res[1]["weight"])   # DDP kept them in step
     assert all(r["env"] == {"LSYNC_TEST_VAR": "mine", "LORASYNC_STRATEGY": "fp16",
-                            "LORASYNC_SECRET_FILE": None} for r in res)
+                            "LORASYNC_SECRET_FILE": None, "OMP_NUM_THREADS": "2"} for r in res)
     assert _namespaces(_name("ddp")) == [] and _processes_naming(str(tmp_path)) == []
 
 

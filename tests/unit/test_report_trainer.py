@@ -87,7 +87,7 @@ def test_trainer_and_train_runs_in_one_comparison(tmp_path):
     out = report.write_report(runs, str(tmp_path / "cmp.html"))
     text = open(out, encoding="utf-8").read()
     head, train, plain, hf = table_rows(text, "Comparison")
-    assert head[4] == "Trainer's samples/s, whole run"
+    assert head[3:5] == ["speedup vs train-fp16", "Trainer's samples/s, whole run"]
     assert train[:2] == ["train-fp16", "2 × fp16"] and train[4] == "-"
     with open(os.path.join(fixture("train-fp16"), "summary.json")) as fh:
         base = json.load(fh)["samples_per_s"]
@@ -102,6 +102,10 @@ def test_trainer_and_train_runs_in_one_comparison(tmp_path):
     assert plain[7] == f"{history('trainer-plain')[-1]['eval_loss']:.4f}"
     assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', text)) == 4
     assert "Run trainer-plain" in text and "Trainer&#x27;s samples/s (whole run)" in text
+    # a plain Trainer first: the speedups are relative to the first run that has samples/s
+    text = report.build_report([report.load_run(r) for r in runs[1:]])
+    head, plain, hf = table_rows(text, "Comparison")
+    assert head[3] == "speedup vs trainer-fp16" and (plain[3], hf[3]) == ("-", "1.00x")
 
 
 def test_newest_checkpoint_when_save_state_was_not_called(tmp_path):

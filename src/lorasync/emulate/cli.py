@@ -82,10 +82,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sr.add_argument("rate", help="new rate, e.g. 10mbit")
     sr.add_argument("--node", default=None, help="only this node's link (default: all)")
 
-    la = sub.add_parser("launch", help="run your own torchrun-able script, one agent per node")
+    la = sub.add_parser(
+        "launch", help="run your own torchrun-able script, one agent per node",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run your own script (a Trainer script, a DDP loop) with one torchrun "
+                    "agent per emulated node.\n\n"
+                    "    lorasync cluster launch --emulate nodes=2,rate=10mbit -- train.py --out a\n"
+                    "    lorasync cluster launch --name lab --nproc-per-node 2 -- train.py\n\n"
+                    "Your environment reaches the script; the exit code is the script's. "
+                    "docs/emulate-your-script.md")
     la.add_argument("--name", default=None,
-                    help="run on this cluster, already up (default: 'default'; with --emulate "
-                         "the spec's name=)")
+                    help="run on this cluster, already up (default: 'default'); with "
+                         "--emulate, name the cluster inside the spec (name=)")
     la.add_argument("--emulate", metavar="SPEC", default=None,
                     help="make a cluster for this run and remove it after, e.g. "
                          "nodes=2,rate=10mbit[,delay=20ms] (the keys of `train --emulate`)")

@@ -795,7 +795,9 @@ def _figure(b64: str, alt: str, caption: str) -> str:
 
 
 def _comparison(runs: list[Run], sums: list[dict]) -> str:
-    base = sums[0].get("samples_per_s")
+    # the baseline is the first run; a Trainer without lorasync timings cannot be one
+    ref = next((i for i, s in enumerate(sums) if s.get("samples_per_s")), 0)
+    base = sums[ref].get("samples_per_s")
     trainers = any(s.get("trainer") for s in sums)
     # the Trainer's own figure compares Trainer runs with each other (plain or not)
     tbase = next((s["trainer_samples_per_s"] for s in sums if s.get("trainer_samples_per_s")),
@@ -816,7 +818,7 @@ def _comparison(runs: list[Run], sums: list[dict]) -> str:
             whole = s.get("trainer_samples_per_s")
             row.insert(4, f"{whole:.2f} ({whole / tbase:.2f}x)" if whole and tbase else "-")
         rows.append(["-" if c == "n/a" else c for c in row])
-    header = ["run", "ranks × strategy", "samples/s", f"speedup vs {runs[0].name}",
+    header = ["run", "ranks × strategy", "samples/s", f"speedup vs {runs[ref].name}",
               "sync share", "wire MB/step/rank", "eval loss", "exact-match ± s.e. (n)"]
     if trainers:
         header.insert(4, "Trainer's samples/s, whole run")
