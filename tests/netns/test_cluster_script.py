@@ -157,12 +157,31 @@ def test_a_failing_script_leaves_nothing_behind(tmp_path):
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
 
 
-def test_a_missing_script_fails_before_any_namespace(tmp_path, capsys):
+@pytest.mark.parametrize("case, expect", [
+    ("missing", "SCRIPT: invalid value"),
+    ("folder", "is a directory"),
+    ("no_script", "give the script after --"),
+    ("two_names", "--name: invalid value 'other': with --emulate name the cluster inside"),
+    ("bad_spec", "nodes: invalid value 'two'"),
+    ("bad_timeout", "--timeout: invalid value '0'"),
+])
+def test_bad_input_fails_before_any_namespace(tmp_path, capsys, case, expect):
+    """One line, exit code 2, and no namespace made (no root needed to see it)."""
     name = _name("gone")
-    rc = _launch(name, str(tmp_path / "nope.py"), "x")
+    script = tmp_path / "ok.py"
+    script.write_text("print('never run')\n")
+    args = {"missing": ["--", str(tmp_path / "nope.py"), "x"],
+            "folder": ["--", str(tmp_path)],
+            "no_script": ["--"],
+            "two_names": ["--name", "other", "--", str(script)],
+            "bad_spec": ["--", str(script)],
+            "bad_timeout": ["--timeout", "0", "--", str(script)]}[case]
+    spec = f"nodes={'two' if case == 'bad_spec' else 2},name={name}"
+    rc = main(["cluster", "launch", "--emulate", spec, *args])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.count("\n") == 1 and "lorasync cluster: error: SCRIPT" in err
-    assert f"{tmp_path / 'nope.py'} does not exist" in err
+    assert err.count("\n") == 1 and err.startswith("lorasync cluster: error: ") and expect in err
+    if case == "missing":
+        assert f"{tmp_path / 'nope.py'} does not exist" in err
     if _why is None:
         assert _namespaces(name) == []

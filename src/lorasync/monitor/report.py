@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from lorasync.errors import LorasyncError
 from lorasync.monitor.metrics import effective_records
 
-__all__ = ["Run", "load_run", "step_series", "find_switches", "summarize_run", "build_report",
-           "write_report", "default_output"]
+__all__ = ["Run", "load_run", "step_series", "trainer_series", "find_switches", "summarize_run",
+           "summarize_trainer", "build_report", "write_report", "default_output"]
 
 # Fields without which a record cannot be plotted (docs/contracts.md lists all).
 REQUIRED_FIELDS = ("step", "rank", "loss", "samples", "compute_s", "comm_s", "step_s",
