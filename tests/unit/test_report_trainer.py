@@ -80,6 +80,10 @@ def test_plain_trainer_has_only_the_trainers_own_figures():
     assert s["trainer_samples_per_s"] == 124.674
     assert s["strategies_used"] == [] and report._strategy_label(s) == "Trainer, no lorasync"
     assert any("no lorasync/* timings" in n for n in run.notes)
+    rows = dict(report._summary_rows(s))
+    assert rows["Trainer's samples/s (whole run)"] == "124.67"
+    assert rows["samples/s (all ranks)"] == rows["sent per step per rank"] == "-"
+    assert rows["eval loss before → after"] == f"- → {history('trainer-plain')[-1]['eval_loss']:.4f}"
 
 
 def test_trainer_and_train_runs_in_one_comparison(tmp_path):

@@ -599,7 +599,9 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
         rows.insert(3, ("Trainer's samples/s (whole run)",
                         _fmt(s.get("trainer_samples_per_s"), ".2f")))
         rows.append(("numbers from", str(s.get("source"))))
-        return rows
+        # what the Trainer's logs do not have is '-', a row with nothing at all one '-'
+        return [(k, v.replace("n/a", "-") if re.search(r"\d", re.sub(r"n/a|fp32", "", v))
+                 else "-") if "n/a" in v else (k, v) for k, v in rows]
     rows.append(("numbers from", f"{s.get('source')}; steady state (first step left out), "
                                  "compute/sync/bytes are rank 0's"))
     return rows
