@@ -983,7 +983,10 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     script path and its arguments).  The workers get
     ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the node's interface (gloo
     would otherwise bind to what the hostname resolves to, 127.0.0.1),
-    ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1``.  Output goes to our
+    ``OMP_NUM_THREADS=1`` (a script of its own, ``module=None``: unless the
+    environment sets it) and ``PYTHONUNBUFFERED=1``; with ``module=None`` the
+    job's store secret is kept from them (torch's plain store client could not
+    pass a guarded store).  Output goes to our
     stdout/stderr, or to ``log_dir/nodeI.log``.
 
     HOST is node0, or with the cluster's overlay (``overlay=None``: whenever it
@@ -1013,7 +1016,10 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     endpoint = f"{route[host.index][0]}:{port}"
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"
     base_env = dict(os.environ if env is None else env)
-    base_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if module == "lorasync" or not base_env.get("OMP_NUM_THREADS"):
+        # every node's workers share this machine's cores; a script keeps its caller's choice
+        base_env["OMP_NUM_THREADS"] = "1"
+    base_env["PYTHONUNBUFFERED"] = "1"
     if module == "lorasync":
         # every node's agent guards its stores with the launch's own secret; a
         # script of its own (module=None) creates its store with torch's plain
@@ -1021,6 +1027,13 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
         # nodes' addresses, inside the emulated network
         from lorasync.launch.guard import ENV as SECRET_ENV, new_secret
         base_env.setdefault(SECRET_ENV, new_secret())
+    else:
+        # nor may a secret the caller's environment holds reach the agents: the
+        # script's workers would meet a guarded agent store with a plain client
+        from lorasync.launch.guard import ENV as SECRET_ENV, FILE_ENV
+        from lorasync.launch.stores import GUARD_ENV
+        for k in (SECRET_ENV, FILE_ENV, GUARD_ENV):
+            base_env.pop(k, None)
     from lorasync.launch import restart_env
     nnodes = f"{min_nodes}:{nn}" if min_nodes else str(nn)
     base_env.update(restart_env(max_restarts, nnodes))
