@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from lorasync.comm import attach
     from lorasync.comm.wire import Wire
     from lorasync.config import LoraSettings
+    from lorasync.train.loop import _enable_checkpointing
     from lorasync.train.model import add_lora, load_base
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -77,8 +78,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         for name, (opts, _) in WIRE.items():
             base, _tok = load_base("tiny")
-            base.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(base, "tiny")   # the trainer's: non-reentrant
             model = add_lora(base, LoraSettings(), seed=0)
             model.train()
             ddp = DDP(model, init_sync=False, bucket_cap_mb=0.005,

@@ -203,7 +203,11 @@ def _enable_checkpointing(base, name: str) -> None:
         raise ConfigError("train.gradient_checkpointing", True, f"{name} does not support "
                           "gradient checkpointing in transformers; drop "
                           "--gradient-checkpointing")
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):   # its name from transformers 5.x on
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     base.config.use_cache = False   # the KV cache is not built in training; says so once
 
 
