@@ -10,7 +10,7 @@ loss on real 2-rank gloo groups.
   rank's token mean and its grad_norm the norm of the global batch's
   token-mean gradient, computed here in one process;
 * ``lorasync train --fp16 --comm local``: the loss scaler runs, each replica
-  clips its own gradient.
+  clips its own gradient, the checkpoint keeps the scale.
 """
 
 from __future__ import annotations
@@ -207,6 +207,10 @@ def test_fp16_with_local_sgd_clips_each_replica(tmp_path):
         assert r["peak_mem_bytes"] > 0
     norms = {(r["step"], r["rank"]): r["grad_norm"] for r in recs}
     assert norms[(1, 0)] != norms[(1, 1)]   # each replica's own gradient, not a synced one
+    # the checkpoint keeps the loss scale reached (a resume does not start over at 2**16)
+    meta = json.loads((out / "checkpoints" / "step-000003" / "meta.json").read_text())
+    r0 = next(r for r in recs if (r["step"], r["rank"]) == (3, 0))
+    assert meta["grad_scaler"]["scale"] == r0["loss_scale"]
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["peak_mem_bytes"]) == 2 and all(summary["peak_mem_bytes"])
 

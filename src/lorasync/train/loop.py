@@ -472,6 +472,7 @@ class Trainer:
         if self.attempt.cause == "recover":
             self.log(self.attempt.describe(self.plan.step, world))
         self.eval_before = meta.get("eval_before")
+        self._scaler_state = meta.get("grad_scaler")   # --fp16: the loss scale reached
         # an evaluation deferred past the checkpoint's step runs after the next
         self._eval_owed = bool(meta.get("eval_owed", False))
 
@@ -533,6 +534,8 @@ class Trainer:
         else:
             from lorasync.train.checkpoint import seed_rngs
             seed_rngs(tc.seed, rank)
+        if self.scaler is not None and self.plan.step and self._scaler_state:
+            self.scaler.load_state_dict(self._scaler_state)
         # Everything the user could get wrong has been checked and the checkpoint
         # restored on every rank (a failed resume stops every rank in restore):
         # only now write.
@@ -591,7 +594,11 @@ class Trainer:
                                    sched=self.sched, sync=self.sync,
                                    meta={"eval_before": self.eval_before,
                                          "total_steps": self.total_steps,
-                                         "eval_owed": self._eval_owed})
+                                         "eval_owed": self._eval_owed,
+                                         # rank 0's (the same on every rank under per-step
+                                         # strategies, which sync before the scaler looks)
+                                         "grad_scaler": self.scaler.state_dict()
+                                         if self.scaler is not None else None})
             if self.end_step < self.total_steps:
                 self._end_event("stopped")
         finally:
