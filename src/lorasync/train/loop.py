@@ -211,6 +211,20 @@ def _enable_checkpointing(base, name: str) -> None:
     base.config.use_cache = False   # the KV cache is not built in training; says so once
 
 
+class _LabelTokens:
+    """``[j]``: the label tokens of training example ``j`` that the causal-LM
+    loss counts (labels shifted by one), counted once, when first asked."""
+
+    def __init__(self, examples, ignore: int):
+        self.examples, self.ignore, self.known = examples, ignore, {}
+
+    def __getitem__(self, j: int) -> int:
+        n = self.known.get(j)
+        if n is None:
+            n = self.known[j] = sum(t != self.ignore for t in self.examples[j].labels[1:])
+        return n
+
+
 class _Log:
     def __init__(self, rank: int):
         self.rank = rank
@@ -509,9 +523,10 @@ class Trainer:
         self.amp_dtype = torch.bfloat16 if tc.bf16 else torch.float16 if tc.fp16 else None
         self.scaler = torch.amp.GradScaler(device.type) if tc.fp16 else None
         self.loss_kwargs = _accepts_loss_kwargs(model)
-        # label tokens of every example (what the shifted causal-LM loss counts):
-        # every rank knows every rank's batch, so the step's token total needs no collective
-        self.label_tokens = [sum(t != IGNORE for t in e.labels[1:]) for e in self.train_set]
+        # label tokens of an example (what the shifted causal-LM loss counts), counted
+        # when first drawn: every rank knows every rank's batch, so the step's token
+        # total needs no collective
+        self.label_tokens = _LabelTokens(self.train_set, IGNORE)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, _lr_lambda(tc.schedule, tc.warmup_steps, self.total_steps))
         if hasattr(self.sync, "set_optimizer"):
