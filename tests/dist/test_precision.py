@@ -1,15 +1,16 @@
 """Mixed precision, gradient checkpointing, clipping and the token-weighted
 loss on real 2-rank gloo groups.
 
-* every strategy under bf16 autocast with gradient checkpointing (one
-  spawn of 2 ranks, this file run as a script, loops over them): the
-  adapter's gradients stay fp32, the strategy puts on the wire the dtypes
-  below (recorded at its Wire), and DDP's hooks run once per gradient (no
+* every strategy under bf16 autocast with gradient checkpointing, 1-bit
+  Adam, and fp16 with a loss scaler where --fp16 is allowed (one spawn of 2
+  ranks, this file run as a script, loops over them): the adapter's
+  gradients stay fp32, the strategy puts on the wire the dtypes below
+  (recorded at its Wire), and DDP's hooks run once per gradient (no
   "marked ready twice");
 * ``lorasync train`` with gradient accumulation: step 1's loss is each
   rank's token mean and its grad_norm the norm of the global batch's
   token-mean gradient, computed here in one process;
-* ``lorasync train --fp16 --comm local``: the loss scaler runs, each replica
+* ``lorasync train --fp16 --gradient-checkpointing --comm local``: the loss scaler runs, each replica
   clips its own gradient, the checkpoint keeps the scale.
 """
 
@@ -45,6 +46,15 @@ WIRE = {
     "local": ({"period": 2}, {"float32"}),                     # the adapter's weights
     "diloco": ({"period": 2}, {"float32"}),                    # the outer delta
 }
+#: (label, strategy, options, autocast dtype): every strategy under bf16; 1-bit
+#: Adam (fp32 all-reduce for one warm-up step, then momentum as signs); fp16
+#: with a loss scaler where --fp16 is allowed
+SCENARIOS = [(name, name, opts, "bfloat16") for name, (opts, _) in WIRE.items()] + [
+    ("onebit_adam", "onebit", {"block": 32, "warmup_steps": 1}, "bfloat16"),
+    ("fp16_allreduce", "allreduce", {}, "float16"),
+    ("fp16_fp16", "fp16", {}, "float16"),
+    ("fp16_local", "local", {"period": 2}, "float16"),
+]
 STEPS = 2
 
 
@@ -76,7 +86,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     Wire._run = recording_run
     results = {}
     try:
-        for name, (opts, _) in WIRE.items():
+        for label, name, opts, dtype in SCENARIOS:
             base, _tok = load_base("tiny")
             _enable_checkpointing(base, "tiny")   # the trainer's: non-reentrant
             model = add_lora(base, LoraSettings(), seed=0)
@@ -86,25 +96,37 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             sync = attach(ddp, name, hierarchy="flat", **opts)
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=1e-3)
+            if label == "onebit_adam":
+                sync.set_optimizer(opt)
+            # the trainer's order: backward (the sync runs in it), unscale, norm, step
+            scaler = torch.amp.GradScaler("cpu") if dtype == "float16" else None
             g = torch.Generator().manual_seed(100 + rank)
-            grad_dtypes, param_dtypes = set(), set()
+            grad_dtypes, param_dtypes, momentum = set(), set(), []
             sent.clear()
             for _ in range(STEPS):
                 ids = torch.randint(3, 90, (2, 24), generator=g)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", dtype=getattr(torch, dtype)):
                     out_ = ddp(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-                out_.loss.backward()
+                (scaler.scale(out_.loss) if scaler else out_.loss).backward()
                 grad_dtypes |= {str(p.grad.dtype).replace("torch.", "") for p in params}
                 param_dtypes |= {str(p.dtype).replace("torch.", "") for p in params}
+                momentum.append(sync.grads_hold_momentum)
+                if scaler:
+                    scaler.unscale_(opt)
                 norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
-                opt.step()
+                if scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
                 sync.after_step()
             sync.finish()
-            results[name] = {"wire": sorted(set(sent)), "grad": sorted(grad_dtypes),
-                             "param": sorted(param_dtypes), "loss_dtype": str(out_.loss.dtype),
-                             "logits_dtype": str(out_.logits.dtype), "norm": norm,
-                             "finite": math.isfinite(norm)}
+            results[label] = {"wire": sorted(set(sent)), "grad": sorted(grad_dtypes),
+                              "param": sorted(param_dtypes), "momentum": momentum,
+                              "logits_dtype": str(out_.logits.dtype), "norm": norm,
+                              "finite": math.isfinite(norm),
+                              "scale": scaler.get_scale() if scaler else None}
             dist.barrier()
     finally:
         Wire._run = plain_run
@@ -136,11 +158,29 @@ def test_bf16_autocast_and_checkpointing_per_strategy(bf16_runs, name):
         assert r["param"] == ["float32"] and r["grad"] == ["float32"], r
         assert r["logits_dtype"] == "torch.bfloat16", r   # autocast was on
         assert set(r["wire"]) == WIRE[name][1], (name, r["wire"])
-        assert r["finite"]
+        assert r["finite"] and r["momentum"] == [False] * STEPS
     if name not in ("local", "diloco"):   # synced every step: the same gradient on both ranks
         assert r0["norm"] == pytest.approx(r1["norm"], rel=1e-6)
     else:                                  # each replica's own gradient
         assert r0["norm"] != pytest.approx(r1["norm"], rel=1e-6)
+
+
+def test_one_bit_adam_hands_back_momentum_after_its_warm_up(bf16_runs):
+    for r in (bf16_runs[0]["onebit_adam"], bf16_runs[1]["onebit_adam"]):
+        assert r["momentum"] == [False, True]   # step 1: fp32 all-reduce; step 2: signs
+        assert set(r["wire"]) == {"float32", "uint8"}
+
+
+@pytest.mark.parametrize("label, wire", [("fp16_allreduce", "float32"),
+                                         ("fp16_fp16", "float16"), ("fp16_local", "float32")])
+def test_fp16_syncs_the_scaled_gradient_and_unscales_after(bf16_runs, label, wire):
+    r0, r1 = bf16_runs[0][label], bf16_runs[1][label]
+    for r in (r0, r1):
+        assert r["logits_dtype"] == "torch.float16" and r["grad"] == ["float32"], r
+        assert r["wire"] == [wire] and r["finite"] and r["scale"] > 1
+    if label != "fp16_local":   # the same scaled gradient on both ranks, the same unscaled norm
+        assert r0["norm"] == pytest.approx(r1["norm"], rel=1e-6)
+        assert r0["scale"] == r1["scale"]
 
 
 # ----------------------------------------------------------------------- the CLI's step
@@ -197,7 +237,8 @@ def test_token_weighted_loss_and_grad_norm_of_the_synced_gradient(tmp_path):
 
 def test_fp16_with_local_sgd_clips_each_replica(tmp_path):
     out = tmp_path / "run"
-    p = run_cli("train", *TINY, "--max-steps", "3", "--fp16", "--comm", "local",
+    p = run_cli("train", *TINY, "--max-steps", "3", "--fp16", "--gradient-checkpointing",
+                "--comm", "local",
                 "--comm-opt", "period=2", "--output-dir", out)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [r for r in _records(out) if "step" in r and "loss" in r]
