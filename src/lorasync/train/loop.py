@@ -97,9 +97,10 @@ def schedule_note(schedule: str, lr: float, warmup: int, total: int) -> str | No
             f"to at most {total} to reach it")
 
 
-#: strategies whose state holds gradients across steps (error feedback; auto may
-#: switch to one): loss scaling would leave scaled, at times infinite, values there
 def _fp16_refused(strategy: str) -> bool:
+    """Whether ``strategy`` keeps gradients across steps (error feedback; auto
+    may switch to such a strategy), where loss scaling would leave scaled, at
+    times infinite, values."""
     from lorasync import catalog
 
     if strategy in ("auto", "torch_powersgd"):
@@ -115,10 +116,12 @@ def precision_device(backend: str) -> str:
         else "cpu"
 
 
-def check_precision(cfg: Config, device_type: str) -> None:
-    """``--bf16`` / ``--fp16`` against the strategy and this host: a ConfigError
-    naming the flag and the fix (the launcher calls it before any worker
-    starts, the worker again for a run started by torchrun directly)."""
+def check_precision(cfg: Config, device_type: str, probe: bool = True) -> None:
+    """``--bf16`` / ``--fp16`` against the strategy and (``probe``) this host's
+    autocast: a ConfigError naming the flag and the fix.  The launcher calls
+    it before any worker starts (probing only a CPU: a probe on a GPU would
+    keep a CUDA context in the launcher for the whole run, and every CUDA GPU
+    autocasts in both dtypes), each worker again on its own device."""
     from lorasync.errors import ConfigError
 
     tc = cfg.train
@@ -130,6 +133,8 @@ def check_precision(cfg: Config, device_type: str) -> None:
                           "steps (error feedback), which loss scaling fills with scaled and at "
                           "times infinite values; use --bf16 (no loss scaling), or --fp16 with "
                           "allreduce, fp16, bf16, local or diloco")
+    if not probe:
+        return
     import torch
 
     why = _autocast_fails(device_type, getattr(torch, name))
@@ -208,7 +213,6 @@ def _enable_checkpointing(base, name: str) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    base.config.use_cache = False   # the KV cache is not built in training; says so once
 
 
 class _LabelTokens:
