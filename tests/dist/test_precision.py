@@ -209,6 +209,8 @@ def test_token_weighted_loss_and_grad_norm_of_the_synced_gradient(tmp_path):
                 "--max-grad-norm", "0.01", "--output-dir", out)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = {r["rank"]: r for r in _records(out) if r.get("step") == 1}
+    # 5 warm-up steps (the default) in a 1-step run: said once, by rank 0
+    assert p.stderr.count("note: the learning rate never reaches its peak") == 1, p.stderr
 
     cfg = load_config(None, {"model": {"name": "tiny"}, "data": {"demo_size": 64,
                                                                  "eval_size": 0}})

@@ -176,6 +176,14 @@ def test_replicas_of_their_own_divide_by_their_own_tokens(strategy):
     assert tr._loss_norm(8, micro, 2) == (mine, 1.0, mine)
 
 
+def test_label_tokens_count_the_shifted_labels_once():
+    ex = [types.SimpleNamespace(labels=[5, -100, 7, 8]), types.SimpleNamespace(labels=[-100, 9])]
+    n = loop._LabelTokens(ex, -100)
+    assert (n[0], n[1]) == (2, 1)   # the first label predicts nothing
+    ex[0].labels = []
+    assert n[0] == 2 and n.known == {0: 2, 1: 1}
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from lorasync.train.model import add_lora, load_base
