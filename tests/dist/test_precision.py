@@ -10,8 +10,9 @@ loss on real 2-rank gloo groups.
 * ``lorasync train`` with gradient accumulation: step 1's loss is each
   rank's token mean and its grad_norm the norm of the global batch's
   token-mean gradient, computed here in one process;
-* ``lorasync train --fp16 --gradient-checkpointing --comm local``: the loss scaler runs, each replica
-  clips its own gradient, the checkpoint keeps the scale.
+* ``lorasync train --fp16 --gradient-checkpointing --comm local``: the loss
+  scaler runs, each replica clips its own gradient, the checkpoint keeps
+  the scale.
 """
 
 from __future__ import annotations
