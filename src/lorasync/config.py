@@ -201,6 +201,19 @@ class TrainConfig:
                          "outer update still in flight aside) instead of each rank its own "
                          "on its share of the examples: one fp32 all-reduce of the adapter "
                          "per evaluation, outside the strategy's bytes", flag="--eval-mean")
+    bf16: bool = _f(False, "bf16 mixed precision: forward and backward under torch.autocast "
+                    "(bfloat16) on the device; the adapter, its gradients and the optimizer "
+                    "stay fp32", flag="--bf16")
+    fp16: bool = _f(False, "fp16 mixed precision: torch.autocast (float16) with a loss "
+                    "scaler (torch.amp.GradScaler); not with error-feedback strategies "
+                    "(int8, onebit, topk, powersgd, auto)", flag="--fp16")
+    gradient_checkpointing: bool = _f(False, "recompute the base model's activations in "
+                                      "backward instead of keeping them (less memory, about "
+                                      "a third more compute)", flag="--gradient-checkpointing")
+    max_grad_norm: float = _f(1.0, "clip the gradient's global L2 norm to this (0: no "
+                              "clipping): the synchronized gradient under per-step "
+                              "strategies, each replica's own under local and diloco",
+                              flag="--max-grad-norm")
 
     def __post_init__(self):
         for name, lo in (("batch_size", 1), ("grad_accum", 1), ("warmup_steps", 0),
@@ -224,6 +237,10 @@ class TrainConfig:
             self.max_grad_accum == 0 or self.max_grad_accum >= self.grad_accum),
             "train.max_grad_accum", self.max_grad_accum,
             "use 0 (fixed accumulation) or a value >= grad_accum")
+        _check(_num(self.max_grad_norm) and self.max_grad_norm >= 0, "train.max_grad_norm",
+               self.max_grad_norm, "use a number > 0, or 0 to turn clipping off")
+        _check(not (self.bf16 and self.fp16), "train.fp16", self.fp16,
+               "choose one of --bf16 and --fp16")
 
 
 @dataclass

@@ -194,6 +194,7 @@ class _TensorBoard:
         step_s = r.get("step_s") or 0.0
         scalar("train/loss", r.get("loss"))
         scalar("train/lr", r.get("lr"))
+        scalar("train/grad_norm", r.get("grad_norm"))
         scalar("train/grad_accum", r.get("grad_accum"))
         if step_s > 0:
             scalar("throughput/samples_per_s", r.get("samples", 0) * self.world_size / step_s)

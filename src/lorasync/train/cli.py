@@ -165,6 +165,11 @@ def _preflight(cfg, world: int | None = None) -> None:
     if cfg.comm.hierarchy == "node" and flat:
         raise ConfigError("comm.hierarchy", "node", f"{cfg.comm.strategy} runs flat only "
                           f"({flat}); use --hierarchy flat or auto")
+    if cfg.train.bf16 or cfg.train.fp16:   # the strategy, and this host's autocast
+        from lorasync.train.loop import check_precision, precision_device
+
+        device = precision_device(cfg.run.backend)
+        check_precision(cfg, device, probe=device == "cpu")
     if cfg.model.name == EMBEDDED:
         ensure_embedded(log=lambda m: print(m, file=sys.stderr))
     _, tok = _load_tokenizer(cfg.model.name, load_base)

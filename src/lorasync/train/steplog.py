@@ -47,7 +47,7 @@ class StepLog:
 
     def record(self, *, step: int, stats: dict, loss: float, lr: float, samples: int,
                tokens: int, grad_accum: int, step_s: float, hook_wait_s: float,
-               data_s: float) -> dict:
+               data_s: float, grad_norm: float | None = None) -> dict:
         """The record of ``step``.  ``stats`` is ``sync.stats()`` after the step;
         ``hook_wait_s`` the time backward waited after the last bucket was ready."""
         last = self._last
@@ -56,7 +56,7 @@ class StepLog:
         exposed = hook_wait_s + stats["comm_s"] - last["comm_s"]
         rec = {"step": step, "rank": self.rank, "world_size": self.world,
                "strategy": stats.get("strategy", self.strategy),
-               "loss": loss, "lr": lr,
+               "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "samples": samples, "tokens": tokens, "grad_accum": grad_accum,
                "compute_s": max(0.0, step_s - exposed - data_s), "comm_s": exposed,
                "step_s": step_s,
