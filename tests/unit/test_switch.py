@@ -10,6 +10,9 @@ it without dependencies and let that environment see this one's packages:
     .venv/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" \\
         > /tmp/axo/lib/python3.11/site-packages/zz-lorasync.pth
     PYTHONPATH=src /tmp/axo/bin/python -m pytest tests/unit/test_switch.py -k axolotl
+
+LLaMA-Factory's example config test the same way (llamafactory==0.9.5 plus
+omegaconf, antlr4-python3-runtime==4.9.3 without dependencies; ``-k llamafactory``).
 """
 
 from __future__ import annotations
@@ -370,3 +373,30 @@ def test_axolotl_post_trainer_create_attaches(axolotl_plugins, tiny_trainer):
     t2 = tiny_trainer()
     axolotl_plugins.post_trainer_create(DictDefault({}), t2)
     assert not any(isinstance(c, hf._Callback) for c in t2.callback_handler.callbacks)
+
+
+# --------------------------------------------------------------------------- LLaMA-Factory
+
+def test_llamafactory_example_has_no_lorasync_and_parses(monkeypatch):
+    """examples/llamafactory_lora.yaml: nothing of lorasync in it (the switch does
+    it); it parses with LLaMA-Factory's own argument classes where LLaMA-Factory
+    can be imported (0.9.5 was; it is not installed in the project's environment:
+    it imports torchaudio, which has no build for torch 2.13, and pins older
+    transformers, TRL and PEFT; docs/integrations.md)."""
+    import yaml
+
+    path = os.path.join(ROOT, "examples", "llamafactory_lora.yaml")
+    cfg = yaml.safe_load(open(path))
+    assert not [k for k in cfg if "lorasync" in k]
+    assert cfg["finetuning_type"] == "lora" and "deepspeed" not in cfg
+    monkeypatch.setenv("DISABLE_VERSION_CHECK", "1")
+    pytest.importorskip("llamafactory.hparams.parser", reason=(
+        "LLaMA-Factory is not installed here: it imports torchaudio (no build for torch "
+        "2.13) and pins transformers<=5.6, trl<=0.24, peft<=0.18.1"))
+    from transformers import HfArgumentParser
+    from llamafactory.hparams.parser import _TRAIN_ARGS
+
+    model, data, training, finetuning, _ = HfArgumentParser(_TRAIN_ARGS).parse_dict(
+        {**cfg, "use_cpu": True}, allow_extra_keys=False)
+    assert finetuning.finetuning_type == "lora" and data.template == "smollm2"
+    assert finetuning.lora_target == ["q_proj", "k_proj", "v_proj", "o_proj"]
