@@ -1,6 +1,6 @@
 """The switch (LORASYNC_STRATEGY), ``lorasync run``, the hook's packaging and
 axolotl's plugin, in this process or one short subprocess each; the switch on
-2 ranks under torchrun and accelerate is tests/dist/test_switch.py.
+2 ranks under torchrun and accelerate is tests/dist/test_hf_switch.py.
 
 The axolotl tests import the real axolotl.  It is not installed into the
 project's environment (it pins its own torch); to run them, install it beside
@@ -137,8 +137,8 @@ def test_import_hook_wraps_trainer_train_when_transformers_loads():
         import transformers.trainer as mod
         assert Trainer.train._lorasync_switch and mod.__loader__ is not None
         assert "def train" in inspect.getsource(mod)          # the real loader still answers
-        from trl import SFTTrainer
-        assert SFTTrainer.train is Trainer.train               # TRL's trainers inherit it
+        from transformers import Seq2SeqTrainer
+        assert Seq2SeqTrainer.train is Trainer.train           # subclasses inherit it
         assert "lorasync.hf" not in sys.modules                 # attach loads at train()
         assert not any(isinstance(f, switch._TrainerFinder) for f in sys.meta_path)
         print("ok")
