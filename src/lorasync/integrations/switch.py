@@ -219,6 +219,8 @@ class _PatchingLoader:
         self._loader, self._finder = loader, finder
 
     def __getattr__(self, name):   # get_source, get_code ...: the real loader's
+        if name == "_loader":      # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
