@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="put NODE behind NAT, e.g. node2 (repeatable, or node1,node2)")
     for key, what in (("symmetric-nat", "behind a symmetric NAT (a new outside port per destination)"),
                       ("block-udp", "without UDP (only TCP and ICMP leave it)"),
-                      ("mtu-blackhole", "behind a path MTU black hole (MTU 1280, no ICMP back)")):
+                      ("mtu-blackhole", "behind a path MTU black hole (MTU 1400, no ICMP back)")):
         up.add_argument(f"--{key}", action="append", default=[], metavar="NODE",
                         help=f"put NODE {what} (repeatable, or node1,node2)")
     up.add_argument("--overlay", default=None, choices=["wireguard", "none"],

@@ -166,7 +166,7 @@ class ClusterSpec:
     """Nodes that can send only TCP (and ICMP): UDP from them is dropped at the hub."""
     mtu_blackhole: list = dataclasses.field(default_factory=list)
     """Nodes behind a path MTU black hole: the path to and from them has MTU
-    1280 and no ICMP "fragmentation needed" comes back."""
+    1400 and no ICMP "fragmentation needed" comes back."""
 
     def __post_init__(self):
         if isinstance(self.rate_bps, str):

@@ -43,8 +43,10 @@ __all__ = ["BLACKHOLE_MTU", "CONDITIONS_TABLE", "TABLE", "conditions_ruleset", "
 
 TABLE = "lsync_nat"
 CONDITIONS_TABLE = "lsync_cond"
-#: the path MTU of a black-holed node: IPv6's minimum, what a tunnel in the path often leaves
-BLACKHOLE_MTU = 1280
+#: the path MTU of a black-holed node: what a tunnel in the path often leaves; low enough
+#: to lose every full-size packet, high enough that a WireGuard overlay (60 bytes of
+#: overhead) still fits above the 1280 its interface needs
+BLACKHOLE_MTU = 1400
 
 
 def ruleset(lan: str, wan: str, symmetric: bool = False) -> str:

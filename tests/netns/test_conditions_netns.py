@@ -1,0 +1,184 @@
+"""Emulated network conditions for real: symmetric NAT, UDP blocked, a path MTU
+black hole, and an existing WireGuard interface that doctor and the launch pick.
+
+Needs root, iproute2 and nftables (wireguard-go and wg for the last test).
+Every cluster is taken down in ``finally``; names carry the pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lorasync.emulate.cluster import Cluster, down, emulated, parse_emulate
+
+_why = ("needs root" if os.geteuid() != 0 else
+        "needs iproute2 and nftables" if not all(shutil.which(t) for t in ("ip", "tc", "nft")) else None)
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=_why or "")]
+
+TAG = f"c{os.getpid() % 100000}"
+
+
+def _name(kind: str) -> str:
+    return f"{TAG}{kind}"
+
+
+def _namespaces(name: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"lsync-{name}-")]
+
+
+def _py(c: Cluster, node: int, code: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(c.exec_argv(node, [sys.executable, "-c", textwrap.dedent(code)]),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sweep():
+    try:
+        yield
+    finally:
+        for kind in ("sym", "udp", "bh", "fail"):
+            down(_name(kind))
+
+
+_UDP_SERVER = """
+    import socket, sys
+    socks = []
+    for port in (7001, 7002):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("{addr}", port)); s.settimeout(5); socks.append(s)
+    print("ready", flush=True)
+    for s in socks:
+        for _ in range({expect}):
+            data, src = s.recvfrom(100)
+            print(data.decode(), s.getsockname()[1], src[1], flush=True)
+"""
+
+
+def test_symmetric_nat_gives_each_destination_its_own_port():
+    """One local socket sends to two destinations: behind symmetric NAT they
+    see two different source ports; behind plain NAT, one."""
+    with emulated(parse_emulate(f"nodes=3,symmetric_nat=node0,nat=node1,name={_name('sym')}")) as c:
+        server = c.node(2).address
+        srv = subprocess.Popen(c.exec_argv(2, [sys.executable, "-c", textwrap.dedent(
+            _UDP_SERVER.format(addr=server, expect=2))]), stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "ready"
+            for node in (0, 1):
+                r = _py(c, node, f"""
+                    import socket
+                    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                    s.bind(("{c.node(node).address}", 40000 + {node}))
+                    for port in (7001, 7002):
+                        s.sendto(b"node{node}", ("{server}", port))
+                """)
+                assert r.returncode == 0, r.stderr
+            out, _ = srv.communicate(timeout=10)
+        finally:
+            srv.kill()
+        seen: dict = {}
+        for line in out.split("\n"):
+            if line.strip():
+                who, _dst, sport = line.split()
+                seen.setdefault(who, set()).add(int(sport))
+        assert len(seen["node0"]) == 2, seen   # symmetric: a new mapping per destination
+        assert seen["node1"] == {40001}, seen  # plain masquerade keeps the free port
+        assert "node0 behind symmetric NAT" in c.spec.describe()
+
+
+def test_block_udp_lets_only_tcp_and_icmp_out():
+    with emulated(parse_emulate(f"nodes=2,block_udp=node0,name={_name('udp')}")) as c:
+        peer = c.node(1).address
+        srv = subprocess.Popen(c.exec_argv(1, [sys.executable, "-c", textwrap.dedent(f"""
+            import socket, select
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("{peer}", 7001))
+            t = socket.socket(); t.bind(("{peer}", 7002)); t.listen()
+            print("ready", flush=True)
+            got = []
+            while len(got) < 2:
+                r, _, _ = select.select([u, t], [], [], 3)
+                if not r:
+                    break
+                for s in r:
+                    if s is u:
+                        got.append("udp:" + u.recvfrom(100)[0].decode())
+                    else:
+                        got.append("tcp:" + s.accept()[0].recv(100).decode())
+            print(" ".join(sorted(got)), flush=True)
+        """)]), stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "ready"
+            send = """
+                import socket
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"{who}", ("{peer}", 7001))
+                with socket.create_connection(("{peer}", 7002), timeout=5) as t:
+                    t.sendall(b"{who}")
+            """
+            assert _py(c, 0, send.format(who="n0", peer=peer)).returncode == 0
+            out, _ = srv.communicate(timeout=10)
+        finally:
+            srv.kill()
+        assert out.split() == ["tcp:n0"], out   # the UDP datagram never arrived
+        # ICMP still passes (the path MTU probe is ICMP)
+        r = _py(c, 0, f"from lorasync.netdiag.pmtu import probe; print(probe('{peer}', 100))")
+        assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_mtu_blackhole_large_df_packets_vanish_and_doctor_says_so():
+    with emulated(parse_emulate(f"nodes=2,mtu_blackhole=node1,name={_name('bh')}")) as c:
+        peer = c.node(1).address
+        code = f"""
+            import json
+            from lorasync.netdiag.pmtu import find_path_mtu, probe
+            print(probe("{peer}", 1300, timeout_s=0.3, tries=2), probe("{peer}", 1500, timeout_s=0.3, tries=2))
+            print(json.dumps(find_path_mtu("{peer}", timeout_s=0.2, tries=2, step=16).to_dict()))
+        """
+        r = _py(c, 0, code)
+        assert r.returncode == 0, r.stderr
+        small_large, found = r.stdout.splitlines()
+        assert small_large.split() == ["ok", "lost"]   # a small DF packet passes, a large one stalls
+        found = json.loads(found)
+        assert found["blackhole"] and found["reported_mtu"] == 1500, found
+        assert 1400 - 16 < found["path_mtu"] <= 1400 < found["smallest_lost"], found
+        # doctor, run on node0 with the peer: the black hole and the overlay MTU that fits
+        d = subprocess.run(c.exec_argv(0, [sys.executable, "-m", "lorasync", "doctor", "--peer", peer,
+                                           "--json"]), capture_output=True, text=True, timeout=60)
+        findings = {f["check"]: f for f in json.loads(d.stdout)["findings"]}
+        f = findings["path-mtu"]
+        assert f["severity"] == "warn" and "black hole" in f["found"], f
+        seen = int(re.search(r"packets above (\d+) bytes", f["found"]).group(1))
+        assert 1400 - 8 < seen <= 1400, f
+        assert f"--mtu {seen - 60}" in f["fix"] and "tcp_mtu_probing=1" in f["fix"], f
+        # the same path with "fragmentation needed" let through: a limit, not a black hole
+        subprocess.run(["ip", "netns", "exec", c.hub_netns, "nft", "delete", "table", "ip", "lsync_cond"],
+                       check=True)
+        r = _py(c, 0, code)
+        found = json.loads(r.stdout.splitlines()[1])
+        assert not found["blackhole"] and found["reported_mtu"] == 1400, found
+
+
+def test_a_failed_build_leaves_no_namespace_or_table(monkeypatch):
+    """The conditions are built after the namespaces: a failure there removes them all."""
+    from lorasync.emulate import cluster as cl
+    from lorasync.errors import EnvironmentProblem
+
+    real = cl.Cluster._build_conditions
+
+    def broken(self):
+        real(self)  # the hub's table exists now
+        raise EnvironmentProblem("injected")
+
+    monkeypatch.setattr(cl.Cluster, "_build_conditions", broken)
+    name = _name("fail")
+    with pytest.raises(EnvironmentProblem, match="injected"):
+        Cluster.up(parse_emulate(f"nodes=2,block_udp=node0,mtu_blackhole=node1,symmetric_nat=node1,name={name}"))
+    assert _namespaces(name) == []
+    assert not (cl.CLUSTERS_DIR / f"{name}.json").exists()
