@@ -45,7 +45,7 @@ def _sweep():
     try:
         yield
     finally:
-        for kind in ("sym", "udp", "bh", "fail"):
+        for kind in ("sym", "udp", "bh", "bhw", "fail"):
             down(_name(kind))
 
 
@@ -182,3 +182,16 @@ def test_a_failed_build_leaves_no_namespace_or_table(monkeypatch):
         Cluster.up(parse_emulate(f"nodes=2,block_udp=node0,mtu_blackhole=node1,symmetric_nat=node1,name={name}"))
     assert _namespaces(name) == []
     assert not (cl.CLUSTERS_DIR / f"{name}.json").exists()
+
+
+@pytest.mark.skipif(not (shutil.which("wireguard-go") and shutil.which("wg")), reason="needs wireguard-go and wg")
+def test_overlay_mtu_auto_fits_the_black_hole():
+    """The tunnels' MTU (auto) comes from the probed path, so full-size tunnel
+    packets fit through the black hole and bulk data flows over the overlay."""
+    with emulated(parse_emulate(f"nodes=2,mtu_blackhole=node1,overlay=wireguard,name={_name('bhw')}")) as c:
+        from lorasync.overlay import tunnel
+
+        mtus = {t["node"]: t["mtu"] for t in tunnel.status(cluster=c.spec.name, measure=False)}
+        assert len(mtus) == 2 and all(1400 - 60 - 8 < m <= 1400 - 60 for m in mtus.values()), mtus
+        m = c.measure(0, 1, seconds=0.5, overlay=True)
+        assert m.bytes > 1 << 20, m   # a stalled connection moves next to nothing
