@@ -375,6 +375,13 @@ def _check_rdma(host: HostInfo) -> list[Finding]:
     return out
 
 
+def _check_memory(host: HostInfo) -> list[Finding]:
+    """Huge pages and locked memory: what they do (RDMA) and do not do (TCP)."""
+    from lorasync.netdiag.tune import memory_advice
+
+    return [Finding(a.check, a.severity, a.found, a.why, a.fix) for a in memory_advice(host)]
+
+
 # -- rendezvous ----------------------------------------------------------------------------
 def _split_endpoint(ep: str) -> tuple[str, str]:
     if ep.startswith("["):
@@ -653,7 +660,7 @@ def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | Non
     path MTU is probed (ICMP, a few seconds each when large packets are lost)."""
     link = link or default_link(host)
     return (_check_hostname(host, nnodes) + _check_ifname_env(host, nnodes) + _check_candidates(host, nnodes)
-            + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host)
+            + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host) + _check_memory(host)
             + _check_rendezvous(host, rdzv_endpoint, nnodes) + _check_overlay(host, rdzv_endpoint, nnodes)
             + (_check_exposure(host) if exposure else []) + _check_path_mtu(host, peers))
 

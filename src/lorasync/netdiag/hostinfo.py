@@ -465,6 +465,29 @@ class HostInfo:
             return ctypes.util.find_library("ibverbs") is not None
         return False
 
+    # -- memory for RDMA -------------------------------------------------------
+    def hugepages(self) -> dict:
+        """Huge pages as /proc/meminfo and sysfs tell: ``total``/``free``
+        reserved pages, ``size_kib`` each, ``thp`` (transparent huge pages:
+        always, madvise or never; None when unknown)."""
+        info = {}
+        for line in (_read(self.path("proc/meminfo")) or "").splitlines():
+            key, _, rest = line.partition(":")
+            info[key.strip()] = rest.split()[0] if rest.split() else ""
+        thp = _read(self.path("sys/kernel/mm/transparent_hugepage/enabled")) or ""
+        m = re.search(r"\[(\w+)\]", thp)
+        return {"total": _int(info.get("HugePages_Total")), "free": _int(info.get("HugePages_Free")),
+                "size_kib": _int(info.get("Hugepagesize")), "thp": m.group(1) if m else None}
+
+    def memlock_limit(self) -> int | None:
+        """This process's RLIMIT_MEMLOCK soft limit in bytes (-1: unlimited),
+        from /proc/self/limits; None when unknown."""
+        for line in (_read(self.path("proc/self/limits")) or "").splitlines():
+            if line.startswith("Max locked memory"):
+                soft = line[len("Max locked memory"):].split()[0]
+                return -1 if soft == "unlimited" else _int(soft)
+        return None
+
     # -- summary ---------------------------------------------------------------
     def summary(self) -> dict:
         ns = self.netns()
