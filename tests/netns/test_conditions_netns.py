@@ -45,7 +45,7 @@ def _sweep():
     try:
         yield
     finally:
-        for kind in ("sym", "udp", "bh", "bhw", "fail"):
+        for kind in ("sym", "udp", "bh", "bhw", "wg", "fail"):
             down(_name(kind))
 
 
@@ -195,3 +195,96 @@ def test_overlay_mtu_auto_fits_the_black_hole():
         assert len(mtus) == 2 and all(1400 - 60 - 8 < m <= 1400 - 60 for m in mtus.values()), mtus
         m = c.measure(0, 1, seconds=0.5, overlay=True)
         assert m.bytes > 1 << 20, m   # a stalled connection moves next to nothing
+
+
+@pytest.fixture
+def wg_pair(tmp_path):
+    """Two emulated nodes joined by a plain WireGuard interface each (wireguard-go over
+    TUN, named wg*): an overlay lorasync did not make, as Tailscale or ZeroTier would be."""
+    if not (shutil.which("wireguard-go") and shutil.which("wg")):
+        pytest.skip("needs wireguard-go and wg")
+    with emulated(parse_emulate(f"nodes=2,name={_name('wg')}")) as c:
+        names = [f"wg{TAG}{x}" for x in "ab"]
+        addrs = ["10.99.0.1", "10.99.0.2"]
+        keys = [subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True).stdout.strip()
+                for _ in names]
+        pubs = [subprocess.run(["wg", "pubkey"], input=k, capture_output=True, text=True, check=True).stdout.strip()
+                for k in keys]
+        daemons = []
+        try:
+            for i, name in enumerate(names):
+                key = tmp_path / f"{name}.key"
+                key.write_text(keys[i] + "\n")
+                key.chmod(0o600)
+                daemons.append(subprocess.Popen(c.exec_argv(i, ["wireguard-go", "-f", name]),
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for i, name in enumerate(names):
+                sock = f"/var/run/wireguard/{name}.sock"
+                for _ in range(100):
+                    if os.path.exists(sock):
+                        break
+                    subprocess.run(["sleep", "0.05"])
+                j = 1 - i
+                for argv in (["wg", "set", name, "private-key", str(tmp_path / f"{name}.key"),
+                              "listen-port", "51999", "peer", pubs[j], "endpoint",
+                              f"{c.node(j).address}:51999", "allowed-ips", f"{addrs[j]}/32"],
+                             ["ip", "addr", "add", f"{addrs[i]}/24", "dev", name],
+                             ["ip", "link", "set", name, "up"]):
+                    subprocess.run(c.exec_argv(i, argv), check=True, capture_output=True)
+            yield c, names, addrs
+        finally:
+            for d in daemons:
+                d.terminate()
+            for d in daemons:
+                d.wait(timeout=10)
+
+
+def test_an_existing_wireguard_interface_is_recognized_and_used(wg_pair):
+    c, names, addrs = wg_pair
+    # doctor on node0: the rendezvous (node1's overlay address) is reached over wg*
+    d = subprocess.run(c.exec_argv(0, [sys.executable, "-m", "lorasync", "doctor", "--nnodes", "2",
+                                       "--rdzv-endpoint", f"{addrs[1]}:29400", "--json"]),
+                       capture_output=True, text=True, timeout=60)
+    f = next(f for f in json.loads(d.stdout)["findings"] if f["check"] == "overlay")
+    assert f"wireguard overlay {names[0]}" in f["found"] and f"GLOO_SOCKET_IFNAME={names[0]}" in f["found"], f
+    assert f"stores on {addrs[0]}" in f["found"], f
+    # the launch picks it: gloo/NCCL on wg*, the stores on its address (and says so)
+    r = _py(c, 0, f"""
+        import os
+        from lorasync.launch.torchrun import use_overlay
+        env = {{}}
+        print(use_overlay("{addrs[1]}", env), env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"])
+        from lorasync.launch import stores
+        print(stores.collective_address(env))
+        print(use_overlay("{c.node(1).address}", {{}}))   # not over the overlay: left alone
+    """)
+    assert r.returncode == 0, r.stderr
+    chosen, store, direct = r.stdout.splitlines()
+    assert chosen == f"('{names[0]}', '{addrs[0]}') {names[0]} {names[0]}"
+    assert store == addrs[0] and direct == "None"
+    assert f"reached over wireguard overlay {names[0]}" in r.stderr
+
+
+def test_a_job_across_nodes_runs_over_the_existing_interface(wg_pair, tmp_path):
+    """lorasync's own launch (here the live doctor: two nodes, one rank each)
+    on nodes joined by wg*: every rank talks over it and the stores listen on
+    its addresses only."""
+    c, names, addrs = wg_pair
+    secret = tmp_path / "secret"
+    secret.write_text("ab" * 32 + "\n")
+    secret.chmod(0o600)
+    env = dict(os.environ, LORASYNC_SECRET_FILE=str(secret), OMP_NUM_THREADS="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    env.pop("NCCL_SOCKET_IFNAME", None)
+    procs = [subprocess.Popen(c.exec_argv(i, [sys.executable, "-m", "lorasync", "doctor", "--nproc", "1",
+                                              "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint",
+                                              f"{addrs[0]}:29400", "--no-probe", "--json"]),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    report = next(json.loads(o) for o, _ in outs if o.strip().startswith("{"))
+    ranks = report["ranks"]
+    assert [r["ifname"] for r in ranks] == names and [r["addr"] for r in ranks] == addrs, ranks
+    listening = {a.rsplit(":", 1)[0] for r in ranks for a in r["store_listen"]}
+    assert listening and listening <= set(addrs), ranks
+    assert all(f"over wireguard overlay {names[i]}" in outs[i][1] for i in range(2))

@@ -464,11 +464,10 @@ _OVERLAY_FIX = ("put the nodes on an overlay: lorasync tunnel init (plan), join 
 
 
 def overlay_interfaces(host: HostInfo) -> list:
-    """WireGuard interfaces here: kernel ``wireguard`` links, or wireguard-go's
-    TUN devices (their control socket is /var/run/wireguard/NAME.sock)."""
-    return [i for i in host.interfaces() if i.kind == "wireguard"
-            or os.path.exists(host.path("var/run/wireguard", f"{i.name}.sock"))
-            or os.path.exists(host.path("run/wireguard", f"{i.name}.sock"))]
+    """Overlay interfaces here: WireGuard (kernel ``wireguard`` links, wireguard-go's
+    TUN devices with their control socket in /var/run/wireguard, wg*), Tailscale
+    (tailscale0) and ZeroTier (zt*); see :meth:`HostInfo.overlay_kind`."""
+    return [i for i in host.interfaces() if host.overlay_kind(i)]
 
 
 def _is_wildcard(addr: str) -> bool:
@@ -513,9 +512,22 @@ def _check_overlay(host: HostInfo, endpoint: str | None, nnodes: int | None) -> 
     overlay_nets = [n for i in overlays for n in i.networks]
     local_nets = [n for i in host.candidate_interfaces() if i.name not in names for n in i.networks]
     a = addrs[0]
-    if _in_networks(a, overlay_nets):
+    o = host.overlay_to(a)
+    if o is None and _in_networks(a, overlay_nets):
         o = next(i for i in overlays if _in_networks(a, i.networks))
-        out.append(Finding("overlay", "ok", f"rendezvous {endpoint} is on overlay {o.name} ({', '.join(o.networks)})"))
+    if o is not None:
+        kind, addr = host.overlay_kind(o), (o.ipv4 or o.addresses or ["no address"])[0]
+        found = (f"rendezvous {endpoint} is reached over {kind} overlay {o.name} "
+                 f"({', '.join(o.networks) or addr})")
+        if set(gloo) == {o.name}:
+            out.append(Finding("overlay", "ok", f"{found}; GLOO_SOCKET_IFNAME={o.name}"))
+        elif not gloo:
+            out.append(Finding(
+                "overlay", "info", f"{found}: lorasync train uses it (GLOO_SOCKET_IFNAME={o.name}, "
+                f"stores on {addr})",
+                "gloo and NCCL otherwise take the hostname's address or their own first interface, "
+                "which may not reach the other nodes", f"with plain torchrun: export "
+                f"GLOO_SOCKET_IFNAME={o.name} NCCL_SOCKET_IFNAME={o.name}"))
         return out
     spans = not _in_networks(a, local_nets)  # reached through a router: another network
     if overlays:
