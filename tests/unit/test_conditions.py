@@ -231,3 +231,49 @@ def test_with_rdma_memlock_and_transparent_huge_pages(tmp_path):
     found = {f.check for f in doctor.static_checks(h)}
     assert {"memlock", "hugepages"} <= found
     assert not any("hugepages" in k or "memlock" in k for k in tune.SYSCTL_SCOPE)
+
+
+# ---------------------------------------------------------------- existing overlays
+
+def _with_ifaces(tmp_path, extra):
+    import json
+
+    root = tmp_path / "host"
+    shutil.copytree(os.path.join(HOSTS, "good"), root)
+    data = json.loads((root / "ip/addr.json").read_text())
+    for name, addr, prefix in extra:
+        data.append({"ifname": name, "flags": ["POINTOPOINT", "UP", "LOWER_UP"], "mtu": 1280,
+                     "operstate": "UNKNOWN", "link_type": "none",
+                     "addr_info": [{"family": "inet", "local": addr, "prefixlen": prefix, "scope": "global"}]})
+    (root / "ip/addr.json").write_text(json.dumps(data))
+    return str(root)
+
+
+@pytest.mark.parametrize("name,kind", [("tailscale0", "tailscale"), ("zt3jnfsw2k", "zerotier"),
+                                       ("wg0", "wireguard"), ("wg-office", "wireguard"),
+                                       ("eth0", None), ("tun0", None), ("lsync0", None)])
+def test_overlays_are_recognized_by_name(tmp_path, name, kind):
+    host = HostInfo(_with_ifaces(tmp_path, [(name, "100.64.0.5", 10)] if name != "eth0" else []))
+    assert host.overlay_kind(host.interface(name)) == kind
+
+
+def test_doctor_says_the_job_runs_over_the_overlay_that_reaches_the_rendezvous(tmp_path):
+    root = _with_ifaces(tmp_path, [("tailscale0", "100.64.0.5", 10)])
+    host = HostInfo(root, env={})
+    assert host.overlay_to("100.64.0.9").name == "tailscale0" and host.overlay_to("10.0.0.12") is None
+    [f] = [f for f in doctor.static_checks(host, nnodes=2, rdzv_endpoint="100.64.0.9:29400")
+           if f.check == "overlay"]
+    assert f.severity == "info" and "tailscale overlay tailscale0" in f.found
+    assert "GLOO_SOCKET_IFNAME=tailscale0" in f.found and "stores on 100.64.0.5" in f.found
+    assert "export GLOO_SOCKET_IFNAME=tailscale0 NCCL_SOCKET_IFNAME=tailscale0" in f.fix
+    pinned = HostInfo(root, env={"GLOO_SOCKET_IFNAME": "tailscale0"})
+    [g] = [f for f in doctor.static_checks(pinned, nnodes=2, rdzv_endpoint="100.64.0.9:29400")
+           if f.check == "overlay"]
+    assert g.severity == "ok"
+
+
+def test_the_launch_leaves_a_named_interface_alone():
+    from lorasync.launch.torchrun import use_overlay
+
+    env = {"GLOO_SOCKET_IFNAME": "eth0"}
+    assert use_overlay("100.64.0.9", env) is None and env == {"GLOO_SOCKET_IFNAME": "eth0"}
