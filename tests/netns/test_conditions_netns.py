@@ -154,7 +154,7 @@ def test_mtu_blackhole_large_df_packets_vanish_and_doctor_says_so():
         findings = {f["check"]: f for f in json.loads(d.stdout)["findings"]}
         f = findings["path-mtu"]
         assert f["severity"] == "warn" and "black hole" in f["found"], f
-        seen = int(re.search(r"packets above (\d+) bytes", f["found"]).group(1))
+        seen = int(re.search(r"(\d+)-byte packets pass", f["found"]).group(1))
         assert 1400 - 8 < seen <= 1400, f
         assert f"--mtu {seen - 60}" in f["fix"] and "tcp_mtu_probing=1" in f["fix"], f
         # the same path with "fragmentation needed" let through: a limit, not a black hole

@@ -169,7 +169,7 @@ def _result(**kw):
 
 
 @pytest.mark.parametrize("kw,severity,needles", [
-    ({}, "warn", ["black hole", "above 1400", "tunnel init --mtu 1340", "tcp_mtu_probing=1"]),
+    ({}, "warn", ["black hole", "1400-byte packets pass, 1408-byte ones vanish", "tunnel init --mtu 1340", "tcp_mtu_probing=1"]),
     ({"reported_mtu": 1400}, "info", ["is 1400, below this host's 1500", "--mtu 1340"]),
     ({"largest_ok": 1500, "smallest_lost": None}, "ok", ["1500"]),
     ({"largest_ok": None, "smallest_lost": 1500}, "info", ["answers no ICMP echo"]),

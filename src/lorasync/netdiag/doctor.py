@@ -233,8 +233,9 @@ def path_mtu_findings(result) -> list[Finding]:
     if result.blackhole:
         return [Finding(
             "path-mtu", "warn",
-            f"path MTU black hole towards {peer}: packets above {mtu} bytes vanish and no "
-            f"'fragmentation needed' comes back (this host sends up to {result.local_mtu})",
+            f"path MTU black hole towards {peer}: {mtu}-byte packets pass, {result.smallest_lost}-byte "
+            f"ones vanish and no 'fragmentation needed' comes back (this host sends up to "
+            f"{result.local_mtu})",
             "TCP connects (the handshake is small), then every full-size segment is lost and the "
             "connection stalls on retransmission timeouts; a tunnel whose MTU is above the path's "
             "loses every full-size packet the same way",
