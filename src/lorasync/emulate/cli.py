@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="link MTU (default 1500; 65000 with delay/loss, for the forwarder's speed)")
     up.add_argument("--nat", action="append", default=[], metavar="NODE",
                     help="put NODE behind NAT, e.g. node2 (repeatable, or node1,node2)")
+    for key, what in (("symmetric-nat", "behind a symmetric NAT (a new outside port per destination)"),
+                      ("block-udp", "without UDP (only TCP and ICMP leave it)"),
+                      ("mtu-blackhole", "behind a path MTU black hole (MTU 1400, no ICMP back)")):
+        up.add_argument(f"--{key}", action="append", default=[], metavar="NODE",
+                        help=f"put NODE {what} (repeatable, or node1,node2)")
     up.add_argument("--overlay", default=None, choices=["wireguard", "none"],
                     help="run a WireGuard overlay on every node (needs wireguard-go and wg)")
     up.add_argument("--measure", action="store_true", help="measure node0 -> node1 after bringing it up")
@@ -118,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         spec = cl.ClusterSpec(nodes=args.nodes, rate_bps=args.rate or None,
                               delay_s=args.delay, loss=args.loss,
                               pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu,
-                              nat=nat, overlay=args.overlay)
+                              nat=nat, overlay=args.overlay,
+                              **{k: [x for item in getattr(args, k) for x in item.replace("+", ",").split(",")
+                                     if x.strip()] for k in cl.CONDITION_KEYS})
         c = cl.Cluster.up(spec)
         print(f"cluster {spec.name} up: {spec.describe()}")
         _print_status(c.status(measure=args.measure))
