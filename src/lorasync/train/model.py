@@ -426,6 +426,8 @@ def check_lora_targets(model_cfg, lora) -> None:
     from lorasync.config import LoraSettings
 
     targets = [] if list(lora.targets) == [ALL_LINEAR] else list(lora.targets)
+    if not targets and not lora.modules_to_save:
+        return   # all-linear names no module
     if model_cfg.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets) \
             and not lora.modules_to_save:
         return   # both are Llamas: the default projections are theirs (the common
