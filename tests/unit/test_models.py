@@ -233,3 +233,38 @@ def test_the_dtype_field_still_sets_the_parameter_dtype():
     model, _ = m.load_base(ModelConfig(name="tiny", dtype="bfloat16"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert os.environ.get("HF_HUB_OFFLINE") in (None, "1", "0", "")
+
+
+def test_a_quantized_load_asks_transformers_for_bitsandbytes_on_the_device(
+        hub, monkeypatch):
+    """The path a GPU takes, up to bitsandbytes itself: from_pretrained gets the
+    BitsAndBytesConfig and the whole model on this rank's device, and
+    add_lora prepares the quantized base the QLoRA way before PEFT wraps it."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache_tiny(hub, "acme/tiny-llama")
+    monkeypatch.setattr(m, "_bnb_devices", lambda: (True, {"cpu"}, {"cpu"}))
+    seen = {}
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def from_pretrained(cls, path, **kw):
+        seen.update(kw)
+        model = real(cls, path, dtype=kw["dtype"])
+        model.is_quantized = True   # what bitsandbytes' quantizer leaves on the model
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
+    cfg = ModelConfig(name="acme/tiny-llama", load_in_4bit=True, dtype="bfloat16")
+    base, _ = m.load_base(cfg, device=torch.device("cpu"))
+    q = seen["quantization_config"]
+    assert q.load_in_4bit and q.bnb_4bit_compute_dtype == torch.bfloat16
+    assert seen["device_map"] == {"": torch.device("cpu")} and seen["dtype"] == torch.bfloat16
+    prepared = []
+    real_prepare = peft.prepare_model_for_kbit_training
+    monkeypatch.setattr(peft, "prepare_model_for_kbit_training",
+                        lambda model, **kw: prepared.append(kw) or real_prepare(model, **kw))
+    model = m.add_lora(base, LoraSettings(), seed=0)
+    assert prepared == [{"use_gradient_checkpointing": False}]
+    assert m.adapter_param_count(model) > 0
