@@ -219,7 +219,7 @@ def resolve_model(name: str) -> str:
     if not _hub_id(name):
         raise ModelError(f"model.name: {name!r} is not 'smollm2-135m', 'tiny', an existing "
                          "directory or a Hugging Face Hub id (org/name); give the path to a "
-                         "local model directory or a Hub id")
+                         "local Hugging Face model directory or a Hub id")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -384,7 +384,7 @@ def lora_config(lora):
                           use_dora=lora.use_dora, use_rslora=lora.use_rslora,
                           modules_to_save=list(lora.modules_to_save) or None,
                           **{"bias": "none", **lora.options})
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:   # PEFT's checks
         keys = ", ".join(sorted(lora.options)) or "use_dora/use_rslora/modules_to_save"
         why = " ".join(str(exc).split())
         raise ConfigError("lora.options" if lora.options else "lora", keys,
