@@ -103,7 +103,8 @@ class LoraSettings:
     use_rslora: bool = _f(False, "rsLoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)",
                           flag="--use-rslora")
     modules_to_save: list = _f(list, "modules trained whole and saved with the adapter "
-                               "besides it (PEFT's modules_to_save), e.g. lm_head",
+                               "besides it (PEFT's modules_to_save: every module whose full "
+                               "name ends with one of them), e.g. lm_head",
                                flag="--lora-modules-to-save")
     options: dict = _f(dict, "other fields of PEFT's LoraConfig as key=value pairs, e.g. "
                        "init_lora_weights=gaussian", flag="--lora-opt")

@@ -167,8 +167,25 @@ def test_a_misspelt_lora_opt_is_refused_before_launch(guard, tmp_path, capsys):
 
 
 def test_modules_to_save_must_name_modules_of_the_model(guard, tmp_path, capsys):
-    refused(capsys, tmp_path, TRAIN + ["--model", "tiny", "--lora-modules-to-save", "head"],
-            "lora.modules_to_save", "'head'", "lm_head")
+    refused(capsys, tmp_path, TRAIN + ["--model", "tiny", "--lora-modules-to-save", "heads"],
+            "lora.modules_to_save", "'heads'", "lm_head")
+
+
+def test_names_are_matched_as_peft_matches_them():
+    """A target is a module name or a dotted suffix of one; a module to save,
+    any suffix of a module's full name (so "norm" takes every *norm)."""
+    cfg = ModelConfig(name="tiny")
+    m.check_lora_targets(cfg, LoraSettings(targets="self_attn.q_proj,v_proj",
+                                           modules_to_save="model.norm"))
+    with pytest.raises(ConfigError, match="'attn.q_proj'"):
+        m.check_lora_targets(cfg, LoraSettings(targets="attn.q_proj"))
+    base, _ = m.load_base("tiny")
+    model = m.add_lora(base, LoraSettings(targets="self_attn.q_proj", modules_to_save="norm"),
+                       seed=0)
+    saved = {n.split(".modules_to_save")[0] for n, p in model.named_parameters()
+             if "modules_to_save" in n and p.requires_grad}
+    assert "base_model.model.model.norm" in saved
+    assert "base_model.model.model.layers.0.input_layernorm" in saved
 
 
 # ---------------------------------------------------------------- quantized bases

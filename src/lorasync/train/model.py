@@ -439,19 +439,22 @@ def check_lora_targets(model_cfg, lora) -> None:
     from transformers.pytorch_utils import Conv1D
 
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
-    adaptable = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)}
-    missing = [t for t in targets if t not in adaptable]
+    keys = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    linear = [n for n, mod in model.named_modules() if isinstance(mod, kinds)]
+    # PEFT's matching: a target is a module's name or a dotted suffix of it;
+    # a module to save, any suffix of a module's full name
+    missing = [t for t in targets if not any(k == t or k.endswith("." + t) for k in linear)]
     if missing:
         raise ConfigError("lora.targets", missing[0],
                           f"not a linear or embedding layer of {model_cfg.name}; choose from "
-                          + ", ".join(sorted(adaptable)) + f", or {ALL_LINEAR}")
-    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n}
-    missing = [t for t in lora.modules_to_save if t not in present]
+                          + ", ".join(sorted({k.rsplit(".", 1)[-1] for k in linear}))
+                          + f", or {ALL_LINEAR}")
+    missing = [t for t in lora.modules_to_save if not any(k.endswith(t) for k in keys)]
     if missing:
-        top = sorted(n for n in adaptable if "proj" not in n) or sorted(adaptable)
+        top = sorted({k.rsplit(".", 1)[-1] for k in linear if "proj" not in k})
         raise ConfigError("lora.modules_to_save", missing[0],
-                          f"not a module of {model_cfg.name}; name whole modules to train "
-                          f"and save, e.g. {', '.join(top[:6])}")
+                          f"no module of {model_cfg.name} is named so; name whole modules to "
+                          f"train and save, e.g. {', '.join(top[:6])}")
 
 
 def add_lora(model, lora, seed: int):
@@ -466,9 +469,10 @@ def add_lora(model, lora, seed: int):
     import torch
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    if list(lora.targets) != [ALL_LINEAR]:
-        present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-        missing = [t for t in lora.targets if t not in present]
+    if list(lora.targets) != [ALL_LINEAR]:   # as PEFT matches: a name or a dotted suffix
+        keys = [n for n, _ in model.named_modules()]
+        present = {n.rsplit(".", 1)[-1] for n in keys}
+        missing = [t for t in lora.targets if not any(k == t or k.endswith("." + t) for k in keys)]
         if missing:
             raise ModelError(
                 f"lora.targets: {missing[0]!r} is not a module of this model; choose from "
