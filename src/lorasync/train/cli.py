@@ -293,6 +293,10 @@ def run(args) -> int:
         raise ConfigError("--nnodes", cfg.run.nnodes, "several nodes need --rdzv-endpoint "
                           "HOST:PORT (node 0's address), or --emulate for an emulated cluster")
     nodes = cfg.run.nnodes or "1"
+    if cfg.run.rdzv_endpoint:   # the job's shared secret is the user's to give: refused
+        from lorasync.launch.torchrun import shared_secret   # before a launch is announced
+
+        shared_secret()
     print(f"lorasync train: {cfg.run.nproc} worker(s)"
           + (f" on this node of {nodes} via torchrun at {cfg.run.rdzv_endpoint}"
              if cfg.run.rdzv_endpoint else " via torchrun")
