@@ -471,7 +471,8 @@ def parse_options(pairs, section: str = "comm") -> dict[str, Any]:
         k, eq, v = str(p).partition("=")
         if not eq or not k.strip():
             example = "period=8" if section == "comm" else "init_lora_weights=gaussian"
-            raise ConfigError(f"{section}.options", p, f"write options as key=value, e.g. {example}")
+            raise ConfigError(f"{section}.options", p,
+                              f"write options as key=value, e.g. {example}")
         try:
             out[k.strip()] = yaml.safe_load(v)
         except (yaml.YAMLError, RecursionError, ValueError) as exc:   # ValueError: 5000 digits

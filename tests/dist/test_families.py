@@ -33,8 +33,8 @@ FAMILIES = {
 #: PEFT's variants ride along on some runs (same cost): family -> extra flags
 VARIANT = {"qwen2": ["--use-rslora"], "gemma": ["--use-dora"]}
 RUN = ["--nproc", "2", "--lora-targets", "all-linear", "--max-steps", "2", "--batch-size", "2",
-       "--seq-len", "64", "--eval-size", "4", "--max-new-tokens", "2", "--demo-size", "64", "--no-eval-before",
-       "--ckpt-interval", "0", "--no-progress"]
+       "--seq-len", "64", "--demo-size", "64", "--eval-size", "4", "--max-new-tokens", "2",
+       "--no-eval-before", "--ckpt-interval", "0", "--no-progress"]
 
 
 def save_in_hub_cache(cache, repo_id: str, model, tok) -> str:

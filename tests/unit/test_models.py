@@ -277,7 +277,7 @@ def test_a_quantized_load_asks_transformers_for_bitsandbytes_on_the_device(
     base, _ = m.load_base(cfg, device=torch.device("cpu"))
     q = seen["quantization_config"]
     assert q.load_in_4bit and q.bnb_4bit_compute_dtype == torch.bfloat16
-    assert seen["device_map"] == {"": torch.device("cpu")} and seen["dtype"] == torch.bfloat16
+    assert seen["device_map"] == {"": "cpu"} and seen["dtype"] == torch.bfloat16
     prepared = []
     real_prepare = peft.prepare_model_for_kbit_training
     monkeypatch.setattr(peft, "prepare_model_for_kbit_training",

@@ -211,7 +211,7 @@ def resolve_model(name: str) -> str:
     if name == EMBEDDED:
         return _embedded_dir()
     path = os.path.expanduser(name)
-    if os.path.isdir(path):   # a directory wins over a Hub id of the same spelling, as in transformers
+    if os.path.isdir(path):   # a directory wins over a Hub id spelt the same, as in transformers
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelError(f"model.name: {path} has no config.json; point --model at a "
                              "Hugging Face causal-LM directory (config.json + weights + tokenizer)")
@@ -349,7 +349,8 @@ def load_base(name, dtype: str = "float32", log=print, *, device=None):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
-        kwargs = {"quantization_config": quant, "device_map": {"": device}}
+        # the whole model on this rank's device: bitsandbytes quantizes it there
+        kwargs = {"quantization_config": quant, "device_map": {"": str(torch.device(device))}}
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -371,6 +372,7 @@ def load_base(name, dtype: str = "float32", log=print, *, device=None):
 # -- the adapter -----------------------------------------------------------------------
 
 ALL_LINEAR = "all-linear"
+
 
 def lora_config(lora):
     """PEFT's ``LoraConfig`` for the ``lora`` settings (what ``add_lora`` applies);
@@ -420,7 +422,7 @@ def _meta_model(name: str):
 
 def check_lora_targets(model_cfg, lora) -> None:
     """``lora.targets`` and ``lora.modules_to_save`` against the model's module
-    names, as PEFT matches them (the last component), from the model built on
+    names, as PEFT matches them (a name or a dotted suffix), from the model built on
     the meta device, so that a wrong name fails once before launch instead of
     in every worker after the model loaded, on every restart."""
     from lorasync.config import LoraSettings
@@ -472,7 +474,8 @@ def add_lora(model, lora, seed: int):
     if list(lora.targets) != [ALL_LINEAR]:   # as PEFT matches: a name or a dotted suffix
         keys = [n for n, _ in model.named_modules()]
         present = {n.rsplit(".", 1)[-1] for n in keys}
-        missing = [t for t in lora.targets if not any(k == t or k.endswith("." + t) for k in keys)]
+        missing = [t for t in lora.targets
+                   if not any(k == t or k.endswith("." + t) for k in keys)]
         if missing:
             raise ModelError(
                 f"lora.targets: {missing[0]!r} is not a module of this model; choose from "
