@@ -55,27 +55,59 @@ def _use_either(values) -> str:
 @dataclass
 class ModelConfig:
     name: str = _f("smollm2-135m", "model: 'smollm2-135m' (embedded default), 'tiny' "
-                   "(small random-init model for tests) or a local Hugging Face causal-LM directory",
+                   "(small random-init model for tests), a local Hugging Face causal-LM "
+                   "directory, or a Hub id (org/name) already in the local Hugging Face cache "
+                   "(nothing downloads: fetch it first with `hf download ID`)",
                    flag="--model")
-    dtype: str = _f("float32", "parameter dtype of the base model (float32, bfloat16)",
-                    flag="--dtype")
+    dtype: str = _f("float32", "parameter dtype of the base model (float32, bfloat16); with "
+                    "--load-in-4bit also the compute dtype", flag="--dtype")
+    load_in_4bit: bool = _f(False, "QLoRA: load the base in 4 bits through bitsandbytes "
+                            "(needs bitsandbytes and a device it supports, a CUDA GPU)",
+                            flag="--load-in-4bit")
+    load_in_8bit: bool = _f(False, "load the base in 8 bits (LLM.int8) through bitsandbytes "
+                            "(needs bitsandbytes and a device it supports, a CUDA GPU)",
+                            flag="--load-in-8bit")
+    quant_type: str = _f("nf4", "4-bit data type with --load-in-4bit: nf4 (QLoRA's) or fp4",
+                         flag="--bnb-4bit-quant-type")
+    double_quant: bool = _f(True, "with --load-in-4bit also quantize the quantization "
+                            "constants (QLoRA's double quantization)",
+                            flag="--bnb-4bit-double-quant")
 
     def __post_init__(self):
         _check(isinstance(self.name, str) and self.name != "", "model.name", self.name,
-               "give 'smollm2-135m', 'tiny' or a path to a local model directory")
+               "give 'smollm2-135m', 'tiny', a path to a local model directory or a Hub id")
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype,
                "use float32 or bfloat16")
+        _check(not (self.load_in_4bit and self.load_in_8bit), "model.load_in_8bit", True,
+               "choose one of --load-in-4bit and --load-in-8bit")
+        _check(self.name != "tiny" or not (self.load_in_4bit or self.load_in_8bit),
+               "model.name", self.name, "'tiny' is built in memory, not loaded, so it cannot "
+               "be quantized; give a model directory or Hub id, or drop --load-in-4bit/8bit")
+        _check(self.quant_type in ("nf4", "fp4"), "model.quant_type", self.quant_type,
+               "use nf4 or fp4")
 
 
 @dataclass
 class LoraSettings:
     r: int = _f(8, "LoRA rank", flag="--lora-r")
-    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r)", flag="--lora-alpha")
+    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with "
+                      "--use-rslora)", flag="--lora-alpha")
     dropout: float = _f(0.0, "LoRA dropout probability", flag="--lora-dropout")
     targets: list = _f(lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                       "module names that get adapters", flag="--lora-targets")
+                       "module names that get adapters, or all-linear (every linear layer "
+                       "but the output head, as PEFT picks them)", flag="--lora-targets")
     freeze_a: bool = _f(False, "FFA-LoRA: freeze the A matrices, train and sync only B "
                         "(half the traffic; averaging becomes exact)", flag="--freeze-a")
+    use_dora: bool = _f(False, "DoRA: weight-decomposed LoRA (PEFT's use_dora; a trained "
+                        "magnitude per output feature)", flag="--use-dora")
+    use_rslora: bool = _f(False, "rsLoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)",
+                          flag="--use-rslora")
+    modules_to_save: list = _f(list, "modules trained whole and saved with the adapter "
+                               "besides it (PEFT's modules_to_save: every module whose full "
+                               "name ends with one of them), e.g. lm_head",
+                               flag="--lora-modules-to-save")
+    options: dict = _f(dict, "other fields of PEFT's LoraConfig as key=value pairs, e.g. "
+                       "init_lora_weights=gaussian", flag="--lora-opt")
 
     def __post_init__(self):
         _check(isinstance(self.r, int) and self.r >= 1, "lora.r", self.r, "use an integer >= 1")
@@ -87,6 +119,49 @@ class LoraSettings:
         _check(isinstance(self.targets, list) and len(self.targets) > 0
                and all(isinstance(t, str) and t for t in self.targets),
                "lora.targets", self.targets, "give a non-empty list of module names, e.g. q_proj,v_proj")
+        _check("all-linear" not in self.targets or self.targets == ["all-linear"],
+               "lora.targets", self.targets, "all-linear stands alone: give all-linear or "
+               "module names, not both")
+        if isinstance(self.modules_to_save, str):
+            self.modules_to_save = [t.strip() for t in self.modules_to_save.split(",")
+                                    if t.strip()]
+        _check(isinstance(self.modules_to_save, list)
+               and all(isinstance(t, str) and t for t in self.modules_to_save),
+               "lora.modules_to_save", self.modules_to_save,
+               "give a list of module names, e.g. lm_head")
+        _check(isinstance(self.options, dict), "lora.options", self.options,
+               "give a mapping of LoraConfig fields to values")
+        if self.options:   # PEFT's fields (the import costs seconds: only when used)
+            _check_lora_options(self.options)
+
+
+#: LoraConfig fields lorasync sets itself, and the flag that sets each (None: fixed)
+LORA_OWN_FIELDS = {"r": "--lora-r", "lora_alpha": "--lora-alpha",
+                   "lora_dropout": "--lora-dropout", "target_modules": "--lora-targets",
+                   "use_dora": "--use-dora", "use_rslora": "--use-rslora",
+                   "modules_to_save": "--lora-modules-to-save", "task_type": None,
+                   "peft_type": None, "base_model_name_or_path": None, "revision": None,
+                   "inference_mode": None, "auto_mapping": None, "peft_version": None}
+
+
+def _check_lora_options(options: dict) -> None:
+    """Each key of ``lora.options`` is a field of PEFT's ``LoraConfig`` that
+    lorasync does not set itself; a ConfigError naming the key and the fix
+    otherwise (the values are PEFT's to judge: ``train.model.lora_config``)."""
+    from dataclasses import fields as dc_fields
+
+    from peft import LoraConfig
+
+    names = [f.name for f in dc_fields(LoraConfig)]
+    for key in options:
+        if key in LORA_OWN_FIELDS:
+            flag = LORA_OWN_FIELDS[key]
+            raise ConfigError(f"lora.options.{key}", options[key],
+                              f"set it with {flag}" if flag else "lorasync sets it itself; "
+                              "drop it")
+        if key not in names:
+            raise UnknownKey("lora.options", key, [n for n in names if n not in LORA_OWN_FIELDS],
+                             what="LoraConfig field", field=_option_field(key, "lora"))
 
 
 # row formats of --data-format, and the fields --data-columns can map (train/data.py)
@@ -454,26 +529,31 @@ def _coerce(section: str, f: dataclasses.Field, value):
     return value
 
 
-def parse_options(pairs) -> dict[str, Any]:
-    """['period=8', 'ratio=0.01'] -> {'period': 8, 'ratio': 0.01} (YAML scalars)."""
+def parse_options(pairs, section: str = "comm") -> dict[str, Any]:
+    """['period=8', 'ratio=0.01'] -> {'period': 8, 'ratio': 0.01} (YAML scalars);
+    errors name ``section.options``."""
     import yaml
 
     out: dict[str, Any] = {}
     for p in pairs:
         k, eq, v = str(p).partition("=")
         if not eq or not k.strip():
-            raise ConfigError("comm.options", p, "write options as key=value, e.g. period=8")
+            example = "period=8" if section == "comm" else "init_lora_weights=gaussian"
+            raise ConfigError(f"{section}.options", p,
+                              f"write options as key=value, e.g. {example}")
         try:
             out[k.strip()] = yaml.safe_load(v)
         except (yaml.YAMLError, RecursionError, ValueError) as exc:   # ValueError: 5000 digits
-            raise ConfigError(_option_field(k.strip()), v, f"not a value ({_yaml_why(exc)}); "
-                              "write a number, true/false or a word, e.g. period=8") from None
+            raise ConfigError(_option_field(k.strip(), section), v,
+                              f"not a value ({_yaml_why(exc)}); write a number, true/false "
+                              "or a word, e.g. period=8") from None
     return out
 
 
-def _option_field(key) -> str:
+def _option_field(key, section: str = "comm") -> str:
     """``comm.options.period``; a key that is no name quoted (it may hold a line break)."""
-    return f"comm.options.{key}" if str(key).isidentifier() else f"comm.options[{key!r}]"
+    return (f"{section}.options.{key}" if str(key).isidentifier()
+            else f"{section}.options[{key!r}]")
 
 
 def _yaml_why(exc: BaseException) -> str:

@@ -455,7 +455,7 @@ class Trainer:
         t_load = time.time()
         # the one stage without a bound of its own: a first download may take any time
         self.pace.tick("load", allow_s=math.inf)
-        base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
+        base, self.tok = load_base(cfg.model, log=self.log, device=device)
         if tc.gradient_checkpointing:
             _enable_checkpointing(base, cfg.model.name)
         self.train_set, self.eval_set = load_datasets(cfg.data, self.tok, warn=self.log)
