@@ -327,7 +327,8 @@ class Trainer:
 
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
-                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace)
+                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace,
+                                 tokenizer=self.tok, model_name=cfg.model.name)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
         self.plan, meta, histories = self.ckpt.agree(
@@ -345,6 +346,9 @@ class Trainer:
         self._eval_owed = bool(meta.get("eval_owed", False))
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
+        if cfg.run.init_adapter:   # every rank loads the same file: identical adapters
+            from lorasync.train.checkpoint import load_init_adapter
+            load_init_adapter(model, cfg.run.init_adapter)
         model.train()
         # Make the adapter identical on every rank: rank 0's init is the truth.
         # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
@@ -388,7 +392,7 @@ class Trainer:
             self.reset = self.ckpt.restore(self.plan, self.progress, self.global_batch,
                                            model=model, opt=self.opt, sched=self.sched,
                                            sync=self.sync, seed=tc.seed)
-            folder = os.path.join(self.run_dir, "checkpoints", f"step-{self.plan.step:06d}")
+            folder = self.ckpt.folder(self.plan.step)
             self.log(f"resumed from {folder} at step {self.progress.step}"
                      + (f" ({self.plan.note})" if self.plan.peer else ""))
         else:
@@ -587,7 +591,9 @@ class Trainer:
             else None
         if rank == 0:
             self.pace.tick("adapter", allow_s=self.n_adapter * 4 / SLOW_DISK_BPS)
-            self.model.save_pretrained(os.path.join(run_dir, "adapter"))
+            from lorasync.train.checkpoint import base_model_ref, export_adapter
+            export_adapter(self.model, os.path.join(run_dir, "adapter"), tokenizer=self.tok,
+                           base_ref=base_model_ref(cfg.model.name))
         self.pace.tick("end event")
         self._end_event("done")
         gathered = [None] * world if rank == 0 else None
