@@ -158,6 +158,10 @@ def _preflight(cfg, world: int | None = None) -> None:
                 raise ConfigError("run.metrics_port", cfg.run.metrics_port,
                                   f"cannot bind {cfg.run.metrics_host}:{cfg.run.metrics_port} "
                                   f"({exc.strerror}); choose a free port") from None
+    from lorasync.monitor.sinks import check_report_to
+    from lorasync.train.checkpoint import check_init_adapter
+    check_report_to(cfg.run.report_to)   # a tracker's package missing
+    check_init_adapter(cfg)              # an adapter of another shape or base
     names = sorted(catalog.SPECS)
     if cfg.comm.strategy not in names:
         raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")
