@@ -75,6 +75,7 @@ import math
 import os
 import socket
 import threading
+import uuid
 import warnings
 
 from lorasync.errors import LorasyncError
@@ -366,7 +367,7 @@ class _WandB(_Tracker):
         except ImportError:
             raise _missing("wandb") from None
         folder = os.path.join(run_dir, "wandb")
-        rid = self._run_id(folder, lambda: wandb.util.generate_id())
+        rid = self._run_id(folder, lambda: uuid.uuid4().hex[:16])
         try:
             self._run = wandb.init(dir=run_dir, project=os.environ.get("WANDB_PROJECT") or
                                    "lorasync", name=os.path.basename(os.path.abspath(run_dir)),
