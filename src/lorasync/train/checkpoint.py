@@ -284,6 +284,10 @@ def _prune(run_dir: str, step: int, keep: int) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         if names:
             _fsync_dir(root)
+    try:   # the older layout's folder, once its last checkpoint is gone
+        os.rmdir(os.path.join(run_dir, _OLD_ROOT))
+    except OSError:
+        pass
 
 
 def latest(run_dir: str) -> str | None:

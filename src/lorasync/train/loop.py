@@ -457,16 +457,14 @@ class Trainer:
                                    meta={"eval_before": self.eval_before,
                                          "total_steps": self.total_steps,
                                          "eval_owed": self._eval_owed})
-            if self.end_step < self.total_steps:
-                self._end_event("stopped")
+            if self.end_step >= self.total_steps:
+                return self._finish()   # its final evaluation still reaches the trackers
+            self._end_event("stopped")
         finally:
             self.steplog.close()
-
-        if self.end_step < self.total_steps:
-            self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
-                     f"continue with --resume --output-dir {self.run_dir}")
-            return 0
-        return self._finish()
+        self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
+                 f"continue with --resume --output-dir {self.run_dir}")
+        return 0
 
     def _start_event(self) -> dict:
         from lorasync.train.watchdog import describe_self
@@ -589,6 +587,7 @@ class Trainer:
             self.sync.finish()
         eval_after = self.evaluate(self.total_steps) if cfg.data.eval_size and self.eval_set \
             else None
+        self.steplog.close()   # trackers have the final evaluation; the bar ends before the summary
         if rank == 0:
             self.pace.tick("adapter", allow_s=self.n_adapter * 4 / SLOW_DISK_BPS)
             from lorasync.train.checkpoint import base_model_ref, export_adapter
