@@ -39,8 +39,8 @@ def keep(src: Path, name: str) -> list[Path]:
     kept, skipped = [], []
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if not path.is_file() or any(p in SKIP_DIRS or p.endswith("-logs") or p.startswith("checkpoint-")
-                                     for p in rel.parts):
+        if not path.is_file() or any(p in SKIP_DIRS or p.endswith("-logs")
+                                     or p.startswith("checkpoint-") for p in rel.parts):
             continue
         if path.suffix not in KEEP:
             continue
