@@ -114,6 +114,15 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _fsync_files(folder: str) -> None:
+    """fsync the files directly in ``folder`` (what a library wrote there)."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = path + ".part"
     with open(tmp, "wb") as fh:
@@ -164,6 +173,7 @@ def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, lo
         if export is not None:
             pace.tick("export", allow_s=export_bytes / SLOW_DISK_BPS)
             export(tmp)
+            _fsync_files(tmp)   # on disk before the folder counts, like the state files
         pace.tick("finalize")
         meta = {**meta, "step": step, "world_size": world_size}
         _write_atomic(os.path.join(state, "meta.json"), json.dumps(meta, indent=1).encode())
