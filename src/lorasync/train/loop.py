@@ -346,7 +346,7 @@ class Trainer:
         self._eval_owed = bool(meta.get("eval_owed", False))
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
-        if cfg.run.init_adapter:   # every rank loads the same file: identical adapters
+        if cfg.run.init_adapter and not self.plan.step:   # every rank loads the same file
             from lorasync.train.checkpoint import load_init_adapter
             load_init_adapter(model, cfg.run.init_adapter)
         model.train()
