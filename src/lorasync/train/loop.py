@@ -589,7 +589,7 @@ class Trainer:
             else None
         self.steplog.close()   # trackers have the final evaluation; the bar ends before the summary
         if rank == 0:
-            self.pace.tick("adapter", allow_s=self.n_adapter * 4 / SLOW_DISK_BPS)
+            self.pace.tick("adapter", allow_s=(self.n_adapter * 4 + (4 << 20)) / SLOW_DISK_BPS)
             from lorasync.train.checkpoint import base_model_ref, export_adapter
             export_adapter(self.model, os.path.join(run_dir, "adapter"), tokenizer=self.tok,
                            base_ref=base_model_ref(cfg.model.name))
