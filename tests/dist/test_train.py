@@ -75,13 +75,14 @@ def test_adapter_loads_in_peft(finished_run):
     from lorasync.train.model import load_base
 
     run, _ = finished_run
-    base, _ = load_base("tiny")
-    model = PeftModel.from_pretrained(base, os.path.join(run, "adapter"))
     saved = torch.load(os.path.join(run, "checkpoint-6/lorasync/rank0.pt"),
                        weights_only=False)["adapter"]
-    params = dict(model.named_parameters())
-    for k, v in saved.items():
-        assert torch.equal(params[k].detach(), v), k
+    for folder in ("adapter", "checkpoint-6"):   # the final adapter, and the last checkpoint's
+        base, _ = load_base("tiny")
+        model = PeftModel.from_pretrained(base, os.path.join(run, folder))
+        params = dict(model.named_parameters())
+        for k, v in saved.items():
+            assert torch.equal(params[k].detach(), v), (folder, k)
 
 
 def _flip(path):
