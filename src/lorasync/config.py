@@ -386,8 +386,18 @@ class RunConfig:
                       "gloo or nccl", flag="--backend")
     threads: int = _f(0, "torch threads per worker (0: cores / local workers)", flag="--threads")
     progress: bool = _f(True, "live progress bar on rank 0", flag="--progress")
-    tensorboard: bool = _f(False, "also write TensorBoard event files to RUN/tensorboard",
+    report_to: list = _f(lambda: ["none"], "where rank 0 also logs its metrics (names as the "
+                         "Hugging Face Trainer's: train/loss, train/learning_rate, eval/loss, "
+                         "lorasync's own under lorasync/): any of tensorboard (RUN/tensorboard), "
+                         "wandb (WANDB_MODE=offline works offline), mlflow (MLFLOW_TRACKING_URI, "
+                         "else a file store in RUN/mlruns), comma-separated, or none",
+                         flag="--report-to")
+    tensorboard: bool = _f(False, "deprecated alias of --report-to tensorboard (adds it)",
                            flag="--tensorboard")
+    init_adapter: str = _f("", "start from this PEFT adapter directory (adapter_config.json + "
+                           "weights): its weights replace the fresh adapter's; its r, target "
+                           "modules, alpha and base model must match this run's",
+                           flag="--init-adapter")
     metrics_port: int = _f(0, "serve Prometheus metrics (aggregated over ranks) on this port "
                            "of rank 0 (0: off)", flag="--metrics-port")
     metrics_host: str = _f("127.0.0.1", "address the Prometheus endpoint binds to (0.0.0.0 "
@@ -414,6 +424,18 @@ class RunConfig:
                "use auto, gloo or nccl")
         _check(_int(self.threads) and 0 <= self.threads <= 1024, "run.threads",
                self.threads, "use an integer between 0 (cores / local workers) and 1024")
+        if isinstance(self.report_to, str):
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        _check(isinstance(self.report_to, list) and self.report_to
+               and all(t in REPORT_TO for t in self.report_to)
+               and not ("none" in self.report_to and len(set(self.report_to)) > 1),
+               "run.report_to", self.report_to, "give none or a comma-separated list of "
+               "tensorboard, wandb, mlflow, e.g. tensorboard,wandb")
+        if self.tensorboard and "tensorboard" not in self.report_to:   # the older flag
+            self.report_to = [t for t in self.report_to if t != "none"] + ["tensorboard"]
+        self.report_to = list(dict.fromkeys(self.report_to))
+        _check(isinstance(self.init_adapter, str), "run.init_adapter", self.init_adapter,
+               "give the path of a PEFT adapter directory, or leave it empty")
         _check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
                "run.metrics_port", self.metrics_port, "use a port 1-65535, or 0 for none")
         _check(isinstance(self.max_restarts, int) and not isinstance(self.max_restarts, bool)
@@ -428,6 +450,10 @@ class RunConfig:
                "run.fault_timeout", self.fault_timeout, "use a number of seconds in [1, 3600]")
         _check(_num(self.fault_steps) and 2 <= self.fault_steps <= 1000, "run.fault_steps",
                self.fault_steps, "use a number of steps in [2, 1000]")
+
+
+#: the metric sinks ``--report-to`` knows (besides ``none``)
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 
 
 def parse_endpoint(text: str, field: str = "--rdzv-endpoint") -> tuple[str, int]:

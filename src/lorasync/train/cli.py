@@ -158,6 +158,8 @@ def _preflight(cfg, world: int | None = None) -> None:
                 raise ConfigError("run.metrics_port", cfg.run.metrics_port,
                                   f"cannot bind {cfg.run.metrics_host}:{cfg.run.metrics_port} "
                                   f"({exc.strerror}); choose a free port") from None
+    from lorasync.monitor.sinks import check_report_to
+    check_report_to(cfg.run.report_to)   # a tracker's package missing
     names = sorted(catalog.SPECS)
     if cfg.comm.strategy not in names:
         raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")
@@ -270,6 +272,9 @@ def run(args) -> int:
                           "already holds a run; pass --resume to continue it or choose another "
                           "directory")
     _check_output_dir(cfg.run.output_dir, out)
+    if not args.resume:   # a resume starts from its checkpoint, not the initial adapter
+        from lorasync.train.checkpoint import check_init_adapter
+        check_init_adapter(cfg)   # an adapter of another shape or base
     spec = None
     if args.emulate:
         from lorasync.emulate.cluster import parse_emulate

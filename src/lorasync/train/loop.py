@@ -476,7 +476,8 @@ class Trainer:
 
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
-                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace)
+                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace,
+                                 tokenizer=self.tok, model_name=cfg.model.name)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
         self.plan, meta, histories = self.ckpt.agree(
@@ -495,6 +496,9 @@ class Trainer:
         self._eval_owed = bool(meta.get("eval_owed", False))
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
+        if cfg.run.init_adapter and not self.plan.step:   # every rank loads the same file
+            from lorasync.train.checkpoint import load_init_adapter
+            load_init_adapter(model, cfg.run.init_adapter)
         model.train()
         # Make the adapter identical on every rank: rank 0's init is the truth.
         # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
@@ -547,7 +551,7 @@ class Trainer:
             self.reset = self.ckpt.restore(self.plan, self.progress, self.global_batch,
                                            model=model, opt=self.opt, sched=self.sched,
                                            sync=self.sync, seed=tc.seed)
-            folder = os.path.join(self.run_dir, "checkpoints", f"step-{self.plan.step:06d}")
+            folder = self.ckpt.folder(self.plan.step)
             self.log(f"resumed from {folder} at step {self.progress.step}"
                      + (f" ({self.plan.note})" if self.plan.peer else ""))
         else:
@@ -618,16 +622,14 @@ class Trainer:
                                          # strategies, which sync before the scaler looks)
                                          "grad_scaler": self.scaler.state_dict()
                                          if self.scaler is not None else None})
-            if self.end_step < self.total_steps:
-                self._end_event("stopped")
+            if self.end_step >= self.total_steps:
+                return self._finish()   # its final evaluation still reaches the trackers
+            self._end_event("stopped")
         finally:
             self.steplog.close()
-
-        if self.end_step < self.total_steps:
-            self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
-                     f"continue with --resume --output-dir {self.run_dir}")
-            return 0
-        return self._finish()
+        self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
+                 f"continue with --resume --output-dir {self.run_dir}")
+        return 0
 
     def _start_event(self) -> dict:
         from lorasync.train.watchdog import describe_self
@@ -836,9 +838,12 @@ class Trainer:
             self.sync.finish()
         eval_after = self.evaluate(self.total_steps) if cfg.data.eval_size and self.eval_set \
             else None
+        self.steplog.close()   # trackers have the final evaluation; the bar ends before the summary
         if rank == 0:
-            self.pace.tick("adapter", allow_s=self.n_adapter * 4 / SLOW_DISK_BPS)
-            self.model.save_pretrained(os.path.join(run_dir, "adapter"))
+            self.pace.tick("adapter", allow_s=(self.n_adapter * 4 + (4 << 20)) / SLOW_DISK_BPS)
+            from lorasync.train.checkpoint import base_model_ref, export_adapter
+            export_adapter(self.model, os.path.join(run_dir, "adapter"), tokenizer=self.tok,
+                           base_ref=base_model_ref(cfg.model.name))
         self.pace.tick("end event")
         self._end_event("done")
         gathered = [None] * world if rank == 0 else None

@@ -4,7 +4,7 @@
 measured, and the growth of the strategy's cumulative counters
 (``sync.stats()``), into the record of docs/contracts.md; appends it to
 ``RUN/ranks/rank{R}.jsonl``; hands it to the live sinks (TensorBoard,
-Prometheus); and, on rank 0, moves the progress bar.
+W&B, MLflow, Prometheus); and, on rank 0, moves the progress bar.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class StepLog:
         self.rank, self.world, self.strategy = rank, world, strategy
         self.stream = RankStream(run_dir, rank)
         self.sinks = open_sinks(run_dir, rank=rank, world_size=world,
-                                tensorboard=run_cfg.tensorboard,
+                                report_to=run_cfg.report_to,
                                 metrics_port=run_cfg.metrics_port,
                                 metrics_host=run_cfg.metrics_host, store=store)
         self.bar = None
