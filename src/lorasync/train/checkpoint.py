@@ -628,8 +628,9 @@ class Checkpointer:
 
     def save(self, progress: Progress, *, model, opt, sched, sync, meta: dict) -> str:
         """Collective: every rank writes its state at ``progress.step``."""
-        state = {"adapter": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                             if "lora_" in n},
+        from lorasync.train.model import adapter_named_params
+
+        state = {"adapter": {n: p.detach().cpu().clone() for n, p in adapter_named_params(model)},
                  "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "sync": sync.state_dict(), "rng": rng_state(), "step": progress.step,
                  "sample_offset": progress.sample_offset, "grad_accum": progress.grad_accum}
@@ -699,7 +700,9 @@ class Checkpointer:
         folder = self.folder(plan.step)
         fix = ("resume with the settings its checkpoints were written with, "
                "or start a new run in another --output-dir")
-        named = {n: p for n, p in model.named_parameters() if "lora_" in n}
+        from lorasync.train.model import adapter_named_params
+
+        named = dict(adapter_named_params(model))
         saved = st.get("adapter") if isinstance(st, dict) else None
         if not isinstance(saved, dict):
             raise CheckpointError(f"{folder}: holds no adapter state; {fix}")

@@ -443,7 +443,8 @@ class Trainer:
         from lorasync.comm import attach
         from lorasync.train.checkpoint import Checkpointer, Progress
         from lorasync.train.data import IGNORE, load_datasets, steps_per_epoch
-        from lorasync.train.model import adapter_param_count, add_lora, load_base
+        from lorasync.train.model import (adapter_named_params, adapter_param_count, add_lora,
+                                          load_base)
         from lorasync.errors import CheckpointError
         from lorasync.train.recovery import Attempt, classify, history
 
@@ -502,7 +503,7 @@ class Trainer:
         model.train()
         # Make the adapter identical on every rank: rank 0's init is the truth.
         # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
-        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        lora = [p for _, p in adapter_named_params(model)]   # modules_to_save copies too
         with self.pace.waiting("the check that every rank's adapter is the same"):
             self.startup_bytes = make_identical(lora, device)
         self.n_adapter = adapter_param_count(model)
