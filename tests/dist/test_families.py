@@ -98,7 +98,7 @@ def test_a_family_trains_by_hub_id_on_two_ranks(hub_cache, tmp_path, family):
     with open(run / "metrics.jsonl") as fh:
         losses = [json.loads(line)["loss"] for line in fh if '"loss"' in line]
     assert len(losses) == 4 and all(loss == loss and 0 < loss < 100 for loss in losses)
-    ckpt = run / "checkpoints" / "step-000002"
+    ckpt = run / "checkpoint-2" / "lorasync"
     a = torch.load(ckpt / "rank0.pt", weights_only=False)["adapter"]
     b = torch.load(ckpt / "rank1.pt", weights_only=False)["adapter"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

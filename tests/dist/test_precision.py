@@ -252,7 +252,7 @@ def test_fp16_with_local_sgd_clips_each_replica(tmp_path):
     norms = {(r["step"], r["rank"]): r["grad_norm"] for r in recs}
     assert norms[(1, 0)] != norms[(1, 1)]   # each replica's own gradient, not a synced one
     # the checkpoint keeps the loss scale reached (a resume does not start over at 2**16)
-    meta = json.loads((out / "checkpoints" / "step-000003" / "meta.json").read_text())
+    meta = json.loads((out / "checkpoint-3" / "lorasync" / "meta.json").read_text())
     r0 = next(r for r in recs if (r["step"], r["rank"]) == (3, 0))
     assert meta["grad_scaler"]["scale"] == r0["loss_scale"]
     summary = json.loads((out / "summary.json").read_text())
