@@ -146,12 +146,11 @@ class Run:
         self.t_end = time.time()
 
     def poll(self):
-        root = os.path.join(self.out, "checkpoints")
-        if os.path.isdir(root):
-            for name in os.listdir(root):
-                if name.startswith("step-") and os.path.isfile(os.path.join(root, name,
-                                                                            "meta.json")):
-                    self.ckpt_seen.setdefault(int(name[5:]), time.time())
+        if os.path.isdir(self.out):   # RUN/checkpoint-N, complete once lorasync/meta.json is in
+            for name in os.listdir(self.out):
+                if name.startswith("checkpoint-") and os.path.isfile(
+                        os.path.join(self.out, name, "lorasync", "meta.json")):
+                    self.ckpt_seen.setdefault(int(name[len("checkpoint-"):]), time.time())
         return self.thread.is_alive()
 
     def first_step_time(self):

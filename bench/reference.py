@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "bench" / "reference"
 KEEP = (".json", ".jsonl", ".md", ".png", ".yaml")
-SKIP_DIRS = {"adapter", "checkpoints", "tensorboard", "ranks"}
+SKIP_DIRS = {"adapter", "checkpoints", "tensorboard", "ranks", "wandb", "mlruns"}
 MAX_FILE = 512 << 10  # a figure's data, not a model
 
 
@@ -39,7 +39,8 @@ def keep(src: Path, name: str) -> list[Path]:
     kept, skipped = [], []
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if not path.is_file() or any(p in SKIP_DIRS or p.endswith("-logs") for p in rel.parts):
+        if not path.is_file() or any(p in SKIP_DIRS or p.endswith("-logs")
+                                     or p.startswith("checkpoint-") for p in rel.parts):
             continue
         if path.suffix not in KEEP:
             continue

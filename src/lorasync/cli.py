@@ -33,6 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("lorasync.bench.cli", "progressive-optimization benchmark"),
     "report": ("lorasync.monitor.report_cli", "HTML report of one or more runs"),
     "secret": ("lorasync.launch.secret_cli", "write a shared secret for a job across nodes"),
+    "run": ("lorasync.integrations.run_cli", "run a command (torchrun, accelerate, trl, "
+            "llamafactory-cli) with lorasync in its Trainers"),
 }
 
 

@@ -9,7 +9,7 @@ YAML layout (every section and key optional)::
 
     model: {name: smollm2-135m}
     lora:  {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj]}
-    data:  {path: demo, seq_len: 128}
+    data:  {path: demo, seq_len: 1024, format: auto, packing: false}
     train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 120, seed: 0}
     comm:  {strategy: allreduce, bucket_mb: 1.0, options: {period: 8}}
     run:   {output_dir: runs/..., nproc: 2}
@@ -55,27 +55,59 @@ def _use_either(values) -> str:
 @dataclass
 class ModelConfig:
     name: str = _f("smollm2-135m", "model: 'smollm2-135m' (embedded default), 'tiny' "
-                   "(small random-init model for tests) or a local Hugging Face causal-LM directory",
+                   "(small random-init model for tests), a local Hugging Face causal-LM "
+                   "directory, or a Hub id (org/name) already in the local Hugging Face cache "
+                   "(nothing downloads: fetch it first with `hf download ID`)",
                    flag="--model")
-    dtype: str = _f("float32", "parameter dtype of the base model (float32, bfloat16)",
-                    flag="--dtype")
+    dtype: str = _f("float32", "parameter dtype of the base model (float32, bfloat16); with "
+                    "--load-in-4bit also the compute dtype", flag="--dtype")
+    load_in_4bit: bool = _f(False, "QLoRA: load the base in 4 bits through bitsandbytes "
+                            "(needs bitsandbytes and a device it supports, a CUDA GPU)",
+                            flag="--load-in-4bit")
+    load_in_8bit: bool = _f(False, "load the base in 8 bits (LLM.int8) through bitsandbytes "
+                            "(needs bitsandbytes and a device it supports, a CUDA GPU)",
+                            flag="--load-in-8bit")
+    quant_type: str = _f("nf4", "4-bit data type with --load-in-4bit: nf4 (QLoRA's) or fp4",
+                         flag="--bnb-4bit-quant-type")
+    double_quant: bool = _f(True, "with --load-in-4bit also quantize the quantization "
+                            "constants (QLoRA's double quantization)",
+                            flag="--bnb-4bit-double-quant")
 
     def __post_init__(self):
         _check(isinstance(self.name, str) and self.name != "", "model.name", self.name,
-               "give 'smollm2-135m', 'tiny' or a path to a local model directory")
+               "give 'smollm2-135m', 'tiny', a path to a local model directory or a Hub id")
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype,
                "use float32 or bfloat16")
+        _check(not (self.load_in_4bit and self.load_in_8bit), "model.load_in_8bit", True,
+               "choose one of --load-in-4bit and --load-in-8bit")
+        _check(self.name != "tiny" or not (self.load_in_4bit or self.load_in_8bit),
+               "model.name", self.name, "'tiny' is built in memory, not loaded, so it cannot "
+               "be quantized; give a model directory or Hub id, or drop --load-in-4bit/8bit")
+        _check(self.quant_type in ("nf4", "fp4"), "model.quant_type", self.quant_type,
+               "use nf4 or fp4")
 
 
 @dataclass
 class LoraSettings:
     r: int = _f(8, "LoRA rank", flag="--lora-r")
-    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r)", flag="--lora-alpha")
+    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with "
+                      "--use-rslora)", flag="--lora-alpha")
     dropout: float = _f(0.0, "LoRA dropout probability", flag="--lora-dropout")
     targets: list = _f(lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                       "module names that get adapters", flag="--lora-targets")
+                       "module names that get adapters, or all-linear (every linear layer "
+                       "but the output head, as PEFT picks them)", flag="--lora-targets")
     freeze_a: bool = _f(False, "FFA-LoRA: freeze the A matrices, train and sync only B "
                         "(half the traffic; averaging becomes exact)", flag="--freeze-a")
+    use_dora: bool = _f(False, "DoRA: weight-decomposed LoRA (PEFT's use_dora; a trained "
+                        "magnitude per output feature)", flag="--use-dora")
+    use_rslora: bool = _f(False, "rsLoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)",
+                          flag="--use-rslora")
+    modules_to_save: list = _f(list, "modules trained whole and saved with the adapter "
+                               "besides it (PEFT's modules_to_save: every module whose full "
+                               "name ends with one of them), e.g. lm_head",
+                               flag="--lora-modules-to-save")
+    options: dict = _f(dict, "other fields of PEFT's LoraConfig as key=value pairs, e.g. "
+                       "init_lora_weights=gaussian", flag="--lora-opt")
 
     def __post_init__(self):
         _check(isinstance(self.r, int) and self.r >= 1, "lora.r", self.r, "use an integer >= 1")
@@ -87,22 +119,85 @@ class LoraSettings:
         _check(isinstance(self.targets, list) and len(self.targets) > 0
                and all(isinstance(t, str) and t for t in self.targets),
                "lora.targets", self.targets, "give a non-empty list of module names, e.g. q_proj,v_proj")
+        _check("all-linear" not in self.targets or self.targets == ["all-linear"],
+               "lora.targets", self.targets, "all-linear stands alone: give all-linear or "
+               "module names, not both")
+        if isinstance(self.modules_to_save, str):
+            self.modules_to_save = [t.strip() for t in self.modules_to_save.split(",")
+                                    if t.strip()]
+        _check(isinstance(self.modules_to_save, list)
+               and all(isinstance(t, str) and t for t in self.modules_to_save),
+               "lora.modules_to_save", self.modules_to_save,
+               "give a list of module names, e.g. lm_head")
+        _check(isinstance(self.options, dict), "lora.options", self.options,
+               "give a mapping of LoraConfig fields to values")
+        if self.options:   # PEFT's fields (the import costs seconds: only when used)
+            _check_lora_options(self.options)
+
+
+#: LoraConfig fields lorasync sets itself, and the flag that sets each (None: fixed)
+LORA_OWN_FIELDS = {"r": "--lora-r", "lora_alpha": "--lora-alpha",
+                   "lora_dropout": "--lora-dropout", "target_modules": "--lora-targets",
+                   "use_dora": "--use-dora", "use_rslora": "--use-rslora",
+                   "modules_to_save": "--lora-modules-to-save", "task_type": None,
+                   "peft_type": None, "base_model_name_or_path": None, "revision": None,
+                   "inference_mode": None, "auto_mapping": None, "peft_version": None}
+
+
+def _check_lora_options(options: dict) -> None:
+    """Each key of ``lora.options`` is a field of PEFT's ``LoraConfig`` that
+    lorasync does not set itself; a ConfigError naming the key and the fix
+    otherwise (the values are PEFT's to judge: ``train.model.lora_config``)."""
+    from dataclasses import fields as dc_fields
+
+    from peft import LoraConfig
+
+    names = [f.name for f in dc_fields(LoraConfig)]
+    for key in options:
+        if key in LORA_OWN_FIELDS:
+            flag = LORA_OWN_FIELDS[key]
+            raise ConfigError(f"lora.options.{key}", options[key],
+                              f"set it with {flag}" if flag else "lorasync sets it itself; "
+                              "drop it")
+        if key not in names:
+            raise UnknownKey("lora.options", key, [n for n in names if n not in LORA_OWN_FIELDS],
+                             what="LoraConfig field", field=_option_field(key, "lora"))
+
+
+# row formats of --data-format, and the fields --data-columns can map (train/data.py)
+DATA_FORMATS = ("auto", "prompt_completion", "text", "messages", "alpaca", "sharegpt")
+DATA_COLUMNS = ("prompt", "completion", "text", "messages", "conversations", "instruction",
+                "input", "output", "system")
 
 
 @dataclass
 class DataConfig:
-    path: str = _f("demo", "'demo' (bundled generated task) or a JSONL file with "
-                   "{prompt, completion}, {text} or {messages} rows", flag="--data")
-    seq_len: int = _f(128, "maximum tokens per example (longer ones are truncated)",
+    path: str = _f("demo", "'demo' (bundled generated task), a .jsonl, .json, .csv, .tsv or "
+                   ".parquet file, a directory written by datasets' save_to_disk (or of such "
+                   "files), or the id of a Hub dataset in the local cache (docs/data.md)",
+                   flag="--data")
+    seq_len: int = _f(1024, "maximum tokens per example: longer ones are truncated and counted "
+                      "in a warning; batches are padded only to their longest example",
                       flag="--seq-len")
-    eval_path: str = _f("", "JSONL file for evaluation; default: the demo's held-out split, "
-                        "or the last eval_size rows of --data", flag="--eval-data")
+    eval_path: str = _f("", "evaluation data, any form --data takes; default: the demo's "
+                        "held-out split, the dataset's validation/test split, or the last "
+                        "eval_size rows of --data", flag="--eval-data")
     eval_size: int = _f(48, "examples used for eval loss and exact-match", flag="--eval-size")
     demo_size: int = _f(4000, "training examples the demo task generates", flag="--demo-size")
+    format: str = _f("auto", "row format: auto (detected from the columns), prompt_completion, "
+                     "text, messages, alpaca or sharegpt", flag="--data-format")
+    columns: dict = _f(dict, "map your column names to the format's, e.g. "
+                       "prompt=question,completion=answer (fields: " + ", ".join(DATA_COLUMNS)
+                       + ")", flag="--data-columns")
+    split: str = _f("train", "split of a dataset directory or Hub dataset to train on",
+                    flag="--data-split")
+    packing: bool = _f(False, "pack several examples into each sequence of seq_len tokens "
+                       "(fewer, fuller rows; attention and loss stay within each example)",
+                       flag="--packing")
 
     def __post_init__(self):
         _check(isinstance(self.path, str) and self.path != "", "data.path", self.path,
-               "give 'demo' or a path to a JSONL file")
+               "give 'demo', a data file, a dataset directory or a cached Hub dataset id")
         _check(isinstance(self.seq_len, int) and 8 <= self.seq_len <= 32768, "data.seq_len",
                self.seq_len, "use an integer between 8 and 32768")
         _check(_int(self.eval_size) and 0 <= self.eval_size <= 100_000, "data.eval_size",
@@ -113,6 +208,37 @@ class DataConfig:
         _check(not (self.path == "demo" and self.eval_path), "data.eval_path", self.eval_path,
                "the demo task evaluates on its own held-out split: drop --eval-data, or give "
                "--data FILE.jsonl to evaluate your rows on it")
+        _check(self.format in DATA_FORMATS, "data.format", self.format, _use_either(DATA_FORMATS))
+        self.columns = _column_map(self.columns)
+        _check(isinstance(self.split, str) and self.split.strip() != "", "data.split",
+               self.split, "name a split, e.g. train")
+
+
+def _column_map(value) -> dict[str, str]:
+    """``"prompt=question,completion=answer"`` (or the YAML mapping) -> {field: column}."""
+    if isinstance(value, str):
+        pairs = {}
+        for part in (p.strip() for p in value.split(",")):
+            if not part:
+                continue
+            k, eq, v = part.partition("=")
+            _check(bool(eq) and k.strip() != "" and v.strip() != "", "data.columns", value,
+                   "write FIELD=COLUMN pairs separated by commas, e.g. "
+                   "prompt=question,completion=answer")
+            _check(k.strip() not in pairs, "data.columns", value,
+                   f"{k.strip()!r} is mapped twice; map each field once")
+            pairs[k.strip()] = v.strip()
+        value = pairs
+    _check(isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) and v
+                                           for k, v in value.items()),
+           "data.columns", value, "give a mapping of field names to column names, e.g. "
+           "prompt=question,completion=answer")
+    for k in value:
+        _check(k in DATA_COLUMNS, "data.columns", k, "map one of the format's fields: "
+               + ", ".join(DATA_COLUMNS))
+    _check(len(set(value.values())) == len(value), "data.columns", value,
+           "map each column to one field only")
+    return dict(value)
 
 
 @dataclass
@@ -150,6 +276,19 @@ class TrainConfig:
                          "outer update still in flight aside) instead of each rank its own "
                          "on its share of the examples: one fp32 all-reduce of the adapter "
                          "per evaluation, outside the strategy's bytes", flag="--eval-mean")
+    bf16: bool = _f(False, "bf16 mixed precision: forward and backward under torch.autocast "
+                    "(bfloat16) on the device; the adapter, its gradients and the optimizer "
+                    "stay fp32", flag="--bf16")
+    fp16: bool = _f(False, "fp16 mixed precision: torch.autocast (float16) with a loss "
+                    "scaler (torch.amp.GradScaler); not with error-feedback strategies "
+                    "(int8, onebit, topk, powersgd, auto)", flag="--fp16")
+    gradient_checkpointing: bool = _f(False, "recompute the base model's activations in "
+                                      "backward instead of keeping them (less memory, about "
+                                      "a third more compute)", flag="--gradient-checkpointing")
+    max_grad_norm: float = _f(1.0, "clip the gradient's global L2 norm to this (0: no "
+                              "clipping): the synchronized gradient under per-step "
+                              "strategies, each replica's own under local and diloco",
+                              flag="--max-grad-norm")
 
     def __post_init__(self):
         for name, lo in (("batch_size", 1), ("grad_accum", 1), ("warmup_steps", 0),
@@ -173,6 +312,10 @@ class TrainConfig:
             self.max_grad_accum == 0 or self.max_grad_accum >= self.grad_accum),
             "train.max_grad_accum", self.max_grad_accum,
             "use 0 (fixed accumulation) or a value >= grad_accum")
+        _check(_num(self.max_grad_norm) and self.max_grad_norm >= 0, "train.max_grad_norm",
+               self.max_grad_norm, "use a number > 0, or 0 to turn clipping off")
+        _check(not (self.bf16 and self.fp16), "train.fp16", self.fp16,
+               "choose one of --bf16 and --fp16")
 
 
 @dataclass
@@ -243,8 +386,18 @@ class RunConfig:
                       "gloo or nccl", flag="--backend")
     threads: int = _f(0, "torch threads per worker (0: cores / local workers)", flag="--threads")
     progress: bool = _f(True, "live progress bar on rank 0", flag="--progress")
-    tensorboard: bool = _f(False, "also write TensorBoard event files to RUN/tensorboard",
+    report_to: list = _f(lambda: ["none"], "where rank 0 also logs its metrics (names as the "
+                         "Hugging Face Trainer's: train/loss, train/learning_rate, eval/loss, "
+                         "lorasync's own under lorasync/): any of tensorboard (RUN/tensorboard), "
+                         "wandb (WANDB_MODE=offline works offline), mlflow (MLFLOW_TRACKING_URI, "
+                         "else a file store in RUN/mlruns), comma-separated, or none",
+                         flag="--report-to")
+    tensorboard: bool = _f(False, "deprecated alias of --report-to tensorboard (adds it)",
                            flag="--tensorboard")
+    init_adapter: str = _f("", "start from this PEFT adapter directory (adapter_config.json + "
+                           "weights): its weights replace the fresh adapter's; its r, target "
+                           "modules, alpha and base model must match this run's",
+                           flag="--init-adapter")
     metrics_port: int = _f(0, "serve Prometheus metrics (aggregated over ranks) on this port "
                            "of rank 0 (0: off)", flag="--metrics-port")
     metrics_host: str = _f("127.0.0.1", "address the Prometheus endpoint binds to (0.0.0.0 "
@@ -271,6 +424,18 @@ class RunConfig:
                "use auto, gloo or nccl")
         _check(_int(self.threads) and 0 <= self.threads <= 1024, "run.threads",
                self.threads, "use an integer between 0 (cores / local workers) and 1024")
+        if isinstance(self.report_to, str):
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        _check(isinstance(self.report_to, list) and self.report_to
+               and all(t in REPORT_TO for t in self.report_to)
+               and not ("none" in self.report_to and len(set(self.report_to)) > 1),
+               "run.report_to", self.report_to, "give none or a comma-separated list of "
+               "tensorboard, wandb, mlflow, e.g. tensorboard,wandb")
+        if self.tensorboard and "tensorboard" not in self.report_to:   # the older flag
+            self.report_to = [t for t in self.report_to if t != "none"] + ["tensorboard"]
+        self.report_to = list(dict.fromkeys(self.report_to))
+        _check(isinstance(self.init_adapter, str), "run.init_adapter", self.init_adapter,
+               "give the path of a PEFT adapter directory, or leave it empty")
         _check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
                "run.metrics_port", self.metrics_port, "use a port 1-65535, or 0 for none")
         _check(isinstance(self.max_restarts, int) and not isinstance(self.max_restarts, bool)
@@ -285,6 +450,10 @@ class RunConfig:
                "run.fault_timeout", self.fault_timeout, "use a number of seconds in [1, 3600]")
         _check(_num(self.fault_steps) and 2 <= self.fault_steps <= 1000, "run.fault_steps",
                self.fault_steps, "use a number of steps in [2, 1000]")
+
+
+#: the metric sinks ``--report-to`` knows (besides ``none``)
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 
 
 def parse_endpoint(text: str, field: str = "--rdzv-endpoint") -> tuple[str, int]:
@@ -386,26 +555,31 @@ def _coerce(section: str, f: dataclasses.Field, value):
     return value
 
 
-def parse_options(pairs) -> dict[str, Any]:
-    """['period=8', 'ratio=0.01'] -> {'period': 8, 'ratio': 0.01} (YAML scalars)."""
+def parse_options(pairs, section: str = "comm") -> dict[str, Any]:
+    """['period=8', 'ratio=0.01'] -> {'period': 8, 'ratio': 0.01} (YAML scalars);
+    errors name ``section.options``."""
     import yaml
 
     out: dict[str, Any] = {}
     for p in pairs:
         k, eq, v = str(p).partition("=")
         if not eq or not k.strip():
-            raise ConfigError("comm.options", p, "write options as key=value, e.g. period=8")
+            example = "period=8" if section == "comm" else "init_lora_weights=gaussian"
+            raise ConfigError(f"{section}.options", p,
+                              f"write options as key=value, e.g. {example}")
         try:
             out[k.strip()] = yaml.safe_load(v)
         except (yaml.YAMLError, RecursionError, ValueError) as exc:   # ValueError: 5000 digits
-            raise ConfigError(_option_field(k.strip()), v, f"not a value ({_yaml_why(exc)}); "
-                              "write a number, true/false or a word, e.g. period=8") from None
+            raise ConfigError(_option_field(k.strip(), section), v,
+                              f"not a value ({_yaml_why(exc)}); write a number, true/false "
+                              "or a word, e.g. period=8") from None
     return out
 
 
-def _option_field(key) -> str:
+def _option_field(key, section: str = "comm") -> str:
     """``comm.options.period``; a key that is no name quoted (it may hold a line break)."""
-    return f"comm.options.{key}" if str(key).isidentifier() else f"comm.options[{key!r}]"
+    return (f"{section}.options.{key}" if str(key).isidentifier()
+            else f"{section}.options[{key!r}]")
 
 
 def _yaml_why(exc: BaseException) -> str:

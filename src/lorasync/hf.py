@@ -450,7 +450,12 @@ class _Callback(TrainerCallback):
                          "lorasync/comm_s": comm / n,
                          "lorasync/sync_share": comm / step if step > 0 else 0.0,
                          "lorasync/step_s": step / n,
-                         "lorasync/syncs": window[-1]["syncs"]}
+                         "lorasync/syncs": window[-1]["syncs"],
+                         # all ranks' samples over this rank's step time (`lorasync report`)
+                         "lorasync/samples_per_s": (sum(r["samples"] for r in window)
+                                                    * window[-1]["world_size"] / step
+                                                    if step > 0 else 0.0),
+                         "lorasync/world_size": window[-1]["world_size"]}
                 if wire:
                     extra["lorasync/compression"] = fp32 / wire
                 switches = [r["switch"] for r in window if "switch" in r]

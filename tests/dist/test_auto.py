@@ -633,8 +633,8 @@ def test_cli_forced_switches_follow_the_formulas(forced_runs):
     from lorasync.catalog import wire_bytes
 
     full, _ = forced_runs
-    ck = torch.load(os.path.join(full, "checkpoints/step-000024/rank0.pt"), weights_only=False)
-    ck1 = torch.load(os.path.join(full, "checkpoints/step-000024/rank1.pt"), weights_only=False)
+    ck = torch.load(os.path.join(full, "checkpoint-24/lorasync/rank0.pt"), weights_only=False)
+    ck1 = torch.load(os.path.join(full, "checkpoint-24/lorasync/rank1.pt"), weights_only=False)
     shapes = [tuple(v.shape) for v in ck["adapter"].values()]
     n4 = 4 * sum(v.numel() for v in ck["adapter"].values())
     for k in ck["adapter"]:   # per-step strategies all along: replicas identical

@@ -164,12 +164,12 @@ def test_node_local_disks_resume_on_every_node(tmp_path):
     _two_nodes(dirs, "--max-steps", "8", "--ckpt-interval", "2", "--stop-after", "6")
     for d in dirs:  # each node wrote its config and its own ranks' checkpoint files
         assert os.path.isfile(os.path.join(d, "config.yaml"))
-        assert sorted(os.listdir(os.path.join(d, "checkpoints"))) == ["step-000004",
-                                                                    "step-000006"]
+        assert sorted(n for n in os.listdir(d) if n.startswith("checkpoint-")) == [
+            "checkpoint-4", "checkpoint-6"]
     # the newest checkpoint is half-written on one node: it must not be chosen
-    os.remove(os.path.join(dirs[1], "checkpoints", "step-000006", "meta.json"))
+    os.remove(os.path.join(dirs[1], "checkpoint-6", "lorasync", "meta.json"))
     outs = _two_nodes(dirs, "--resume")
-    assert any("resumed from" in err and "step-000004 at step 4" in err for _, err in outs)
+    assert any("resumed from" in err and "checkpoint-4 at step 4" in err for _, err in outs)
     done = [d for d in dirs if os.path.isfile(os.path.join(d, "metrics.jsonl"))]
     assert len(done) == 1  # rank 0's node writes the run's shared files
     recs = _metrics(done[0])

@@ -36,7 +36,8 @@ def test_run_directory_contents(finished_run):
     run, p = finished_run
     for name in ("config.yaml", "metrics.jsonl", "evals.jsonl", "summary.json",
                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-                 "checkpoints/step-000006/meta.json", "checkpoints/step-000006/rank1.pt"):
+                 "checkpoint-6/lorasync/meta.json", "checkpoint-6/lorasync/rank1.pt",
+                 "checkpoint-6/adapter_model.safetensors", "checkpoint-6/tokenizer.json"):
         assert os.path.exists(os.path.join(run, name)), name
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run, "tensorboard")))
     assert "lorasync run summary" in p.stdout and "exact-match before" in p.stdout
@@ -58,8 +59,8 @@ def test_metrics_one_record_per_rank_per_step(finished_run):
 
 def test_replicas_stay_identical(finished_run):
     run, _ = finished_run
-    a = torch.load(os.path.join(run, "checkpoints/step-000006/rank0.pt"), weights_only=False)
-    b = torch.load(os.path.join(run, "checkpoints/step-000006/rank1.pt"), weights_only=False)
+    a = torch.load(os.path.join(run, "checkpoint-6/lorasync/rank0.pt"), weights_only=False)
+    b = torch.load(os.path.join(run, "checkpoint-6/lorasync/rank1.pt"), weights_only=False)
     assert a["adapter"].keys() == b["adapter"].keys()
     for k in a["adapter"]:
         assert torch.equal(a["adapter"][k], b["adapter"][k]), k
@@ -74,13 +75,14 @@ def test_adapter_loads_in_peft(finished_run):
     from lorasync.train.model import load_base
 
     run, _ = finished_run
-    base, _ = load_base("tiny")
-    model = PeftModel.from_pretrained(base, os.path.join(run, "adapter"))
-    saved = torch.load(os.path.join(run, "checkpoints/step-000006/rank0.pt"),
+    saved = torch.load(os.path.join(run, "checkpoint-6/lorasync/rank0.pt"),
                        weights_only=False)["adapter"]
-    params = dict(model.named_parameters())
-    for k, v in saved.items():
-        assert torch.equal(params[k].detach(), v), k
+    for folder in ("adapter", "checkpoint-6"):   # the final adapter, and the last checkpoint's
+        base, _ = load_base("tiny")
+        model = PeftModel.from_pretrained(base, os.path.join(run, folder))
+        params = dict(model.named_parameters())
+        for k, v in saved.items():
+            assert torch.equal(params[k].detach(), v), (folder, k)
 
 
 def _flip(path):
@@ -106,19 +108,19 @@ def test_resume_equals_uninterrupted_and_skips_a_damaged_checkpoint(finished_run
     one = str(tmp_path / "one")
     shutil.copytree(part, one)
     for r in (0, 1):
-        _flip(os.path.join(part, "checkpoints", "step-000005", f"rank{r}.pt"))
+        _flip(os.path.join(part, "checkpoint-5", "lorasync", f"rank{r}.pt"))
     p = run_cli("train", "--resume", "--output-dir", part, "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "resumed from" in p.stderr and "step-000003 at step 3" in p.stderr
+    assert "resumed from" in p.stderr and "checkpoint-3 at step 3" in p.stderr
     a, b = read_metrics(full), read_metrics(part)
     assert [(r["step"], r["rank"]) for r in a] == [(r["step"], r["rank"]) for r in b]
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), (x["step"], x["rank"])
 
-    _flip(os.path.join(one, "checkpoints", "step-000005", "rank1.pt"))
+    _flip(os.path.join(one, "checkpoint-5", "lorasync", "rank1.pt"))
     p = run_cli("train", "--resume", "--output-dir", one, "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "step-000005 at step 5" in p.stderr and "rank 1: own file damaged" in p.stderr
+    assert "checkpoint-5 at step 5" in p.stderr and "rank 1: own file damaged" in p.stderr
     b = read_metrics(one)
     assert [(r["step"], r["rank"]) for r in a] == [(r["step"], r["rank"]) for r in b]
     for x, y in zip(a, b):

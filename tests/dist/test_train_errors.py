@@ -105,7 +105,7 @@ def _corrupt_with_record(run):
     that matches them: it verifies, and fails only when loaded."""
     import hashlib
 
-    folder = run / "checkpoints" / "step-000004"
+    folder = run / "checkpoint-4" / "lorasync"
     data = (folder / "rank1.pt").read_bytes()[:1000]
     (folder / "rank1.pt").write_bytes(data)
     (folder / "rank1.json").write_text(json.dumps(
@@ -118,7 +118,7 @@ def _corrupt_with_record(run):
     (lambda run: None, ("--lora-r", "4"), ("lora.r: invalid value 4", "trained with 8")),
     # refused by the workers while restoring, with restarts left: stopped at once
     (_corrupt_with_record, ("--max-restarts", "2"),
-     ("step-000004/rank1.pt: cannot be loaded", "move ")),
+     ("checkpoint-4/lorasync/rank1.pt: cannot be loaded", "move ")),
 ], ids=["config-cut", "lora-r-changed", "state-file-corrupt"])
 def test_a_failed_resume_changes_nothing_and_exits_2_once(stopped_run, tmp_path, damage,
                                                          flags, needles):

@@ -16,6 +16,17 @@ from hypothesis import strategies as st
 from lorasync.train import checkpoint as ckpt
 
 
+def _ck(run, step):
+    """The folder of ``step``'s checkpoint (``RUN/checkpoint-N``)."""
+    return os.path.join(str(run), f"checkpoint-{step}")
+
+
+def _names(run):
+    """The checkpoint folders of a run, by name."""
+    return sorted((n for n in os.listdir(run) if n.startswith("checkpoint-")),
+                  key=lambda n: int(n.split("-")[1]))
+
+
 def _save(run, step, keep=2):
     return ckpt.save(str(run), step, {"x": step}, {"k": 1}, rank=0, local_rank=0, world_size=1,
                      barrier=lambda: None, keep=keep)
@@ -31,7 +42,9 @@ def test_latest_skips_torn_and_partial(tmp_path):
     os.makedirs(root / "step-000016")
     (root / "step-000020").mkdir()
     (root / "step-000020" / "meta.json").write_text("{not json")
-    assert ckpt.latest(str(tmp_path)).endswith("step-000008")
+    os.makedirs(tmp_path / ".tmp-checkpoint-24" / "lorasync")
+    (tmp_path / "checkpoint-28").mkdir()
+    assert ckpt.latest(str(tmp_path)).endswith("checkpoint-8")
     assert ckpt.load_rank(ckpt.latest(str(tmp_path)), 0) == {"x": 8}
     assert ckpt.read_meta(ckpt.latest(str(tmp_path)))["step"] == 8
 
@@ -39,9 +52,8 @@ def test_latest_skips_torn_and_partial(tmp_path):
 def test_keeps_only_the_newest(tmp_path):
     for s in (1, 2, 3, 4):
         _save(tmp_path, s, keep=2)
-    names = sorted(os.listdir(tmp_path / "checkpoints"))
-    assert names == ["step-000003", "step-000004"]
-    meta = json.loads((tmp_path / "checkpoints" / "step-000004" / "meta.json").read_text())
+    assert _names(tmp_path) == ["checkpoint-3", "checkpoint-4"]
+    meta = json.loads((tmp_path / "checkpoint-4" / "lorasync" / "meta.json").read_text())
     assert meta["world_size"] == 1 and meta["k"] == 1
 
 
@@ -55,6 +67,7 @@ def test_no_checkpoint(tmp_path):
 def _damage(folder, rank, how):
     """``flip``: same size, other bytes; ``cut``: cut short and its record gone;
     ``norecord``: the record gone."""
+    folder = ckpt._state(str(folder))
     path = os.path.join(folder, f"rank{rank}.pt")
     data = open(path, "rb").read()
     if how == "flip":
@@ -73,29 +86,29 @@ def test_a_stale_later_folder_never_displaces_the_new_checkpoint(tmp_path):
     of another timeline is stale).  Saving 5 must keep 5 (and 4), never 6 or 8."""
     for s in (2, 4, 6, 8):
         _save(tmp_path, s, keep=10)
-    _damage(str(tmp_path / "checkpoints" / "step-000006"), 0, "flip")
+    _damage(_ck(tmp_path, 6), 0, "flip")
     assert ckpt.choose([ckpt.inventory(str(tmp_path))], 1).step == 8
-    _damage(str(tmp_path / "checkpoints" / "step-000008"), 0, "norecord")
+    _damage(_ck(tmp_path, 8), 0, "norecord")
     assert ckpt.choose([ckpt.inventory(str(tmp_path))], 1).step == 4
     _save(tmp_path, 5, keep=2)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000004", "step-000005"]
+    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-5"]
     assert ckpt.choose([ckpt.inventory(str(tmp_path))], 1).step == 5
 
 
 def test_pruning_keeps_the_newest_verified_when_the_new_one_is_damaged(tmp_path, monkeypatch):
     for s in (1, 2, 3):
         _save(tmp_path, s, keep=1)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000003"]
+    assert _names(tmp_path) == ["checkpoint-3"]
     real = ckpt._write_atomic
 
     def bad_disk(path, data):  # the state file lands with a bit flipped
         real(path, data[:-1] + bytes([data[-1] ^ 1]) if path.endswith(".pt") else data)
     monkeypatch.setattr(ckpt, "_write_atomic", bad_disk)
     _save(tmp_path, 4, keep=1)
-    assert not ckpt.intact(str(tmp_path / "checkpoints" / "step-000004"))
+    assert not ckpt.intact(_ck(tmp_path, 4))
     # the one just written stays, and so does the newest that verifies
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000003", "step-000004"]
-    assert ckpt.latest(str(tmp_path)).endswith("step-000003")
+    assert _names(tmp_path) == ["checkpoint-3", "checkpoint-4"]
+    assert ckpt.latest(str(tmp_path)).endswith("checkpoint-3")
 
 
 def test_a_truncated_checkpoint_without_record_is_not_loaded(tmp_path):
@@ -106,10 +119,10 @@ def test_a_truncated_checkpoint_without_record_is_not_loaded(tmp_path):
     assert inv[4] == {"world_size": 1, "ranks": [], "damaged": [0]}
     assert ckpt.choose([inv], 1).step == 2
     # the launcher's last word names a checkpoint a resume can start from
-    assert ckpt.latest(str(tmp_path)).endswith("step-000002")
+    assert ckpt.latest(str(tmp_path)).endswith("checkpoint-2")
     # an intact file whose record is missing is not trusted either
-    _damage(str(tmp_path / "checkpoints" / "step-000002"), 0, "norecord")
-    assert not ckpt.verified(str(tmp_path / "checkpoints" / "step-000002"), 0)
+    _damage(_ck(tmp_path, 2), 0, "norecord")
+    assert not ckpt.verified(_ck(tmp_path, 2), 0)
     assert ckpt.choose([ckpt.inventory(str(tmp_path))], 1).step == 0
     assert ckpt.latest(str(tmp_path)) is None
 
@@ -123,7 +136,8 @@ def test_a_truncated_checkpoint_without_record_is_not_loaded(tmp_path):
 def test_a_corrupt_state_file_is_one_checkpoint_error(tmp_path, content):
     """Even with a record that matches (written corrupt, or replaced with its
     record): one line naming the file and the fix, never torch's traceback."""
-    folder = tmp_path / "checkpoints" / "step-000001"
+    ck = _ck(tmp_path, 1)
+    folder = tmp_path / "checkpoint-1" / "lorasync"
     folder.mkdir(parents=True)
     path = folder / "rank0.pt"
     torch.save({"x": torch.zeros(256)}, path)
@@ -133,9 +147,9 @@ def test_a_corrupt_state_file_is_one_checkpoint_error(tmp_path, content):
     path.write_bytes(data)
     (folder / "rank0.json").write_text(json.dumps(
         {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
-    assert ckpt.verified(str(folder), 0)
+    assert ckpt.verified(ck, 0)
     with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.load_rank(str(folder), 0)
+        ckpt.load_rank(ck, 0)
     msg = str(err.value)
     assert "\n" not in msg and str(path) in msg and "move" in msg and "Traceback" not in msg
     assert err.value.exit_code == 2
@@ -186,7 +200,7 @@ def test_restore_loads_the_newest_restorable_and_refuses_what_does_not_fit(tmp_p
     saved = _parts()
     for step in (2, 4):
         c.save(ckpt.Progress(step=step, sample_offset=8 * step), meta={}, **saved)
-    _damage(c._folder(4), 0, "cut")
+    _damage(c.folder(4), 0, "cut")
     plan, _, _ = c.agree(resume=True, history={})
     assert plan.step == 2
     fresh, prog = _parts(), ckpt.Progress()
@@ -200,10 +214,10 @@ def test_restore_loads_the_newest_restorable_and_refuses_what_does_not_fit(tmp_p
                                                    r"\(2, 8\) here"):
         c.restore(plan, ckpt.Progress(), 8, seed=0, **_parts(r=2))
     # a state file that verifies but does not load: every rank raises the same error
-    path = os.path.join(c._folder(2), "rank0.pt")
+    path = os.path.join(c.folder(2), "lorasync", "rank0.pt")
     data = open(path, "rb").read()[:500]
     open(path, "wb").write(data)
-    with open(os.path.join(c._folder(2), "rank0.json"), "w") as fh:
+    with open(os.path.join(c.folder(2), "lorasync", "rank0.json"), "w") as fh:
         json.dump({"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, fh)
     with pytest.raises(ckpt.CheckpointError, match="cannot be loaded"):
         c.restore(plan, ckpt.Progress(), 8, seed=0, **_parts())
@@ -280,7 +294,7 @@ def _history(dirs, layout):
     ranks_of: dict = {}
     for s in (2, 4, 6, 8):
         assert not _group_save(dirs, s, 10, ranks_of)
-    f = lambda d, s: os.path.join(d, "checkpoints", f"step-{s:06d}")  # noqa: E731
+    f = _ck
     if layout == "shared":
         for r in (0, 1):
             _damage(f(dirs[0], 6), r, "flip")
@@ -295,7 +309,7 @@ def _history(dirs, layout):
 
 def _restorable(dirs, plan):
     """Every rank can restore the plan: its own file verifies, or the source's does."""
-    f = lambda r: os.path.join(dirs[r], "checkpoints", f"step-{plan.step:06d}")  # noqa: E731
+    f = lambda r: _ck(dirs[r], plan.step)  # noqa: E731
     for r in plan.own:
         assert ckpt.verified(f(r), r)
     if plan.peer:
@@ -306,8 +320,8 @@ def _snapshot(dirs):
     """{(disk, folder): sorted file names} of every complete step folder."""
     out = {}
     for i, d in enumerate(sorted(set(dirs))):
-        for s, path in ckpt._steps(os.path.join(d, "checkpoints")):
-            out[(i, s)] = sorted(os.listdir(path))
+        for s, path in ckpt._steps(d):
+            out[(i, s)] = sorted(os.listdir(ckpt._state(path)))
     return out
 
 
@@ -347,7 +361,7 @@ def test_a_kill_at_any_step_of_save_and_prune_loses_no_checkpoint(tmp_path, monk
         assert plan.step in (4, 5), (case, plan.note)
         _restorable(dirs, plan)
         for d in set(dirs):
-            steps = [s for s, _ in ckpt._folders(os.path.join(d, "checkpoints"))]
+            steps = [s for s, _ in ckpt._folders(d)]
             if 5 in steps:
                 assert max(steps) == 5, (case, d, steps)
         for key, files in _snapshot(dirs).items():
@@ -355,7 +369,8 @@ def test_a_kill_at_any_step_of_save_and_prune_loses_no_checkpoint(tmp_path, monk
         # the restarted group saves 5 again; keep=1 leaves exactly that
         assert not _group_save(dirs, 5, 1, {}), case
         for d in set(dirs):
-            assert os.listdir(os.path.join(d, "checkpoints")) == ["step-000005"], case
+            assert _names(d) == ["checkpoint-5"], case
+            assert not [n for n in os.listdir(d) if n.startswith(".")], case
         assert ckpt.choose([ckpt.inventory(d) for d in dirs], 2).step == 5
 
 
@@ -416,44 +431,52 @@ def test_choose_always_picks_a_step_every_rank_can_restore(case):
 _KINDS = ["intact", "intact", "flip", "cut", "norecord", "incomplete"]
 
 
-def _plant(root, step, kind, world):
-    folder = os.path.join(root, f"step-{step:06d}")
-    os.makedirs(folder)
+def _plant(run, step, kind, world, old=False):
+    """A checkpoint folder of ``step`` in the layout of now, or (``old``) of the
+    versions before (``RUN/checkpoints/step-N``)."""
+    folder = os.path.join(run, "checkpoints", f"step-{step:06d}") if old else _ck(run, step)
+    state = ckpt._state(folder)
+    os.makedirs(state)
     for r in range(world):
         data = f"state of rank {r} at step {step}".encode() * 20
-        with open(os.path.join(folder, f"rank{r}.pt"), "wb") as fh:
+        with open(os.path.join(state, f"rank{r}.pt"), "wb") as fh:
             fh.write(data)
-        with open(os.path.join(folder, f"rank{r}.json"), "w") as fh:
+        with open(os.path.join(state, f"rank{r}.json"), "w") as fh:
             json.dump({"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, fh)
     if kind in ("flip", "cut", "norecord"):
         _damage(folder, world - 1, kind)
     if kind != "incomplete":
-        with open(os.path.join(folder, "meta.json"), "w") as fh:
+        with open(os.path.join(state, "meta.json"), "w") as fh:
             json.dump({"step": step, "world_size": world}, fh)
+    return folder
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.integers(1, 12), st.sampled_from(_KINDS), min_size=1, max_size=8),
        st.data(), st.integers(1, 3), st.integers(1, 2))
 def test_pruning_never_removes_the_new_or_the_newest_verified(disk, data, keep, world):
+    """Over both layouts: a run that resumed from checkpoints of the versions
+    before holds some of each."""
     step = data.draw(st.sampled_from(sorted(disk)), label="just written")
+    old = data.draw(st.sets(st.sampled_from(sorted(disk))), label="in the older layout")
     with tempfile.TemporaryDirectory() as tmp:
-        root = os.path.join(tmp, "checkpoints")
-        for s, kind in disk.items():
-            _plant(root, s, kind, world)
+        folders = {s: _plant(tmp, s, kind, world, old=s in old and s != step)
+                   for s, kind in disk.items()}
         verified = sorted((s for s, k in disk.items() if k == "intact" and s <= step),
                           reverse=True)
-        ckpt._prune(root, step, keep)
-        left = [s for s, _ in ckpt._folders(root)]
+        ckpt._prune(tmp, step, keep)
+        left = [s for s, _ in ckpt._folders(tmp)]
         assert step in left                                  # the one just written
         assert max(left) == step                             # no abandoned timeline
         kept = set(verified[:keep]) | {step}                 # keep newest that verify
         assert set(left) == kept, (disk, step, keep, left)
         if verified:
-            newest = os.path.join(root, f"step-{verified[0]:06d}")
+            newest = folders[verified[0]]
             assert ckpt.intact(newest)
             if disk[step] == "intact" or not any(
-                    ckpt.verified(os.path.join(root, f"step-{step:06d}"), r)
-                    for r in range(world)):
+                    ckpt.verified(folders[step], r) for r in range(world)):
                 assert ckpt.latest(tmp) == newest
-        assert not [n for n in os.listdir(root) if n.startswith(".")]
+        assert not [n for n in os.listdir(tmp) if n.startswith(".")]
+        if os.path.isdir(os.path.join(tmp, "checkpoints")):
+            assert not [n for n in os.listdir(os.path.join(tmp, "checkpoints"))
+                        if n.startswith(".")]

@@ -150,7 +150,8 @@ def test_cli_parses_actions():
         ("up", 3, "100mbit", "20ms", ["0-1=10mbit", "1-2=5mbit"])
     a = p.parse_args(["cluster", "exec", "node1", "--", "python", "-c", "print(1)"])
     # argparse may or may not keep the "--"; run() accepts both
-    assert a.node == "node1" and [x for x in a.command if x != "--"] == ["python", "-c", "print(1)"]
+    assert a.node == "node1" and [x for x in a.argv if x != "--"] == ["python", "-c", "print(1)"]
+    assert a.command == "cluster"   # the subcommand, which error lines name
     assert p.parse_args(["cluster", "down", "--all"]).all
     assert p.parse_args(["cluster", "status", "--json", "--no-measure"]).no_measure
 

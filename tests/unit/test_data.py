@@ -47,7 +47,9 @@ def test_text_and_chat_rows(tok):
                       {"role": "assistant", "content": "ok"}]}], tok, 128)
     assert all(l != IGNORE for l in text.labels)
     trained = tok.decode([i for i, l in zip(chat.input_ids, chat.labels) if l != IGNORE])
-    assert trained == "yo\n" + "ok\n" or trained.replace("\n", "") == "yook"
+    # the fallback without a chat template: each assistant turn ends with EOS, so
+    # that the model learns to stop; only the assistant's turns carry labels
+    assert trained == "yo<eos>\nok<eos>\n"
     assert chat.answer == "ok"
 
 

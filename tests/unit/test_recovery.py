@@ -63,7 +63,7 @@ def test_damaged_state_file_is_not_held(tmp_path):
     assert ckpt.inventory(str(tmp_path)) == {
         2: {"world_size": 1, "ranks": [0], "damaged": []},
         4: {"world_size": 1, "ranks": [0], "damaged": []}}
-    path = os.path.join(final, "rank0.pt")
+    path = os.path.join(final, "lorasync", "rank0.pt")
     data = open(path, "rb").read()
     with open(path, "wb") as fh:  # cut short, as a disk that filled up would leave it
         fh.write(data[: len(data) // 2])
@@ -75,7 +75,7 @@ def test_damaged_state_file_is_not_held(tmp_path):
     with open(path, "wb") as fh:  # same size, other bytes
         fh.write(bytes(len(data)))
     assert ckpt.inventory(str(tmp_path)) == damaged
-    assert ckpt.latest(str(tmp_path)).endswith("step-000002")
+    assert ckpt.latest(str(tmp_path)).endswith("checkpoint-2")
 
 
 def test_state_files_load_with_weights_only_and_restore_the_rngs(tmp_path):

@@ -61,19 +61,21 @@ def test_tensorboard_events_written_and_readable(tmp_path):
                                                                          "tensors": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("train/loss", "train/lr", "train/grad_accum", "throughput/samples_per_s",
-                "time/compute_s", "time/comm_s", "time/sync_share", "comm/wire_bytes",
-                "comm/strategy_switch", "eval/loss", "eval/exact_match"):
+    # the Hugging Face Trainer's names, lorasync's own under lorasync/
+    for tag in ("train/loss", "train/learning_rate", "lorasync/grad_accum",
+                "lorasync/samples_per_s", "lorasync/compute_s", "lorasync/comm_s",
+                "lorasync/sync_share", "lorasync/wire_bytes", "lorasync/strategy_switch",
+                "eval/loss", "eval/exact_match"):
         assert tag in tags, tag
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == list(range(1, 31))
     assert loss[4].value == pytest.approx(recs[4]["loss"], rel=1e-6)
-    sps = acc.Scalars("throughput/samples_per_s")[9]
+    sps = acc.Scalars("lorasync/samples_per_s")[9]
     assert sps.value == pytest.approx(8 * 2 / recs[9]["step_s"], rel=1e-5)
-    switch = {e.step: e.value for e in acc.Scalars("comm/strategy_switch")}
+    switch = {e.step: e.value for e in acc.Scalars("lorasync/strategy_switch")}
     assert switch[15] == 1.0 and sum(switch.values()) == 1.0
     text = [(e.step, e.tensor_proto.string_val[0].decode())
-            for e in acc.Tensors("strategy/text_summary")]
+            for e in acc.Tensors("lorasync/strategy/text_summary")]
     assert text[0] == (1, "step 1: allreduce")
     assert text[1][0] == 15 and "allreduce → fp16" in text[1][1] and "10 Mbit/s" in text[1][1]
 

@@ -188,6 +188,13 @@ class Sync:
         return False
 
     @property
+    def grads_hold_momentum(self) -> bool:
+        """Whether this step's backward left in ``.grad`` an averaged momentum
+        that the strategy's own optimizer step consumes (1-bit Adam), not a
+        gradient: a trainer must not clip or scale it."""
+        return False
+
+    @property
     def replicas_may_differ(self) -> bool:
         """Whether the ranks' adapters may differ now (local steps taken since
         the last sync: local SGD, DiLoCo); the same answer on every rank."""

@@ -373,6 +373,10 @@ class OneBit(_TwoPhase):
             return super().in_warmup(bucket)
         return not self._mom_step
 
+    @property
+    def grads_hold_momentum(self) -> bool:
+        return self._mom_step
+
     def _optimizer_steps(self) -> int:
         """Steps the optimizer has taken (its own count: a strategy attached
         mid-run, e.g. by ``auto``, finds its variance already warm)."""

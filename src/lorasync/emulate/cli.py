@@ -8,6 +8,14 @@ through a userspace TUN forwarder (this kernel has no netem).
     lorasync cluster exec node1 -- python -c 'print("hello")'
     lorasync cluster set-rate 10mbit [--node 1]
     lorasync cluster down [--all]
+    lorasync cluster launch --emulate nodes=2,rate=10mbit [--nproc-per-node G] -- SCRIPT [ARGS]
+
+`launch` runs your own torchrun-able script (a Trainer script, a plain DDP
+loop) with one torchrun agent per emulated node, as `lorasync train
+--emulate` does: with --emulate the cluster is made for the run and removed
+after it (also on failure); with --name only, it runs on a cluster already up.
+Your environment (LORASYNC_* included) reaches the script; the exit code is
+the script's (non-zero if any node failed). docs/emulate-your-script.md.
 
 --delay is one-way, added to every packet between two nodes (RTT = 2 x delay).
 --nat puts a node behind its own NAT router (it connects out, nothing connects
@@ -48,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="link MTU (default 1500; 65000 with delay/loss, for the forwarder's speed)")
     up.add_argument("--nat", action="append", default=[], metavar="NODE",
                     help="put NODE behind NAT, e.g. node2 (repeatable, or node1,node2)")
+    for key, what in (("symmetric-nat", "behind a symmetric NAT (a new outside port per destination)"),
+                      ("block-udp", "without UDP (only TCP and ICMP leave it)"),
+                      ("mtu-blackhole", "behind a path MTU black hole (MTU 1400, no ICMP back)")):
+        up.add_argument(f"--{key}", action="append", default=[], metavar="NODE",
+                        help=f"put NODE {what} (repeatable, or node1,node2)")
     up.add_argument("--overlay", default=None, choices=["wireguard", "none"],
                     help="run a WireGuard overlay on every node (needs wireguard-go and wg)")
     up.add_argument("--measure", action="store_true", help="measure node0 -> node1 after bringing it up")
@@ -65,12 +78,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ex = sub.add_parser("exec", help="run a command inside a node's namespace")
     common(ex)
     ex.add_argument("node", help="node index or name (0 or node0)")
-    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    # not dest "command": that is the subcommand's name, which error messages show
+    ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="command",
+                    help="-- COMMAND [ARGS...]")
 
     sr = sub.add_parser("set-rate", help="change link rates live")
     common(sr)
     sr.add_argument("rate", help="new rate, e.g. 10mbit")
     sr.add_argument("--node", default=None, help="only this node's link (default: all)")
+
+    la = sub.add_parser(
+        "launch", help="run your own torchrun-able script, one agent per node",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run your own script (a Trainer script, a DDP loop) with one torchrun "
+                    "agent per emulated node.\n\n"
+                    "    lorasync cluster launch --emulate nodes=2,rate=10mbit -- train.py --out a\n"
+                    "    lorasync cluster launch --name lab --nproc-per-node 2 -- train.py\n\n"
+                    "Your environment reaches the script; the exit code is the script's. "
+                    "docs/emulate-your-script.md")
+    la.add_argument("--name", default=None,
+                    help="run on this cluster, already up (default: 'default'); with "
+                         "--emulate, name the cluster inside the spec (name=)")
+    la.add_argument("--emulate", metavar="SPEC", default=None,
+                    help="make a cluster for this run and remove it after, e.g. "
+                         "nodes=2,rate=10mbit[,delay=20ms] (the keys of `train --emulate`)")
+    la.add_argument("--nproc-per-node", type=int, default=None, metavar="G",
+                    help="workers per node (default: the spec's nproc_per_node, 1)")
+    la.add_argument("--timeout", default=None, metavar="DURATION",
+                    help="stop everything after this long, e.g. 30m (exit code 124)")
+    la.add_argument("--log-dir", default=None, metavar="DIR",
+                    help="write each node's output to DIR/nodeI.log instead of the terminal")
+    la.add_argument("argv", nargs=argparse.REMAINDER, metavar="script",
+                    help="-- SCRIPT [ARGS...]")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         spec = cl.ClusterSpec(nodes=args.nodes, rate_bps=args.rate or None,
                               delay_s=args.delay, loss=args.loss,
                               pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu,
-                              nat=nat, overlay=args.overlay)
+                              nat=nat, overlay=args.overlay,
+                              **{k: [x for item in getattr(args, k) for x in item.replace("+", ",").split(",")
+                                     if x.strip()] for k in cl.CONDITION_KEYS})
         c = cl.Cluster.up(spec)
         print(f"cluster {spec.name} up: {spec.describe()}")
         _print_status(c.status(measure=args.measure))
@@ -104,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             _print_status(st)
         return 0
     if cmd == "exec":
-        argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not argv:
             raise ConfigError("command", "", "give a command after --, e.g. cluster exec node0 -- ip addr")
         c = cl.Cluster.load(args.name)
@@ -117,7 +158,55 @@ def run(args: argparse.Namespace) -> int:
         print(f"rate {fmt_rate(parse_rate_bps(args.rate, bare_bits=True), 'tc', unit='bit')} on "
               + ("all nodes" if node is None else f"node{node}"))
         return 0
+    if cmd == "launch":
+        return _launch(args)
     raise AssertionError(cmd)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``cluster launch``: every check before any namespace is made."""
+    import os
+    import sys
+
+    from lorasync.errors import ConfigError
+    from lorasync.emulate import cluster as cl
+    from lorasync.units import parse_duration
+
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise ConfigError("SCRIPT", "", "give the script after --, e.g. cluster launch "
+                          "--emulate nodes=2,rate=10mbit -- train.py --epochs 1")
+    # torchrun starts the script with this interpreter in every node's namespace,
+    # from this directory; an absolute path keeps it found whatever the cwd
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        why = "is a directory" if os.path.isdir(script) else "does not exist"
+        raise ConfigError("SCRIPT", argv[0], f"{script} {why}; give the path of a Python "
+                          "script that torchrun can run")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError("--nproc-per-node", args.nproc_per_node, "give at least 1 worker per node")
+    timeout = (parse_duration(args.timeout, "--timeout", bare="s", allow_zero=False)
+               if args.timeout is not None else None)
+    spec = None
+    if args.emulate is not None:
+        if args.name is not None:
+            raise ConfigError("--name", args.name, "with --emulate name the cluster inside the "
+                              f"spec: --emulate {args.emulate},name={args.name}")
+        spec = cl.parse_emulate(args.emulate)
+    nproc = args.nproc_per_node or (spec.nproc_per_node if spec else None)
+    run = [script, *argv[1:]]
+    if spec is None:
+        c = cl.Cluster.load(args.name or "default")
+        print(f"lorasync cluster launch: cluster {c.spec.name} ({c.spec.describe()}), "
+              f"{nproc or c.spec.nproc_per_node} worker(s) per node: {' '.join(run)}",
+              file=sys.stderr)
+        return cl.launch_on_cluster(c, run, nproc_per_node=nproc, timeout=timeout, module=None,
+                                    log_dir=args.log_dir)
+    print(f"lorasync cluster launch: emulated cluster {spec.describe()}, {nproc} worker(s) per "
+          f"node: {' '.join(run)}", file=sys.stderr)
+    with cl.emulated(spec) as c:
+        return cl.launch_on_cluster(c, run, nproc_per_node=nproc, timeout=timeout, module=None,
+                                    log_dir=args.log_dir)
 
 
 def _print_status(st: dict) -> None:

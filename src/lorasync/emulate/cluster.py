@@ -63,6 +63,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from lorasync.emulate.nat import BLACKHOLE_MTU as _BLACKHOLE_MTU
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import CLUSTERS_DIR, as_root, pid_alive, require_root
 from lorasync.launch.agent import agent_argv
@@ -84,10 +85,15 @@ PREFIX = "lsync"
 NODE_IF = "eth0"
 DELAY_IF = "dly"
 _DELAY_TABLE = 100
+_BLACKHOLE_TABLE = 200  # + node index: the routes out of a black-holed node
 _NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,24}$")
 _MAX_GSO = 65536  # largest skb TCP hands a veth; queues must hold a few
 
 # ---------------------------------------------------------------- parsing
+
+#: --emulate keys that take a list of nodes, besides nat (:mod:`lorasync.emulate.nat`)
+CONDITION_KEYS = ("symmetric_nat", "block_udp", "mtu_blackhole")
+_NODE_LISTS = ("nat", *CONDITION_KEYS)
 
 #: what tc/htb shapes, bits/s
 TC_RATES_bps = (8000, 100e9)
@@ -154,6 +160,13 @@ class ClusterSpec:
     """LANs of the nodes behind NAT: node I is 10.214.I.2/24 behind router 10.214.I.1."""
     nproc_per_node: int = 1
     """Workers per node (``launch_on_cluster`` default); they share the node's namespace."""
+    symmetric_nat: list = dataclasses.field(default_factory=list)
+    """Nodes behind a symmetric NAT (a new outside port per destination); they are in ``nat`` too."""
+    block_udp: list = dataclasses.field(default_factory=list)
+    """Nodes that can send only TCP (and ICMP): UDP from them is dropped at the hub."""
+    mtu_blackhole: list = dataclasses.field(default_factory=list)
+    """Nodes behind a path MTU black hole: the path to and from them has MTU
+    1400 and no ICMP "fragmentation needed" comes back."""
 
     def __post_init__(self):
         if isinstance(self.rate_bps, str):
@@ -190,7 +203,13 @@ class ClusterSpec:
         self.pair_rates = pairs
         if self.mtu is not None and not 576 <= int(self.mtu) <= 65000:
             raise ConfigError("mtu", self.mtu, "must be between 576 and 65000")
-        self.nat = sorted({_node_index(x, self.nodes, "nat") for x in (self.nat or [])})
+        for key in CONDITION_KEYS:
+            setattr(self, key, sorted({_node_index(x, self.nodes, key) for x in (getattr(self, key) or [])}))
+        self.nat = sorted({_node_index(x, self.nodes, "nat") for x in (self.nat or [])} | set(self.symmetric_nat))
+        if self.mtu_blackhole and self.link_mtu <= _BLACKHOLE_MTU:
+            raise ConfigError("mtu_blackhole", _nodes_text(self.mtu_blackhole),
+                              f"the black hole's path MTU is {_BLACKHOLE_MTU}: give the links a larger "
+                              f"mtu (e.g. mtu=1500), or drop mtu_blackhole")
         if self.overlay in ("", "none"):
             self.overlay = None
         if self.overlay is not None:
@@ -199,6 +218,10 @@ class ClusterSpec:
             if self.overlay not in KINDS:
                 raise ConfigError("overlay", self.overlay, f"use one of: {', '.join(KINDS)} (or none)")
             hub_index(self.nodes, self.nat)  # a hub outside NAT exists
+            if self.block_udp:
+                raise ConfigError("block_udp", _nodes_text(self.block_udp),
+                                  "WireGuard runs over UDP, so those nodes cannot join a wireguard "
+                                  "overlay: drop overlay=wireguard, or drop block_udp")
         nets = {"subnet": net}
         for key in ("overlay_subnet", "nat_subnet"):
             try:
@@ -235,8 +258,16 @@ class ClusterSpec:
         if self.loss:
             parts.append(f"loss {self.loss * 100:g}%")
         parts += [f"pair {i}-{j} {fmt_rate(r, 'tc', unit='bit')}" for (i, j), r in sorted(self.pair_rates.items())]
-        if self.nat:
-            parts.append(", ".join(f"node{i}" for i in self.nat) + " behind NAT")
+        plain = [i for i in self.nat if i not in self.symmetric_nat]
+        if plain:
+            parts.append(_nodes_text(plain, ", ") + " behind NAT")
+        if self.symmetric_nat:
+            parts.append(_nodes_text(self.symmetric_nat, ", ") + " behind symmetric NAT")
+        if self.block_udp:
+            parts.append(_nodes_text(self.block_udp, ", ") + " without UDP")
+        if self.mtu_blackhole:
+            parts.append(_nodes_text(self.mtu_blackhole, ", ") + f" behind a path MTU black hole "
+                         f"({_BLACKHOLE_MTU})")
         if self.overlay:
             parts.append(f"{self.overlay} overlay {self.overlay_subnet}")
         if self.nproc_per_node > 1:
@@ -247,6 +278,10 @@ class ClusterSpec:
         d = dataclasses.asdict(self)
         d["pair_rates"] = {f"{i}-{j}": r for (i, j), r in self.pair_rates.items()}
         return d
+
+
+def _nodes_text(indices, sep: str = "+") -> str:
+    return sep.join(f"node{i}" for i in indices)
 
 
 def _node_index(x, nodes: int, field: str) -> int:
@@ -265,17 +300,18 @@ def parse_emulate(text: str) -> ClusterSpec:
     Keys: nodes, rate, delay, loss, pair (``pair=0-1:10mbit``, repeatable),
     name, subnet, mtu, nat (``nat=node2``; several: ``nat=node1,node2`` or
     ``nat=node1+node2``), overlay (``overlay=wireguard``), nproc_per_node
-    (workers per node, sharing its namespace).  Errors raise ``ConfigError``
-    naming the key.
+    (workers per node, sharing its namespace), and the conditions that take
+    a list of nodes like ``nat``: symmetric_nat, block_udp, mtu_blackhole.
+    Errors raise ``ConfigError`` naming the key.
     """
-    kw: dict = {"pair_rates": {}, "nat": []}
+    kw: dict = {"pair_rates": {}, "nat": [], **{k: [] for k in CONDITION_KEYS}}
     last = None
     for item in filter(None, (s.strip() for s in str(text).split(","))):
         key, sep, value = item.partition("=")
         key = key.strip().lower().replace("-", "_")
         value = value.strip()
-        if not sep and last == "nat" and re.fullmatch(r"(node)?\d+", key):
-            kw["nat"].append(key)  # nat=node1,node2: the list goes on
+        if not sep and last in _NODE_LISTS and re.fullmatch(r"(node)?\d+", key):
+            kw[last].append(key)  # nat=node1,node2: the list goes on
             continue
         last = key
         if not sep or not value:
@@ -300,8 +336,8 @@ def parse_emulate(text: str) -> ClusterSpec:
             if not value.isdigit():
                 raise ConfigError("mtu", value, "give a whole number of bytes, e.g. 1500")
             kw["mtu"] = int(value)
-        elif key == "nat":
-            kw["nat"] += [v for v in value.split("+") if v.strip()]
+        elif key in _NODE_LISTS:
+            kw[key] += [v for v in value.split("+") if v.strip()]
         elif key == "overlay":
             kw["overlay"] = value.lower()
         elif key == "nproc_per_node":
@@ -310,7 +346,7 @@ def parse_emulate(text: str) -> ClusterSpec:
             kw["nproc_per_node"] = int(value)
         else:
             raise ConfigError("emulate", key, "known keys: nodes, rate, delay, loss, pair, name, subnet, "
-                              "mtu, nat, overlay, nproc_per_node")
+                              "mtu, nat, overlay, nproc_per_node, " + ", ".join(CONDITION_KEYS))
     return ClusterSpec(**kw)
 
 
@@ -582,6 +618,9 @@ class Cluster:
         if spec.nat and not shutil.which("nft"):
             raise EnvironmentProblem("nodes behind NAT need nftables for their routers' masquerade: "
                                      "apt-get install -y nftables")
+        if (spec.block_udp or spec.mtu_blackhole) and not shutil.which("nft"):
+            raise EnvironmentProblem("block_udp and mtu_blackhole need nftables in the hub: "
+                                     "apt-get install -y nftables")
         if spec.overlay:
             from lorasync.overlay import wireguard
 
@@ -616,19 +655,51 @@ class Cluster:
                 _run(["ip", "-n", n.netns, "link", "set", n.ifname, "up"])
             _run(["ip", "-n", hub, "addr", "add", f"{self.hub_address}/32", "dev", peer])
             _run(["ip", "-n", hub, "link", "set", peer, "up"])
-            _run(["ip", "-n", hub, "route", "add", f"{n.outside}/32", "dev", peer])
+            # a black-holed node: the hub's route to it carries the smaller MTU
+            mtu_to = ["mtu", str(_BLACKHOLE_MTU)] if n.index in spec.mtu_blackhole else []
+            _run(["ip", "-n", hub, "route", "add", f"{n.outside}/32", "dev", peer, *mtu_to])
         # proxy ARP answers after a random wait of up to 0.8 s by default
         # (per device only: a namespace has no neigh/default of its own)
         _run(["ip", "netns", "exec", hub, "sh", "-ec", "; ".join(
             f"echo 0 > /proc/sys/net/ipv4/neigh/p{n.index}/proxy_delay" for n in self.nodes)])
         if spec.needs_forwarder:
             self._start_forwarder()
+        self._build_conditions()
         for n in self.nodes:
             self._shape(n.index)
         if spec.overlay:
             from lorasync.emulate import overlay as cluster_overlay
 
             cluster_overlay.build(self)
+
+    def _build_conditions(self) -> None:
+        """block_udp and mtu_blackhole, in the hub (see :mod:`lorasync.emulate.nat`).
+
+        The path from a black-holed node: its packets take a table of their own
+        whose routes carry the smaller MTU (the forwarding path honours a
+        route's MTU, and the node's own routes stay at the link's: it does not
+        know).  The path to it: its route in the main table (``_build``)."""
+        from lorasync.emulate.nat import conditions_ruleset
+
+        spec, hub = self.spec, self.hub_netns
+        for i in spec.mtu_blackhole:
+            table = str(_BLACKHOLE_TABLE + i)
+            if spec.needs_forwarder:  # first hop: into the delay forwarder
+                _run(["ip", "-n", hub, "route", "add", "default", "dev", DELAY_IF, "mtu",
+                      str(_BLACKHOLE_MTU), "table", table])
+            else:
+                for n in self.nodes:
+                    if n.index != i:
+                        _run(["ip", "-n", hub, "route", "add", f"{n.outside}/32", "dev", f"p{n.index}",
+                              "mtu", str(_BLACKHOLE_MTU), "table", table])
+            _run(["ip", "-n", hub, "rule", "add", "iif", f"p{i}", "lookup", table, "pref", "90"])
+        rules = conditions_ruleset([f"p{i}" for i in spec.block_udp], bool(spec.mtu_blackhole))
+        if rules:
+            proc = subprocess.run(["ip", "netns", "exec", hub, "nft", "-f", "-"], input=rules,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise EnvironmentProblem(f"the hub's conditions could not be set up (nft: "
+                                         f"{(proc.stderr.strip().splitlines() or ['failed'])[0]})")
 
     def _build_nat(self, n: Node, prefix: int) -> None:
         """Node ``n`` behind its own router: node eth0 -- lan [router] wan -- hub pI."""
@@ -654,7 +725,7 @@ class Cluster:
         _run(["ip", "-n", n.netns, "addr", "add", f"{n.address}/24", "dev", n.ifname])
         _run(["ip", "-n", n.netns, "link", "set", n.ifname, "up"])
         _run(["ip", "-n", n.netns, "route", "add", "default", "via", gw])
-        proc = subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=ruleset("lan", "wan"),
+        proc = subprocess.run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=ruleset("lan", "wan", symmetric=n.index in self.spec.symmetric_nat),
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise EnvironmentProblem(f"the NAT router of {n.name} could not be set up (nft: "
@@ -983,7 +1054,10 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     script path and its arguments).  The workers get
     ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the node's interface (gloo
     would otherwise bind to what the hostname resolves to, 127.0.0.1),
-    ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1``.  Output goes to our
+    ``OMP_NUM_THREADS=1`` (a script of its own, ``module=None``: unless the
+    environment sets it) and ``PYTHONUNBUFFERED=1``; with ``module=None`` the
+    job's store secret is kept from them (torch's plain store client could not
+    pass a guarded store).  Output goes to our
     stdout/stderr, or to ``log_dir/nodeI.log``.
 
     HOST is node0, or with the cluster's overlay (``overlay=None``: whenever it
@@ -1013,7 +1087,10 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     endpoint = f"{route[host.index][0]}:{port}"
     rdzv_id = f"lsync-{uuid.uuid4().hex[:8]}"
     base_env = dict(os.environ if env is None else env)
-    base_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if module == "lorasync" or not base_env.get("OMP_NUM_THREADS"):
+        # every node's workers share this machine's cores; a script keeps its caller's choice
+        base_env["OMP_NUM_THREADS"] = "1"
+    base_env["PYTHONUNBUFFERED"] = "1"
     if module == "lorasync":
         # every node's agent guards its stores with the launch's own secret; a
         # script of its own (module=None) creates its store with torch's plain
@@ -1021,6 +1098,13 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
         # nodes' addresses, inside the emulated network
         from lorasync.launch.guard import ENV as SECRET_ENV, new_secret
         base_env.setdefault(SECRET_ENV, new_secret())
+    else:
+        # nor may a secret the caller's environment holds reach the agents: the
+        # script's workers would meet a guarded agent store with a plain client
+        from lorasync.launch.guard import ENV as SECRET_ENV, FILE_ENV
+        from lorasync.launch.stores import GUARD_ENV
+        for k in (SECRET_ENV, FILE_ENV, GUARD_ENV):
+            base_env.pop(k, None)
     from lorasync.launch import restart_env
     nnodes = f"{min_nodes}:{nn}" if min_nodes else str(nn)
     base_env.update(restart_env(max_restarts, nnodes))

@@ -103,10 +103,15 @@ def _launch(argv: list[str], nproc: int, nnodes: str, node_rank: int, rdzv_endpo
     else:
         secret = shared_secret()
         host = str(rdzv_endpoint).rpartition(":")[0].strip("[]")
+        overlay = use_overlay(host)
         store_addr = stores.collective_address() or stores.route_address(host) or stores.LOOPBACK
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
                  "--rdzv-id", guard.run_id(secret), "--local-addr", store_addr]
+        if overlay:
+            # torch decides who hosts the rendezvous store by the hostname's
+            # addresses, never an overlay's: say it
+            args += ["--rdzv-conf", f"is_host={int(socket.gethostbyname(host) == overlay[1])}"]
         # a round after a failure waits RESTART_JOIN_S for the nodes, and a round
         # that times out names the ones that did not come (RendezvousStalled, exit 75)
         from lorasync.launch.rendezvous import install_rendezvous_bound
@@ -137,6 +142,28 @@ def _launch(argv: list[str], nproc: int, nnodes: str, node_rank: int, rdzv_endpo
         finally:
             undo()
     return 0
+
+
+def use_overlay(rdzv_host: str, env=None) -> tuple[str, str] | None:
+    """When the rendezvous host is reached over an overlay already on this node
+    (tailscale0, zt*, wg*: :meth:`~lorasync.netdiag.hostinfo.HostInfo.overlay_kind`)
+    and no interface is named: gloo and NCCL use that interface (so the stores
+    listen on its address), and the launch says so.  Returns (interface,
+    address) when it chose one."""
+    from lorasync.netdiag.hostinfo import HostInfo
+
+    env = os.environ if env is None else env
+    if env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME"):
+        return None
+    host = HostInfo(env=env)
+    iface = host.overlay_to(rdzv_host)
+    if iface is None or not iface.ipv4:
+        return None
+    env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface.name
+    print(f"lorasync: the rendezvous host {rdzv_host} is reached over {host.overlay_kind(iface)} overlay "
+          f"{iface.name}: gloo and NCCL use {iface.name}, the stores listen on {iface.ipv4[0]}",
+          file=sys.stderr, flush=True)
+    return iface.name, iface.ipv4[0]
 
 
 def shared_secret() -> str:

@@ -5,6 +5,13 @@ Reads what a run leaves behind (``metrics.jsonl``, ``evals.jsonl``,
 are PNGs embedded as base64 data URIs, so the report can be mailed or
 attached to an issue and opens offline.
 
+A transformers Trainer's output directory is one more kind of input: its
+``trainer_state.json`` (or the newest ``checkpoint-N/trainer_state.json``)
+holds the log history, with the ``lorasync/*`` entries ``lorasync.hf.attach``
+adds (docs/huggingface.md).  Those are means per logging window, so a Trainer
+run's numbers are per window, not per step; what a Trainer run does not log
+(a plain Trainer has no sync timings or bytes) shows as '-'.
+
 Definitions used throughout (the same as the trainer's ``summary.json``):
 
 * a step is as slow as its slowest rank: global samples/s of a step is the
@@ -29,14 +36,15 @@ import io
 import json
 import math
 import os
+import re
 import statistics
 from dataclasses import dataclass, field
 
 from lorasync.errors import LorasyncError
 from lorasync.monitor.metrics import effective_records
 
-__all__ = ["Run", "load_run", "step_series", "find_switches", "summarize_run", "build_report",
-           "write_report", "default_output"]
+__all__ = ["Run", "load_run", "step_series", "trainer_series", "find_switches", "summarize_run",
+           "summarize_trainer", "build_report", "write_report", "default_output"]
 
 # Fields without which a record cannot be plotted (docs/contracts.md lists all).
 REQUIRED_FIELDS = ("step", "rank", "loss", "samples", "compute_s", "comm_s", "step_s",
@@ -56,6 +64,8 @@ class Run:
     evals: list[dict]                   # evals.jsonl, sorted by step
     summary: dict | None = None         # summary.json as the trainer wrote it
     notes: list[str] = field(default_factory=list)  # things the reader should know
+    kind: str = "lorasync"              # or "trainer": a transformers Trainer's output dir
+    trainer: dict | None = None         # kind "trainer": what _load_trainer read
 
 
 # ---------------------------------------------------------------- reading
@@ -119,9 +129,13 @@ def load_run(path: str) -> Run:
         streams = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
                          if f.startswith("rank") and f.endswith(".jsonl"))
         if not streams:
-            raise LorasyncError(f"{metrics}: not found (nor per-rank streams in {folder}); "
-                                f"{path} is not a lorasync run directory: pass the "
-                                "--output-dir of `lorasync train`")
+            trainer = _load_trainer(path)
+            if trainer is not None:
+                return trainer
+            raise LorasyncError(f"{metrics}: not found (nor per-rank streams in {folder}, nor "
+                                f"a Trainer's trainer_state.json); {path} is not a lorasync "
+                                "run directory: pass the --output-dir of `lorasync train` or "
+                                "the output_dir of a transformers Trainer")
         per_rank = []
         for f in streams:
             recs, n = _read_jsonl(os.path.join(folder, f), ())
@@ -169,6 +183,206 @@ def load_run(path: str) -> Run:
                      f"{faults.get('time_lost_s') or 0:.0f} s lost (docs/faults.md)")
     name = os.path.basename(os.path.normpath(os.path.abspath(path))) or path
     return Run(path=path, name=name, records=records, evals=evals, summary=summary, notes=notes)
+
+
+# ---------------------------------------------------------------- Trainer output dirs
+
+#: what a log entry of the Trainer's training logs holds (evaluations hold eval_*)
+_TRAIN_LOG = "loss"
+_SWITCH = re.compile(r"step (\d+): (\S+) -> (\S+): (.*?)(?=; step \d+: |$)")
+
+
+def _trainer_state_path(path: str) -> tuple[str, int | None] | None:
+    """(trainer_state.json, checkpoint step or None): the top one, which
+    ``trainer.save_state()`` writes after training (with the final log), else
+    the newest checkpoint's."""
+    top = os.path.join(path, "trainer_state.json")
+    if os.path.isfile(top):
+        return top, None
+    ckpts = []
+    for f in os.listdir(path):
+        m = re.fullmatch(r"checkpoint-(\d+)", f)
+        if m and os.path.isfile(os.path.join(path, f, "trainer_state.json")):
+            ckpts.append((int(m.group(1)), f))
+    if not ckpts:
+        return None
+    step, f = max(ckpts)
+    return os.path.join(path, f, "trainer_state.json"), step
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise LorasyncError(f"{path}: cannot read ({exc.strerror}); check the path and its "
+                            "permissions") from None
+    except (ValueError, UnicodeDecodeError):
+        raise LorasyncError(f"{path}: not valid JSON; {what}") from None
+    if not isinstance(data, dict):
+        raise LorasyncError(f"{path}: expected a JSON object, got {type(data).__name__}; {what}")
+    return data
+
+
+def _load_trainer(path: str) -> Run | None:
+    """A transformers Trainer's output directory as a Run (None: not one)."""
+    found = _trainer_state_path(path)
+    if found is None:
+        return None
+    state_path, ckpt = found
+    fix = "pass the output_dir of a transformers Trainer (trainer_state.json as it wrote it)"
+    state = _read_json(state_path, fix)
+    history = state.get("log_history")
+    if not isinstance(history, list) or not all(isinstance(e, dict) for e in history):
+        raise LorasyncError(f"{state_path}: no log_history list; {fix}")
+    logs = sorted((e for e in history if _TRAIN_LOG in e and isinstance(e.get("step"), int)
+                   and not any(k.startswith("eval_") for k in e)), key=lambda e: e["step"])
+    if not logs:
+        raise LorasyncError(f"{state_path}: no training logs in log_history (the Trainer logs "
+                            "every logging_steps steps); train with logging_steps smaller than "
+                            "max_steps, or pass another run")
+    final = next((e for e in reversed(history) if "train_runtime" in e), {})
+    results = {}
+    if "train_samples_per_second" not in final:
+        # transformers' example scripts write the final metrics with save_metrics()
+        for f in ("train_results.json", "all_results.json"):
+            if os.path.isfile(os.path.join(path, f)):
+                results = _read_json(os.path.join(path, f), fix)
+                break
+    evals = sorted(({"step": e["step"], "eval_loss": e["eval_loss"]} for e in history
+                    if isinstance(e.get("eval_loss"), (int, float))
+                    and isinstance(e.get("step"), int)), key=lambda e: e["step"])
+    rel = os.path.relpath(state_path, path)
+    notes = [f"a transformers Trainer's output directory: read {rel} (log_history every "
+             f"{state.get('logging_steps', '?')} steps)"]
+    if ckpt is not None:
+        notes.append(f"no trainer_state.json at the top (the script did not call "
+                     f"trainer.save_state()): read the newest checkpoint's, which ends at step "
+                     f"{ckpt}, before the Trainer's final log")
+    if not any("lorasync/step_s" in e for e in logs):
+        notes.append("no lorasync/* timings in the logs (a Trainer without "
+                     "lorasync.hf.attach): sync time and bytes are '-', samples/s is the "
+                     "Trainer's own figure for the whole run")
+    name = os.path.basename(os.path.normpath(os.path.abspath(path))) or path
+    return Run(path=path, name=name, records=[], evals=evals, notes=notes, kind="trainer",
+               trainer={"state": state, "logs": logs, "final": final, "results": results,
+                        "source": rel, "checkpoint": ckpt})
+
+
+def _windows(logs: list[dict]) -> list[tuple[dict, int]]:
+    """(log, optimizer steps since the previous log) for each training log."""
+    out, prev = [], 0
+    for e in logs:
+        out.append((e, max(1, e["step"] - prev)))
+        prev = e["step"]
+    return out
+
+
+def _num(e: dict, key: str) -> float | None:
+    v = e.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def trainer_series(run: Run) -> list[dict]:
+    """One row per logging window of a Trainer run, with step_series' keys;
+    nan where the logs have nothing (a plain Trainer: no timings, no bytes)."""
+    nan = float("nan")
+    rows = []
+    for e, _ in _windows(run.trainer["logs"]):
+        step_s, comm = _num(e, "lorasync/step_s"), _num(e, "lorasync/comm_s")
+        wire, ratio = _num(e, "lorasync/wire_bytes"), _num(e, "lorasync/compression")
+        sps = _num(e, "lorasync/samples_per_s")
+        rows.append({
+            "step": e["step"], "ranks": e.get("lorasync/world_size"), "samples": None,
+            "wall_s": step_s if step_s is not None else nan,
+            "samples_per_s": sps if sps is not None else nan,
+            # the Trainer's step time holds data loading too: all of it is "compute"
+            "compute_s": step_s - comm if step_s is not None and comm is not None else nan,
+            "comm_s": comm if comm is not None else nan,
+            "other_s": 0.0,
+            "wire_bytes": wire if wire is not None else nan,
+            "fp32_bytes": wire * ratio if wire is not None and ratio is not None else None,
+            "loss": float(e["loss"]), "strategy": e.get("lorasync/strategy"), "time": None,
+        })
+    return rows
+
+
+def _trainer_switches(logs: list[dict]) -> list[dict]:
+    out = []
+    for e in logs:
+        for m in _SWITCH.finditer(str(e.get("lorasync/switch") or "")):
+            out.append({"step": int(m.group(1)), "from": m.group(2), "to": m.group(3),
+                        "reason": m.group(4)})
+    return out
+
+
+def summarize_trainer(run: Run) -> dict:
+    """summarize_run's keys for a Trainer run, from its logging windows: steady
+    state leaves out the first window (it holds step 1), means are weighted by
+    the steps of each window; None where the logs do not say."""
+    t = run.trainer
+    logs, final, results = t["logs"], t["final"], t["results"]
+    timed = [(e, w) for e, w in _windows(logs) if _num(e, "lorasync/step_s") is not None
+             and _num(e, "lorasync/comm_s") is not None]
+    steady = timed[1:] if len(timed) > 1 else timed
+
+    def wmean(key_fn, rows):
+        pts = [(key_fn(e), w) for e, w in rows]
+        pts = [(v, w) for v, w in pts if v is not None]
+        return sum(v * w for v, w in pts) / sum(w for _, w in pts) if pts else None
+
+    step_time = sum(_num(e, "lorasync/step_s") * w for e, w in steady)
+    sps_rows = [(e, w) for e, w in steady if _num(e, "lorasync/samples_per_s") is not None]
+    # all ranks' samples / time, over the steady windows
+    samples = sum(_num(e, "lorasync/samples_per_s") * _num(e, "lorasync/step_s") * w
+                  for e, w in sps_rows)
+    sps_time = sum(_num(e, "lorasync/step_s") * w for e, w in sps_rows)
+    whole = _num(final, "train_samples_per_second")
+    if whole is None:
+        whole = _num(results, "train_samples_per_second")
+    used = []
+    for e in logs:
+        s = e.get("lorasync/strategy")
+        if s is not None and s not in used:
+            used.append(s)
+    world = next((e["lorasync/world_size"] for e in reversed(logs)
+                  if isinstance(e.get("lorasync/world_size"), int)), None)
+    runtime = _num(final, "train_runtime")
+    if runtime is None:
+        runtime = _num(results, "train_runtime")
+    before = next((e for e in run.evals if e["step"] == 0), None)
+    later = [e for e in run.evals if e["step"] > 0]
+    out = {
+        "world_size": world,
+        "strategy": used[0] if used else None,
+        "strategies_used": used,
+        "steps": t["state"].get("global_step", logs[-1]["step"]),
+        "last_step": t["state"].get("global_step", logs[-1]["step"]),
+        "samples_per_s": samples / sps_time if sps_time else None,
+        "trainer_samples_per_s": whole,
+        "step_s_median": None,
+        "step_s_mean": wmean(lambda e: _num(e, "lorasync/step_s"), steady),
+        "comm_s_mean": wmean(lambda e: _num(e, "lorasync/comm_s"), steady),
+        "sync_share": (sum(_num(e, "lorasync/comm_s") * w for e, w in steady) / step_time
+                       if step_time else None),
+        "wire_bytes_per_step": wmean(lambda e: _num(e, "lorasync/wire_bytes"), steady),
+        "fp32_bytes_per_step": wmean(
+            lambda e: (_num(e, "lorasync/wire_bytes") * _num(e, "lorasync/compression")
+                       if _num(e, "lorasync/wire_bytes") is not None
+                       and _num(e, "lorasync/compression") is not None else None), steady),
+        "final_loss": float(logs[-1]["loss"]),
+        "eval_before": before, "eval_after": later[-1] if later else None,
+        "switches": _trainer_switches(logs),
+        "elapsed_s": runtime,
+        "trainer": True,
+        "source": (f"{t['source']}: log_history, means per logging window weighted by its "
+                   "steps, first window left out; compute/sync/bytes are rank 0's"
+                   if timed else f"{t['source']}: log_history (no lorasync/* timings)"),
+    }
+    out["compute_s_mean"] = (out["step_s_mean"] - out["comm_s_mean"]
+                             if out["step_s_mean"] is not None and out["comm_s_mean"] is not None
+                             else None)
+    return out
 
 
 # ---------------------------------------------------------------- numbers
@@ -240,6 +454,8 @@ def summarize_run(run: Run) -> dict:
     """Run-level numbers: summary.json's where the trainer wrote one, otherwise
     computed from the records with the trainer's definitions; plus what only
     the records tell (strategies used, switches, wall time)."""
+    if run.kind == "trainer":
+        return summarize_trainer(run)
     recs = run.records
     by_step = _by_step(recs)
     rank0 = min(r["rank"] for r in recs)
@@ -331,11 +547,21 @@ def _eval_loss(e: dict | None) -> float | None:
 def _strategy_label(s: dict) -> str:
     """"fp16", "allreduce → fp16", or "auto (allreduce → fp16)" when the
     configured strategy (summary.json) is not one that ran."""
+    if s.get("trainer"):
+        used = s.get("strategies_used") or []
+        return (" → ".join(str(x) for x in used) + " (Trainer)" if used
+                else "Trainer, no lorasync")
     strategies = s.get("strategies_used") or [s.get("strategy")]
     strat = " → ".join(str(x) for x in strategies)
     if s.get("strategy") and s["strategy"] not in strategies:
         strat = f"{s['strategy']} ({strat})"
     return strat
+
+
+def _ranks(s: dict) -> str:
+    """The rank count, '?' for a lorasync run that does not say, '-' for a
+    Trainer run whose logs do not (a Trainer without lorasync)."""
+    return str(s.get("world_size") or ("-" if s.get("trainer") else "?"))
 
 
 def _summary_rows(s: dict) -> list[tuple[str, str]]:
@@ -344,7 +570,7 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
     wire, fp32 = s.get("wire_bytes_per_step"), s.get("fp32_bytes_per_step")
     ratio = f", {fp32 / wire:.1f}x less" if wire and fp32 and wire < fp32 else ""
     rows = [
-        ("ranks × strategy", f"{s.get('world_size', '?')} × {strat}"),
+        ("ranks × strategy", f"{_ranks(s)} × {strat}"),
         ("steps", f"{s.get('steps')} (last step {s.get('last_step')}, "
                   f"{_fmt_duration(s.get('elapsed_s'))})"),
         ("samples/s (all ranks)", _fmt(s.get("samples_per_s"), ".2f")),
@@ -367,6 +593,15 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
         rows.insert(1, ("adapter parameters", f"{s['adapter_params']:,}"))
     if s.get("model"):
         rows.insert(1, ("model", str(s["model"])))
+    if s.get("trainer"):
+        # per-window means: a median of steps cannot be had from them
+        rows[3] = ("step time mean", _fmt(s.get("step_s_mean"), ".3f", " s"))
+        rows.insert(3, ("Trainer's samples/s (whole run)",
+                        _fmt(s.get("trainer_samples_per_s"), ".2f")))
+        rows.append(("numbers from", str(s.get("source"))))
+        # what the Trainer's logs do not have is '-', a row with nothing at all one '-'
+        return [(k, v.replace("n/a", "-") if re.search(r"\d", re.sub(r"n/a|fp32", "", v))
+                 else "-") if "n/a" in v else (k, v) for k, v in rows]
     rows.append(("numbers from", f"{s.get('source')}; steady state (first step left out), "
                                  "compute/sync/bytes are rank 0's"))
     return rows
@@ -461,7 +696,12 @@ def _plot_time_split(runs, series, switches, colors) -> str:
                          labels=("compute", "exposed sync", "data / other"), linewidth=0)
         _mark_switches(ax, sw, "black")
         ax.set_ylabel("seconds per step")
-        ax.set_title(f"{run.name}: compute vs exposed sync per step (mean over ranks)",
+        what = "(mean over ranks)"
+        if run.kind == "trainer":
+            what = ("(rank 0, mean over each logging window)"
+                    if any(math.isfinite(v) for v in comm)
+                    else "no lorasync/* timings in the Trainer's logs")
+        ax.set_title(f"{run.name}: compute vs exposed sync per step {what}",
                      fontsize=10, color=c if len(runs) > 1 else "black")
         ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("step")
@@ -557,22 +797,34 @@ def _figure(b64: str, alt: str, caption: str) -> str:
 
 
 def _comparison(runs: list[Run], sums: list[dict]) -> str:
-    base = sums[0].get("samples_per_s")
+    # the baseline is the first run; a Trainer without lorasync timings cannot be one
+    ref = next((i for i, s in enumerate(sums) if s.get("samples_per_s")), 0)
+    base = sums[ref].get("samples_per_s")
+    trainers = any(s.get("trainer") for s in sums)
+    # the Trainer's own figure compares Trainer runs with each other (plain or not)
+    tbase = next((s["trainer_samples_per_s"] for s in sums if s.get("trainer_samples_per_s")),
+                 None)
     rows = []
     for run, s in zip(runs, sums):
         sps = s.get("samples_per_s")
-        speed = f"{sps / base:.2f}x" if sps and base else "n/a"
+        speed = f"{sps / base:.2f}x" if sps and base else "-"
         strat = _strategy_label(s)
         wire = s.get("wire_bytes_per_step")
         share = s.get("sync_share")
         ea = s.get("eval_after")
-        rows.append([run.name, f"{s.get('world_size', '?')} × {strat}", _fmt(sps, ".2f"), speed,
-                     _fmt(100 * share if share is not None else None, ".1f", "%"),
-                     _fmt(wire / 1e6 if wire is not None else None, ".3f"),
-                     _fmt(_eval_loss(ea), ".4f"), _fmt_em(ea)])
-    header = ["run", "ranks × strategy", "samples/s", f"speedup vs {runs[0].name}",
+        row = [run.name, f"{_ranks(s)} × {strat}", _fmt(sps, ".2f"), speed,
+               _fmt(100 * share if share is not None else None, ".1f", "%"),
+               _fmt(wire / 1e6 if wire is not None else None, ".3f"),
+               _fmt(_eval_loss(ea), ".4f"), _fmt_em(ea)]
+        if trainers:
+            whole = s.get("trainer_samples_per_s")
+            row.insert(4, f"{whole:.2f} ({whole / tbase:.2f}x)" if whole and tbase else "-")
+        rows.append(["-" if c == "n/a" else c for c in row])
+    header = ["run", "ranks × strategy", "samples/s", f"speedup vs {runs[ref].name}",
               "sync share", "wire MB/step/rank", "eval loss", "exact-match ± s.e. (n)"]
-    return _table(header, rows, num_cols={2, 3, 4, 5, 6, 7})
+    if trainers:
+        header.insert(4, "Trainer's samples/s, whole run")
+    return _table(header, rows, num_cols=set(range(2, len(header))))
 
 
 def _unique_names(runs: list[Run]) -> None:
@@ -591,7 +843,7 @@ def build_report(runs: list[Run], title: str | None = None) -> str:
         raise LorasyncError("report: no run directories given; pass one or more")
     _unique_names(runs)
     sums = [summarize_run(r) for r in runs]
-    series = [step_series(r.records) for r in runs]
+    series = [trainer_series(r) if r.kind == "trainer" else step_series(r.records) for r in runs]
     switches = [s["switches"] for s in sums]
     colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
     title = title or ("lorasync report: " + (runs[0].name if len(runs) == 1
@@ -612,7 +864,12 @@ def build_report(runs: list[Run], title: str | None = None) -> str:
         parts.append('<p class="meta">samples/s: steady state (first step left out), all '
                      "ranks; sync share: exposed sync time / step time; eval: the run's last "
                      "evaluation; s.e.: binomial standard error of exact-match. Differences "
-                     "smaller than about two standard errors are noise.</p>")
+                     "smaller than about two standard errors are noise."
+                     + (" Trainer runs: from the lorasync/* entries of the Trainer's logs "
+                        "(means per logging window, the first window left out); the Trainer's "
+                        "own samples/s covers the whole run (start-up and first step included) "
+                        "and is what a Trainer without lorasync has; '-': not in the run's "
+                        "logs." if any(r.kind == "trainer" for r in runs) else "") + "</p>")
     else:
         parts.append("<h2>Summary</h2>")
         parts.append(_table(None, [list(r) for r in _summary_rows(sums[0])]))

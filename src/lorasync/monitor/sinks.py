@@ -1,8 +1,8 @@
-"""Live metric sinks the trainer feeds every step: TensorBoard and Prometheus.
+"""Live metric sinks the trainer feeds every step: TensorBoard, W&B, MLflow and Prometheus.
 
 The trainer calls::
 
-    sinks = open_sinks(run_dir, rank=rank, world_size=world, tensorboard=True,
+    sinks = open_sinks(run_dir, rank=rank, world_size=world, report_to=["tensorboard"],
                        metrics_port=9400, store=dist.distributed_c10d._get_default_store())
     try:
         for step ...:
@@ -10,15 +10,32 @@ The trainer calls::
     finally:
         sinks.close()
 
-TensorBoard (``tensorboard=True``): rank 0 writes event files under
-``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``).
-Its scalars are rank 0's; ``throughput/samples_per_s`` is rank 0's samples
-x world size / rank 0's step time, which is the global rate because every
-rank waits for the others at each sync.  Strategy switches appear as the
-``comm/strategy_switch`` scalar (1 at the step that ran the new strategy) and
-as text under ``strategy``.  On resume, events from steps at or after the
-first step written are hidden (SummaryWriter's ``purge_step``), so re-run
-steps do not show twice.
+Experiment trackers (``report_to``: tensorboard, wandb, mlflow): rank 0 logs
+its step records and the evaluations, each through the library's own client,
+under the names the Hugging Face Trainer gives its logs (``scalars``):
+``train/loss``, ``train/learning_rate``, ``train/grad_norm``, ``eval/loss``;
+lorasync's own measurements under ``lorasync/`` (the keys ``lorasync.hf``
+adds to the Trainer's logs: ``lorasync/comm_s``, ``lorasync/wire_bytes``,
+...).  ``lorasync/samples_per_s`` is rank 0's samples x world size / rank
+0's step time, the global rate because every rank waits for the others at
+each sync.  Strategy switches appear as ``lorasync/strategy_switch`` (1 at
+the step that ran the new strategy) and, in TensorBoard, as text under
+``lorasync/strategy``.
+
+* TensorBoard: event files under ``RUN_DIR/tensorboard``.  On resume, events
+  from steps at or after the first step written are hidden (SummaryWriter's
+  ``purge_step``), so re-run steps do not show twice.
+* W&B: ``wandb.init(dir=RUN_DIR, project=$WANDB_PROJECT or "lorasync")``,
+  the resolved config (``RUN_DIR/config.yaml``) as the run's config; the
+  run's id is kept in ``RUN_DIR/wandb/lorasync-run-id`` so a resumed run
+  continues the same W&B run.  ``WANDB_MODE=offline`` writes it to disk only.
+* MLflow: ``MLFLOW_TRACKING_URI`` when set, else a file store in
+  ``RUN_DIR/mlruns``; experiment ``$MLFLOW_EXPERIMENT_NAME`` or "lorasync";
+  the config as params, one ``log_batch`` per step; the run id is kept in
+  ``RUN_DIR/mlruns/lorasync-run-id`` for a resume.
+
+``check_report_to`` says, before any worker starts, which named package is
+missing (one line with the pip command).
 
 Prometheus (``metrics_port > 0``): rank 0 serves ``/metrics`` on
 ``metrics_host:metrics_port``.  The default host is 127.0.0.1, reachable only
@@ -58,26 +75,62 @@ import math
 import os
 import socket
 import threading
+import uuid
 import warnings
 
 from lorasync.errors import LorasyncError
 
-__all__ = ["open_sinks", "Sinks", "STORE_PREFIX"]
+__all__ = ["open_sinks", "Sinks", "STORE_PREFIX", "scalars", "check_report_to",
+           "TRACKERS"]
 
 STORE_PREFIX = "lorasync/metrics/"
 
 
-def open_sinks(run_dir: str, *, rank: int, world_size: int, tensorboard: bool,
-               metrics_port: int, store=None, metrics_host: str = "127.0.0.1") -> "Sinks":
+#: report_to name -> (module imported, pip package that provides it)
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def check_report_to(report_to) -> None:
+    """A ``ConfigError`` naming the first tracker in ``report_to`` whose package
+    is not installed, with the pip command (checked without importing it)."""
+    import importlib.util
+
+    from lorasync.errors import ConfigError
+
+    for name in report_to:
+        if name not in TRACKERS:
+            continue
+        module, pip = TRACKERS[name]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError("run.report_to", name, f"the {module} package is not installed: "
+                              f"pip install {pip} (or pip install 'lorasync[logging]'), or "
+                              f"drop {name} from --report-to")
+
+
+def open_sinks(run_dir: str, *, rank: int, world_size: int, tensorboard: bool = False,
+               metrics_port: int = 0, store=None, metrics_host: str = "127.0.0.1",
+               report_to=()) -> "Sinks":
     """Open the sinks this rank needs; raises ``LorasyncError`` (missing
-    package, port in use) before training starts."""
+    package, port in use) before training starts.  ``tensorboard=True`` is
+    ``report_to=["tensorboard"]`` (the older flag)."""
     if metrics_port < 0 or metrics_port > 65535:
         raise LorasyncError(f"metrics_port: invalid value {metrics_port!r}: use 1-65535, or 0 "
                             "for no Prometheus endpoint")
+    report_to = [t for t in report_to if t != "none"]
+    if tensorboard and "tensorboard" not in report_to:
+        report_to.append("tensorboard")
     sinks = Sinks(rank, world_size)
     try:
-        if tensorboard and rank == 0:
-            sinks._tb = _TensorBoard(os.path.join(run_dir, "tensorboard"), world_size)
+        if rank == 0:
+            check_report_to(report_to)
+            for name in report_to:
+                cls = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}[name]
+                sinks._trackers.append(cls(run_dir, world_size))
         if metrics_port:
             if rank == 0:
                 sinks._server = _PrometheusServer(sinks, store, world_size, metrics_host,
@@ -95,7 +148,7 @@ class Sinks:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self._tb: _TensorBoard | None = None
+        self._trackers: list = []   # rank 0's experiment trackers (report_to)
         self._server: _PrometheusServer | None = None
         self._publisher: _Publisher | None = None
         self._lock = threading.Lock()
@@ -108,8 +161,8 @@ class Sinks:
     def write(self, record: dict) -> None:
         """Hand this rank's step record to the sinks (never blocks on the network)."""
         if "eval_loss" in record and "rank" not in record:  # an evals.jsonl record
-            if self._tb is not None:
-                self._tb.write_eval(record)
+            for t in self._trackers:
+                t.write_eval(record)
             return
         strategy = record.get("strategy")
         if record.get("switch") or (self._strategy is not None and strategy is not None
@@ -125,8 +178,8 @@ class Sinks:
             self._latest = latest
         if self._publisher is not None:
             self._publisher.offer(json.dumps(latest))
-        if self._tb is not None:
-            self._tb.write(record)
+        for t in self._trackers:
+            t.write(record)
 
     def latest(self) -> dict | None:
         with self._lock:
@@ -137,19 +190,20 @@ class Sinks:
         ok = True
         if self._publisher is not None:
             ok = self._publisher.flush(timeout)
-        if self._tb is not None:
-            self._tb.flush()
+        for t in self._trackers:
+            t.flush()
         return ok
 
     def close(self) -> None:
         """Flush and stop everything; frees the port. Safe to call twice."""
-        pub, tb, server = self._publisher, self._tb, self._server
-        self._publisher = self._tb = self._server = None
+        pub, trackers, server = self._publisher, self._trackers, self._server
+        self._publisher = self._server = None
+        self._trackers = []
         try:
             if pub is not None:
                 pub.close()
-            if tb is not None:
-                tb.close()
+            for t in trackers:
+                t.close()
         finally:
             if server is not None:
                 server.close()
@@ -161,21 +215,125 @@ class Sinks:
         self.close()
 
 
-# ---------------------------------------------------------------- TensorBoard
+# ---------------------------------------------------------------- experiment trackers
 
 
-class _TensorBoard:
-    def __init__(self, log_dir: str, world_size: int):
+def scalars(r: dict, world_size: int) -> dict[str, float]:
+    """The scalars of one step record, under the Hugging Face Trainer's names
+    (``train/...``) and lorasync's own (``lorasync/...``); missing and
+    non-finite values are left out."""
+    step_s = r.get("step_s") or 0.0
+    wire, fp32 = r.get("wire_bytes"), r.get("fp32_bytes")
+    out = {"train/loss": r.get("loss"), "train/learning_rate": r.get("lr"),
+           "train/grad_norm": r.get("grad_norm"),
+           "lorasync/grad_accum": r.get("grad_accum"),
+           "lorasync/compute_s": r.get("compute_s"), "lorasync/comm_s": r.get("comm_s"),
+           "lorasync/step_s": r.get("step_s"), "lorasync/wire_bytes": wire,
+           "lorasync/fp32_bytes": fp32,
+           "lorasync/compression": fp32 / wire if wire and fp32 is not None else None}
+    if step_s > 0:
+        out["lorasync/samples_per_s"] = r.get("samples", 0) * world_size / step_s
+        out["lorasync/sync_share"] = r.get("comm_s", 0.0) / step_s
+    return {k: float(v) for k, v in out.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def eval_scalars(e: dict) -> dict[str, float]:
+    """An evaluation record as ``eval/loss`` and ``eval/exact_match``."""
+    out = {"eval/loss": e.get("eval_loss"), "eval/exact_match": e.get("exact_match")}
+    return {k: float(v) for k, v in out.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+
+class _Tracker:
+    """One experiment tracker of rank 0: ``log(scalars, step)`` is the client's;
+    strategy switches are followed here."""
+
+    def __init__(self, run_dir: str, world_size: int):
+        self.run_dir, self.world_size = run_dir, world_size
+        self._prev = None
+
+    def write(self, r: dict) -> None:
+        step = int(r["step"])
+        values = scalars(r, self.world_size)
+        strategy, sw = r.get("strategy"), r.get("switch")
+        switched = bool(sw) or (self._prev is not None and strategy != self._prev)
+        values["lorasync/strategy_switch"] = 1.0 if switched else 0.0
+        self.log(values, step)
+        if switched:
+            sw = sw or {}
+            text = f"step {step}: {sw.get('from', self._prev)} → {sw.get('to', strategy)}"
+            if sw.get("reason"):
+                text += f" ({sw['reason']})"
+            self.text(text, step)
+        elif self._prev is None and strategy is not None:
+            self.text(f"step {step}: {strategy}", step)
+        self._prev = strategy
+
+    def write_eval(self, e: dict) -> None:
+        self.log(eval_scalars(e), int(e["step"]))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def text(self, text: str, step: int) -> None:
+        """The strategy in use, in words (where the tracker shows text)."""
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _config(self) -> dict:
+        """The run's resolved config (RUN_DIR/config.yaml), flattened to
+        ``section.key``; empty when it is not there (yet)."""
+        import yaml
+
+        try:
+            with open(os.path.join(self.run_dir, "config.yaml"), encoding="utf-8") as fh:
+                data = yaml.safe_load(fh) or {}
+        except (OSError, ValueError, yaml.YAMLError):
+            return {}
+        return {f"{sec}.{k}": v for sec, vals in data.items() if isinstance(vals, dict)
+                for k, v in vals.items()}
+
+    def _run_id(self, folder: str, new) -> str:
+        """The id this run directory's tracker run has, made by ``new()`` the
+        first time and kept in ``folder``, so a resumed run continues it."""
+        path = os.path.join(folder, "lorasync-run-id")
+        try:
+            with open(path) as fh:
+                rid = fh.read().strip()
+            if rid:
+                return rid
+        except OSError:
+            pass
+        rid = new()
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(rid)
+        return rid
+
+
+def _missing(name: str) -> LorasyncError:
+    module, pip = TRACKERS[name]
+    return LorasyncError(f"run.report_to: {name} needs the {module} package, which is not "
+                         f"installed: pip install {pip} (or drop {name} from --report-to)")
+
+
+class _TensorBoard(_Tracker):
+    def __init__(self, run_dir: str, world_size: int):
+        super().__init__(run_dir, world_size)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise LorasyncError("--tensorboard needs the tensorboard package, which is not "
-                                "installed: pip install tensorboard (or run without "
-                                "--tensorboard)") from None
+            raise LorasyncError("--report-to tensorboard needs the tensorboard package, which "
+                                "is not installed: pip install tensorboard (or drop tensorboard "
+                                "from --report-to)") from None
         self._cls = SummaryWriter
-        self.log_dir, self.world_size = log_dir, world_size
+        self.log_dir = os.path.join(run_dir, "tensorboard")
         self._w = None
-        self._prev = None
 
     def _writer(self, step: int):
         if self._w is None:
@@ -183,47 +341,13 @@ class _TensorBoard:
             self._w = self._cls(log_dir=self.log_dir, purge_step=step, flush_secs=10)
         return self._w
 
-    def write(self, r: dict) -> None:
-        step = int(r["step"])
+    def log(self, values: dict[str, float], step: int) -> None:
         w = self._writer(step)
+        for tag, value in values.items():
+            w.add_scalar(tag, value, step)
 
-        def scalar(tag, value):
-            if value is not None and math.isfinite(float(value)):
-                w.add_scalar(tag, float(value), step)
-
-        step_s = r.get("step_s") or 0.0
-        scalar("train/loss", r.get("loss"))
-        scalar("train/lr", r.get("lr"))
-        scalar("train/grad_accum", r.get("grad_accum"))
-        if step_s > 0:
-            scalar("throughput/samples_per_s", r.get("samples", 0) * self.world_size / step_s)
-            scalar("time/sync_share", r.get("comm_s", 0.0) / step_s)
-        scalar("time/compute_s", r.get("compute_s"))
-        scalar("time/comm_s", r.get("comm_s"))
-        scalar("time/step_s", r.get("step_s"))
-        scalar("comm/wire_bytes", r.get("wire_bytes"))
-        scalar("comm/fp32_bytes", r.get("fp32_bytes"))
-        strategy = r.get("strategy")
-        sw = r.get("switch")
-        switched = bool(sw) or (self._prev is not None and strategy != self._prev)
-        scalar("comm/strategy_switch", 1.0 if switched else 0.0)
-        if switched:
-            sw = sw or {}
-            text = f"step {step}: {sw.get('from', self._prev)} → {sw.get('to', strategy)}"
-            if sw.get("reason"):
-                text += f" ({sw['reason']})"
-            w.add_text("strategy", text, step)
-        elif self._prev is None and strategy is not None:
-            w.add_text("strategy", f"step {step}: {strategy}", step)
-        self._prev = strategy
-
-    def write_eval(self, e: dict) -> None:
-        step = int(e["step"])
-        w = self._writer(step)
-        if e.get("eval_loss") is not None:
-            w.add_scalar("eval/loss", float(e["eval_loss"]), step)
-        if e.get("exact_match") is not None:
-            w.add_scalar("eval/exact_match", float(e["exact_match"]), step)
+    def text(self, text: str, step: int) -> None:
+        self._writer(step).add_text("lorasync/strategy", text, step)
 
     def flush(self) -> None:
         if self._w is not None:
@@ -233,6 +357,79 @@ class _TensorBoard:
         if self._w is not None:
             self._w.close()
             self._w = None
+
+
+class _WandB(_Tracker):
+    def __init__(self, run_dir: str, world_size: int):
+        super().__init__(run_dir, world_size)
+        try:
+            import wandb
+        except ImportError:
+            raise _missing("wandb") from None
+        folder = os.path.join(run_dir, "wandb")
+        rid = self._run_id(folder, lambda: uuid.uuid4().hex[:16])
+        try:
+            self._run = wandb.init(dir=run_dir, project=os.environ.get("WANDB_PROJECT") or
+                                   "lorasync", name=os.path.basename(os.path.abspath(run_dir)),
+                                   id=rid, resume="allow", config=self._config(),
+                                   reinit="create_new")
+        except Exception as exc:   # not logged in, no network without WANDB_MODE=offline
+            raise LorasyncError(f"run.report_to: wandb could not start a run "
+                                f"({str(exc).splitlines()[0][:200]}); run `wandb login`, or set "
+                                "WANDB_MODE=offline to log to RUN/wandb only") from None
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        if values:
+            self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow(_Tracker):
+    def __init__(self, run_dir: str, world_size: int):
+        super().__init__(run_dir, world_size)
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise _missing("mlflow") from None
+        folder = os.path.join(os.path.abspath(run_dir), "mlruns")
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # MLflow 3 keeps its file store in maintenance mode behind this switch; it is
+            # what works with no server and no database (mlflow-skinny has no SQLite store)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = "file://" + folder
+        self._client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "lorasync"
+
+        def new() -> str:
+            exp = self._client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp else self._client.create_experiment(name)
+            run = self._client.create_run(exp_id, run_name=os.path.basename(
+                os.path.abspath(run_dir)))
+            params = self._config()
+            if params:
+                from mlflow.entities import Param
+                self._client.log_batch(run.info.run_id, params=[
+                    Param(k, str(v)[:6000]) for k, v in params.items()])
+            return run.info.run_id
+
+        self._id = self._run_id(folder, new)
+        self._client.update_run(self._id, status="RUNNING")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        import time as _time
+
+        from mlflow.entities import Metric
+
+        ms = int(_time.time() * 1000)
+        if values:
+            self._client.log_batch(self._id, metrics=[Metric(k, v, ms, step)
+                                                      for k, v in values.items()])
+
+    def close(self) -> None:
+        self._client.set_terminated(self._id)
 
 
 # ---------------------------------------------------------------- store publishing

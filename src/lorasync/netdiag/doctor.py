@@ -211,6 +211,53 @@ def _check_mtu(host: HostInfo) -> list[Finding]:
     return out
 
 
+# -- path MTU ----------------------------------------------------------------------------
+def path_mtu_findings(result) -> list[Finding]:
+    """Findings from one :class:`~lorasync.netdiag.pmtu.PathMTU` probe."""
+    from lorasync.overlay.wireguard import overlay_mtu
+
+    peer = result.peer
+    if result.error:
+        return [Finding("path-mtu", "info", f"path MTU towards {peer} not checked: {result.error}")]
+    if not result.reachable:
+        return [Finding("path-mtu", "info", f"{peer} answers no ICMP echo: path MTU not checked",
+                        "a firewall that drops echo requests hides the path MTU from this check",
+                        f"check by hand from a node: ping -M do -s 1472 {peer}")]
+    from lorasync.overlay.wireguard import MIN_MTU, OVERHEAD_V4
+
+    mtu, wg = result.path_mtu, overlay_mtu([(result.path_mtu, False)])
+    tunnel = f"lorasync tunnel init --mtu {wg} (auto probes the path and finds it too)"
+    if mtu - OVERHEAD_V4 < MIN_MTU:
+        tunnel = (f"no WireGuard overlay fits ({mtu} - {OVERHEAD_V4} bytes of overhead is below the "
+                  f"{MIN_MTU} its interface needs): fix the path's MTU first")
+    if result.blackhole:
+        return [Finding(
+            "path-mtu", "warn",
+            f"path MTU black hole towards {peer}: {mtu}-byte packets pass, {result.smallest_lost}-byte "
+            f"ones vanish and no 'fragmentation needed' comes back (this host sends up to "
+            f"{result.local_mtu})",
+            "TCP connects (the handshake is small), then every full-size segment is lost and the "
+            "connection stalls on retransmission timeouts; a tunnel whose MTU is above the path's "
+            "loses every full-size packet the same way",
+            f"sysctl -w net.ipv4.tcp_mtu_probing=1   # TCP then finds the limit itself; on an overlay: "
+            f"{tunnel}; or give the interface towards {peer} mtu {mtu} on both ends")]
+    if result.local_mtu and mtu < result.local_mtu:
+        return [Finding("path-mtu", "info",
+                        f"path MTU towards {peer} is {mtu}, below this host's {result.local_mtu}; the "
+                        "network reports it ('fragmentation needed' arrives), so TCP adapts",
+                        "a WireGuard overlay over this path fits in " + str(wg) + " bytes",
+                        tunnel)]
+    return [Finding("path-mtu", "ok", f"path MTU towards {peer}: {mtu} (full-size packets pass)")]
+
+
+def _check_path_mtu(host: HostInfo, peers) -> list[Finding]:
+    if host.fake or not peers:
+        return []
+    from lorasync.netdiag.pmtu import find_path_mtu
+
+    return [f for p in dict.fromkeys(peers) for f in path_mtu_findings(find_path_mtu(p))]
+
+
 # -- TCP ------------------------------------------------------------------------------
 def _check_tcp(host: HostInfo, link: Link) -> list[Finding]:
     recs = recommend(host, link)
@@ -329,6 +376,13 @@ def _check_rdma(host: HostInfo) -> list[Finding]:
     return out
 
 
+def _check_memory(host: HostInfo) -> list[Finding]:
+    """Huge pages and locked memory: what they do (RDMA) and do not do (TCP)."""
+    from lorasync.netdiag.tune import memory_advice
+
+    return [Finding(a.check, a.severity, a.found, a.why, a.fix) for a in memory_advice(host)]
+
+
 # -- rendezvous ----------------------------------------------------------------------------
 def _split_endpoint(ep: str) -> tuple[str, str]:
     if ep.startswith("["):
@@ -411,11 +465,10 @@ _OVERLAY_FIX = ("put the nodes on an overlay: lorasync tunnel init (plan), join 
 
 
 def overlay_interfaces(host: HostInfo) -> list:
-    """WireGuard interfaces here: kernel ``wireguard`` links, or wireguard-go's
-    TUN devices (their control socket is /var/run/wireguard/NAME.sock)."""
-    return [i for i in host.interfaces() if i.kind == "wireguard"
-            or os.path.exists(host.path("var/run/wireguard", f"{i.name}.sock"))
-            or os.path.exists(host.path("run/wireguard", f"{i.name}.sock"))]
+    """Overlay interfaces here: WireGuard (kernel ``wireguard`` links, wireguard-go's
+    TUN devices with their control socket in /var/run/wireguard, wg*), Tailscale
+    (tailscale0) and ZeroTier (zt*); see :meth:`HostInfo.overlay_kind`."""
+    return [i for i in host.interfaces() if host.overlay_kind(i)]
 
 
 def _is_wildcard(addr: str) -> bool:
@@ -460,9 +513,22 @@ def _check_overlay(host: HostInfo, endpoint: str | None, nnodes: int | None) -> 
     overlay_nets = [n for i in overlays for n in i.networks]
     local_nets = [n for i in host.candidate_interfaces() if i.name not in names for n in i.networks]
     a = addrs[0]
-    if _in_networks(a, overlay_nets):
+    o = host.overlay_to(a)
+    if o is None and _in_networks(a, overlay_nets):
         o = next(i for i in overlays if _in_networks(a, i.networks))
-        out.append(Finding("overlay", "ok", f"rendezvous {endpoint} is on overlay {o.name} ({', '.join(o.networks)})"))
+    if o is not None:
+        kind, addr = host.overlay_kind(o), (o.ipv4 or o.addresses or ["no address"])[0]
+        found = (f"rendezvous {endpoint} is reached over {kind} overlay {o.name} "
+                 f"({', '.join(o.networks) or addr})")
+        if set(gloo) == {o.name}:
+            out.append(Finding("overlay", "ok", f"{found}; GLOO_SOCKET_IFNAME={o.name}"))
+        elif not gloo:
+            out.append(Finding(
+                "overlay", "info", f"{found}: lorasync train uses it (GLOO_SOCKET_IFNAME={o.name}, "
+                f"stores on {addr})",
+                "gloo and NCCL otherwise take the hostname's address or their own first interface, "
+                "which may not reach the other nodes", f"with plain torchrun: export "
+                f"GLOO_SOCKET_IFNAME={o.name} NCCL_SOCKET_IFNAME={o.name}"))
         return out
     spans = not _in_networks(a, local_nets)  # reached through a router: another network
     if overlays:
@@ -598,16 +664,18 @@ def _tunnel_key_files(host: HostInfo) -> list[str]:
 
 
 def static_checks(host: HostInfo, *, nnodes: int | None = None, link: Link | None = None,
-                  rdzv_endpoint: str | None = None, exposure: bool = True) -> list[Finding]:
+                  rdzv_endpoint: str | None = None, exposure: bool = True,
+                  peers: tuple | list = ()) -> list[Finding]:
     """Every check that needs only this host. ``nnodes``: how many nodes the
     job spans (None: unknown), which decides how bad a loopback address is.
     ``exposure``: also look at the jobs running here (off inside a live
-    check, which looks at its own job's stores)."""
+    check, which looks at its own job's stores).  ``peers``: addresses whose
+    path MTU is probed (ICMP, a few seconds each when large packets are lost)."""
     link = link or default_link(host)
     return (_check_hostname(host, nnodes) + _check_ifname_env(host, nnodes) + _check_candidates(host, nnodes)
-            + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host)
+            + _check_mtu(host) + _check_tcp(host, link) + _check_rdma(host) + _check_memory(host)
             + _check_rendezvous(host, rdzv_endpoint, nnodes) + _check_overlay(host, rdzv_endpoint, nnodes)
-            + (_check_exposure(host) if exposure else []))
+            + (_check_exposure(host) if exposure else []) + _check_path_mtu(host, peers))
 
 
 # -- live ------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="training config; live checks compare its hash across ranks")
     p.add_argument("--no-probe", action="store_true", help="live: skip the short pair probe")
+    p.add_argument("--peer", action="append", default=[], metavar="ADDR",
+                   help="probe the path MTU to ADDR (a black hole: large packets lost, small ones "
+                        "pass); repeatable; live checks probe the other nodes' addresses unless --no-probe")
     p.add_argument("--nccl", action="store_true",
                    help="the job uses NCCL: advise NCCL_ALGO where the cost model predicts a "
                         "gain (needs --nnodes and --rate/--rtt or --from-probe)")
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     host = HostInfo(root=args.root)
     link = _link(args, host)
     if not live:
-        findings = static_checks(host, nnodes=args.nnodes, link=link, rdzv_endpoint=args.rdzv_endpoint)
+        findings = static_checks(host, nnodes=args.nnodes, link=link, rdzv_endpoint=args.rdzv_endpoint,
+                                 peers=args.peer)
         if args.nccl:
             findings += _nccl(args, link)
         _print(findings, args, extra={"host": host.summary()})
@@ -142,7 +146,9 @@ def _worker(args, host, link) -> int:
                               time_budget_s=8.0)
         if link is None and probe and probe.get("model") and probe["model"].get("bandwidth_Bps"):
             link = link_from_probe_data(probe, "measured by a quick probe")
-        mine = static_checks(host, nnodes=nnodes, link=link, exposure=False)
+        others = [f["addr"] for f in all_facts if f["node"] != facts["node"] and f.get("addr")]
+        mine = static_checks(host, nnodes=nnodes, link=link, exposure=False,
+                             peers=[*args.peer, *([] if args.no_probe else others)])
         per_rank: list = [None] * world
         dist.all_gather_object(per_rank, mine)
         findings = merge_findings(per_rank) + live_checks(all_facts, probe)

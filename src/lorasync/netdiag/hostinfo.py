@@ -44,6 +44,8 @@ __all__ = [
 # (PROC_NET_INIT_INO = 0xEFFFFFF9), like the other initial namespaces. Used
 # only when /proc/1/ns/net cannot be read (sandboxes deny it even to root).
 INIT_NET_NS_INODE = 0xEFFFFFF9
+#: overlays recognized by their interface names (WireGuard also by its kind or control socket)
+OVERLAY_NAMES = (("tailscale", r"tailscale\d+"), ("zerotier", r"zt[0-9a-z]+"), ("wireguard", r"wg[\w.-]*"))
 
 _IFF_UP = 0x1
 _IFF_LOOPBACK = 0x8
@@ -345,6 +347,52 @@ class HostInfo:
     def interface_for_address(self, addr: str) -> Interface | None:
         return next((i for i in self.interfaces() if addr in i.ipv4 or addr in i.ipv6), None)
 
+    def overlay_kind(self, iface: Interface) -> str | None:
+        """``"tailscale"``, ``"zerotier"`` or ``"wireguard"`` when ``iface`` is an
+        overlay's interface (by its kind, wireguard-go's control socket, or the
+        names those tools give: tailscale0, zt*, wg*), else None."""
+        if iface.kind == "wireguard" or any(
+                os.path.exists(self.path(d, f"{iface.name}.sock")) for d in ("var/run/wireguard", "run/wireguard")):
+            return "wireguard"
+        return next((k for k, pat in OVERLAY_NAMES if re.fullmatch(pat, iface.name)), None)
+
+    def overlay_interfaces(self) -> list[Interface]:
+        """The overlay interfaces here that are up with an address."""
+        return [i for i in self.interfaces() if i.running and i.addresses and self.overlay_kind(i)]
+
+    def route_source(self, peer: str) -> str | None:
+        """The local address the kernel sends from towards ``peer`` (None: no
+        route, or a fake tree).  A UDP connect picks the route and sends nothing."""
+        if self.fake:
+            return None
+        try:
+            infos = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)
+        except OSError:
+            return None
+        for family, _, _, _, addr in infos:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                try:
+                    s.connect(addr)
+                    return s.getsockname()[0]
+                except OSError:
+                    continue
+        return None
+
+    def overlay_to(self, peer: str) -> Interface | None:
+        """The overlay interface that reaches ``peer``: the route to it leaves
+        through one, or (on a fake tree) the peer's address is in its network."""
+        overlays = self.overlay_interfaces()
+        if not overlays:
+            return None
+        src = self.route_source(peer)
+        if src is not None:
+            return next((i for i in overlays if src in i.addresses), None)
+        try:
+            a = ipaddress.ip_address(peer)
+        except ValueError:
+            return None
+        return next((i for i in overlays if any(a in ipaddress.ip_network(n) for n in i.networks)), None)
+
     def candidate_interfaces(self) -> list[Interface]:
         """Interfaces other ranks could reach us on: up, not loopback, with an address."""
         return [i for i in self.interfaces() if i.running and not i.loopback and i.addresses]
@@ -464,6 +512,29 @@ class HostInfo:
             import ctypes.util
             return ctypes.util.find_library("ibverbs") is not None
         return False
+
+    # -- memory for RDMA -------------------------------------------------------
+    def hugepages(self) -> dict:
+        """Huge pages as /proc/meminfo and sysfs tell: ``total``/``free``
+        reserved pages, ``size_kib`` each, ``thp`` (transparent huge pages:
+        always, madvise or never; None when unknown)."""
+        info = {}
+        for line in (_read(self.path("proc/meminfo")) or "").splitlines():
+            key, _, rest = line.partition(":")
+            info[key.strip()] = rest.split()[0] if rest.split() else ""
+        thp = _read(self.path("sys/kernel/mm/transparent_hugepage/enabled")) or ""
+        m = re.search(r"\[(\w+)\]", thp)
+        return {"total": _int(info.get("HugePages_Total")), "free": _int(info.get("HugePages_Free")),
+                "size_kib": _int(info.get("Hugepagesize")), "thp": m.group(1) if m else None}
+
+    def memlock_limit(self) -> int | None:
+        """This process's RLIMIT_MEMLOCK soft limit in bytes (-1: unlimited),
+        from /proc/self/limits; None when unknown."""
+        for line in (_read(self.path("proc/self/limits")) or "").splitlines():
+            if line.startswith("Max locked memory"):
+                soft = line[len("Max locked memory"):].split()[0]
+                return -1 if soft == "unlimited" else _int(soft)
+        return None
 
     # -- summary ---------------------------------------------------------------
     def summary(self) -> dict:

@@ -43,6 +43,8 @@ __all__ = [
     "apply",
     "revert",
     "default_backup_path",
+    "MemoryAdvice",
+    "memory_advice",
 ]
 
 # key -> (scope, what we saw / why). "netns": each network namespace has its
@@ -242,6 +244,90 @@ def recommend(host: HostInfo, link: Link) -> list[SysctlAdvice]:
         add("net.core.netdev_max_backlog", str(max(cur or 0, 30000)),
             "at 10 Gbit/s and above bursts overflow the default 1000-packet input backlog", "info")
     return recs
+
+
+@dataclass
+class MemoryAdvice:
+    """What huge pages and locked memory do for this host's training traffic.
+
+    Advice only: ``tune --apply`` never changes them (reserving huge pages
+    takes memory from everything else, and only software that asks for them
+    uses them)."""
+
+    check: str  # "hugepages" | "memlock"
+    severity: str  # ok | info | warn
+    found: str
+    why: str = ""
+    fix: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_GIB = 1 << 30
+
+
+def memory_advice(host: HostInfo) -> list[MemoryAdvice]:
+    """Huge pages and RLIMIT_MEMLOCK, judged by whether RDMA is present.
+
+    Over TCP (gloo, NCCL's socket transport) data goes through kernel socket
+    buffers, ordinary pages the application never maps: huge pages change
+    nothing.  RDMA registers (pins) the buffers it sends from and the HCA keeps
+    one address translation per page, so large pinned buffers on 4 KiB pages
+    need 512x the entries of 2 MiB ones; registration also counts against
+    RLIMIT_MEMLOCK, which breaks it outright when small.
+    """
+    hp = host.hugepages()
+    ports = host.ib_ports()
+    size_kib = hp["size_kib"] or 2048
+    reserved = (hp["total"] or 0) * size_kib * 1024
+    pool = (f"{hp['total']} x {fmt_bytes(size_kib * 1024, binary=True)} reserved "
+            f"({fmt_bytes(reserved, binary=True)}, {hp['free']} free)" if reserved else "none reserved")
+    if not ports:
+        return [MemoryAdvice(
+            "hugepages", "ok" if not reserved else "info",
+            f"no RDMA devices: huge pages do nothing for this job's network traffic (huge pages: {pool})",
+            "gloo and NCCL's socket transport send through kernel socket buffers, ordinary pages the "
+            "program never maps, so huge pages speed up neither the copies nor the link; they matter for "
+            "RDMA memory registration and large pinned buffers",
+            "" if not reserved else "nothing to do for training; reserved pages that stay free are memory "
+            "nothing else can use: release them (sysctl -w vm.nr_hugepages=0) only if no other program "
+            "on this host maps them")]
+    devs = ", ".join(sorted({p.device for p in ports}))
+    out = []
+    limit = host.memlock_limit()
+    if limit is not None and limit != -1 and limit < 64 * _GIB:
+        out.append(MemoryAdvice(
+            "memlock", "warn", f"RDMA devices ({devs}) and locked memory limited to "
+            f"{fmt_bytes(limit, binary=True)} (ulimit -l)",
+            "registering a buffer for RDMA pins it and counts against RLIMIT_MEMLOCK: NCCL's IB "
+            "transport and large pinned buffers fail to register ('ibv_reg_mr failed', 'Cannot "
+            "allocate memory') or NCCL falls back to sockets",
+            "ulimit -l unlimited   # in the job's shell; for good: '* - memlock unlimited' in "
+            "/etc/security/limits.conf, or --ulimit memlock=-1 for a container"))
+    elif limit is not None:
+        out.append(MemoryAdvice("memlock", "ok", "locked memory (ulimit -l) is "
+                                + ("unlimited" if limit == -1 else fmt_bytes(limit, binary=True))
+                                + ": RDMA registration is not limited by it"))
+    thp = hp["thp"]
+    why = ("RDMA registration pins buffers and the HCA keeps one translation per page: large pinned "
+           "buffers (NCCL's, a CPU offload's pinned host memory) on 4 KiB pages need 512x the entries "
+           "of 2 MiB pages, which can overflow the HCA's translation cache and slow registration; "
+           "TCP traffic gains nothing from huge pages")
+    if thp == "never":
+        out.append(MemoryAdvice(
+            "hugepages", "info", f"RDMA devices ({devs}) and transparent huge pages off (never); "
+            f"huge pages: {pool}", why,
+            "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled   # programs that ask get huge "
+            "pages, nothing else changes; reserve vm.nr_hugepages only where the RDMA stack is "
+            "configured to use them"))
+    else:
+        out.append(MemoryAdvice(
+            "hugepages", "ok", f"RDMA devices ({devs}); transparent huge pages "
+            f"{thp or 'unknown'}: large pinned buffers can be backed by huge pages (huge pages: {pool})",
+            why, "nothing to set: reserve vm.nr_hugepages only where the RDMA stack is configured "
+            "to use them"))
+    return out
 
 
 def _int(text: str | None) -> int | None:

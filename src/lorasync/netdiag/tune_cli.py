@@ -96,13 +96,17 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"link": {"rate_bps": link.rate_bps, "rtt_s": link.rtt_s, "bdp_bytes": link.bdp_bytes,
                                 "source": link.source},
                        "netns": {"inode": ns.inode, "initial": ns.initial, "how": ns.how},
-                       "settings": [r.to_dict() for r in recs]}, sys.stdout, indent=1)
+                       "settings": [r.to_dict() for r in recs],
+                       "memory": [a.to_dict() for a in tune.memory_advice(host)]}, sys.stdout, indent=1)
             sys.stdout.write("\n")
         else:
             where = {True: "initial network namespace", False: "a non-initial network namespace",
                      None: "an unknown network namespace"}[ns.initial]
             print(f"sized for {link.describe()}; in {where}")
             print(_table(recs))
+            for a in tune.memory_advice(host):   # advice only: --apply never sets these
+                print(f"{a.check}: {a.found}" + (f"\n  why: {a.why}" if a.severity != "ok" else "")
+                      + (f"\n  fix: {a.fix}" if a.fix and a.severity != "ok" else ""))
         return 0
     res = tune.apply(host, recs, args.backup)
     if args.json:

@@ -461,7 +461,9 @@ def check_port_free(port: int) -> None:
 
 def choose_mtu(cfg: TunnelConfig) -> int:
     """The configured MTU, else the smallest path MTU to any peer's endpoint
-    (the interface MTU where no peer has one) less WireGuard's overhead."""
+    (the interface MTU where no peer has one) less WireGuard's overhead.  The
+    path MTU is probed (:mod:`lorasync.netdiag.pmtu`: DF pings, one round trip
+    when full-size packets pass), so a black hole on the way lowers it too."""
     if cfg.mtu:
         return int(cfg.mtu)
     seen = []
@@ -470,6 +472,13 @@ def choose_mtu(cfg: TunnelConfig) -> int:
             continue
         host, port = split_endpoint(p["endpoint"])
         m = wg.path_mtu(host, port)
+        if m and not wg.is_ipv6(host):
+            # the kernel's figure misses a black hole (nothing reported it): probe it
+            from lorasync.netdiag.pmtu import find_path_mtu
+
+            found = find_path_mtu(host, high=m, tries=2)
+            if found.reachable and found.path_mtu < m:
+                m = found.path_mtu
         if m:
             seen.append((m, wg.is_ipv6(host)))
     if not seen:  # the hub, when no peer has an endpoint: what carries its own endpoint

@@ -1,13 +1,29 @@
 """Atomic, verified checkpoints of a run, and which one a restarted group resumes from.
 
-Layout: ``RUN/checkpoints/step-000040/{meta.json, rank0.pt, rank0.json, rank1.pt, ...}``.
+Layout (the Hugging Face Trainer's ``checkpoint-N``, so that other tools find
+and load it)::
+
+    RUN/checkpoint-40/
+        adapter_model.safetensors, adapter_config.json   PEFT's save_pretrained
+        tokenizer.json, tokenizer_config.json, ...       the run's tokenizer
+        lorasync/meta.json, rank0.pt, rank0.json, rank1.pt, ...   lorasync's state
+
+``adapter_config.json`` names the base model by ``base_model_ref`` (its Hub
+id, or the directory the user gave), never a cache path, so
+``PeftModel.from_pretrained(base, "RUN/checkpoint-40")`` loads it on another
+machine.  The adapter is the finalizing rank's (rank 0's on a shared disk):
+under local SGD or DiLoCo, that rank's replica at this step.  Checkpoints of
+the layout before (``RUN/checkpoints/step-000040/{meta.json, rank0.pt, ...}``)
+are still read, resumed from and pruned.
+
 Each rank saves its own state (adapter, optimizer, scheduler, RNG, sync
 state): under local SGD or DiLoCo replicas differ between syncs, and error
 feedback buffers are always per rank.  Next to each ``rankR.pt`` a
 ``rankR.json`` holds its size and SHA-256, so a file cut short or damaged on
 one node is recognised and never loaded; a file without that record is not
-trusted either.  Everything is written into a hidden ``.tmp-step-N`` folder
-first and renamed only once every rank has finished, so a process dying
+trusted either.  Everything is written into a hidden ``.tmp-checkpoint-N``
+folder first and renamed only once every rank has finished (the PEFT
+adapter and tokenizer too, by the rank that renames it), so a process dying
 mid-write leaves no torn checkpoint: only complete folders count.
 
 What stays on disk (``_prune``, after every node has finalized the new
@@ -50,13 +66,25 @@ import shutil
 from dataclasses import dataclass, field
 
 from lorasync.errors import CheckpointError
+from lorasync.train.model import EMBEDDED_REF
 from lorasync.train.watchdog import Pace
 
 __all__ = ["save", "latest", "load_rank", "read_meta", "verified", "intact", "inventory", "choose",
-           "ResumePlan", "Checkpointer", "Progress", "rng_state", "set_rng_state"]
+           "ResumePlan", "Checkpointer", "Progress", "rng_state", "set_rng_state",
+           "export_adapter", "base_model_ref", "check_init_adapter", "load_init_adapter",
+           "STATE_DIR"]
 
-_STEP = re.compile(r"^step-(\d+)$")
+_CKPT = re.compile(r"^checkpoint-(\d+)$")   # RUN/checkpoint-N
+_STEP = re.compile(r"^step-(\d+)$")         # RUN/checkpoints/step-N: the layout before
+_OLD_ROOT = "checkpoints"
 _RANK_FILE = re.compile(r"rank(\d+)\.pt")
+#: the sub-folder of ``checkpoint-N`` that holds lorasync's own state
+STATE_DIR = "lorasync"
+
+
+def _state(ckpt: str) -> str:
+    """Where a checkpoint folder keeps lorasync's state files and meta.json."""
+    return os.path.join(ckpt, STATE_DIR) if _CKPT.match(os.path.basename(ckpt)) else ckpt
 
 
 #: the slowest disk a rank's checkpoint work is given time for (bytes/s), on top of
@@ -85,6 +113,15 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _fsync_files(folder: str) -> None:
+    """fsync the files directly in ``folder`` (what a library wrote there)."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = path + ".part"
     with open(tmp, "wb") as fh:
@@ -95,85 +132,109 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, local_rank: int,
-         world_size: int, barrier, keep: int, pace: Pace | None = None) -> str:
+         world_size: int, barrier, keep: int, pace: Pace | None = None, export=None,
+         export_bytes: int = 0) -> str:
     """Collective: every rank calls it at the same step. Returns the final folder.
 
-    ``pace`` (the watchdog) is told of every barrier and of the work between
-    them, so that a rank stuck on its disk is named by the ranks that wait for
-    it at the next barrier."""
+    ``export(folder)`` (the finalizing rank's) writes what other tools read
+    into the folder before it counts: the PEFT adapter and the tokenizer
+    (about ``export_bytes``).  ``pace`` (the watchdog) is told of every
+    barrier and of the work between them, so that a rank stuck on its disk is
+    named by the ranks that wait for it at the next barrier."""
     import torch
 
     pace = pace or Pace()
-    root = os.path.join(run_dir, "checkpoints")
-    final = os.path.join(root, f"step-{step:06d}")
-    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    final = os.path.join(run_dir, f"checkpoint-{step}")
+    tmp = os.path.join(run_dir, f".tmp-checkpoint-{step}")
+    state = os.path.join(tmp, STATE_DIR)
     if local_rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)
+        os.makedirs(state, exist_ok=True)
     with pace.waiting("the barrier before writing"):
         barrier()
     buf = io.BytesIO()
     torch.save(rank_state, buf)
     data = buf.getvalue()
     pace.tick("write", allow_s=len(data) / SLOW_DISK_BPS)
-    _write_atomic(os.path.join(tmp, f"rank{rank}.pt"), data)
-    _write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(
+    _write_atomic(os.path.join(state, f"rank{rank}.pt"), data)
+    _write_atomic(os.path.join(state, f"rank{rank}.json"), json.dumps(
         {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}).encode())
     with pace.waiting("the barrier after writing"):
         barrier()
     # Who finalizes: with a file system shared by all ranks (one node, or NFS)
     # global rank 0 alone; with node-local disks each node's local rank 0
     # renames the folder holding its own ranks' files.
-    shared = all(os.path.exists(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size))
+    shared = all(os.path.exists(os.path.join(state, f"rank{r}.pt")) for r in range(world_size))
     with pace.waiting("the barrier before finalizing"):
         barrier()  # everyone has looked before anyone renames
     finalizer = (rank == 0) if shared else (local_rank == 0)
     if finalizer:
+        if export is not None:
+            pace.tick("export", allow_s=export_bytes / SLOW_DISK_BPS)
+            export(tmp)
+            _fsync_files(tmp)   # on disk before the folder counts, like the state files
         pace.tick("finalize")
         meta = {**meta, "step": step, "world_size": world_size}
-        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+        _write_atomic(os.path.join(state, "meta.json"), json.dumps(meta, indent=1).encode())
         # Later steps than this one (and a stale folder of this step) were written
         # by an attempt this run went back from: gone before this one counts, they
         # could otherwise be resumed from (or kept, in place of this one).  A crash
         # in between leaves the checkpoint this run resumed from.
-        for s, name in _folders(root):
+        for s, path in _folders(run_dir):
             if s >= step:
-                _discard(root, name)
+                _discard(path)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        _fsync_dir(run_dir)
     # Prune only once every node has its copy of this checkpoint: a node that
     # dies while finalizing must still share an older one with the others.
     with pace.waiting("the barrier after finalizing"):
         barrier()
     if finalizer:
-        pace.tick("prune", allow_s=_bytes_under(root) / SLOW_DISK_BPS)  # it verifies what it keeps
-        _prune(root, step, keep)
+        # it verifies what it keeps
+        pace.tick("prune", allow_s=_checkpoint_bytes(run_dir) / SLOW_DISK_BPS)
+        _prune(run_dir, step, keep)
     return final
 
 
-def _folders(root: str) -> list[tuple[int, str]]:
-    """(step, name) of every ``step-N`` folder, complete or not, oldest first."""
+def _listdir(path: str) -> list[str]:
     try:
-        names = os.listdir(root)
-    except FileNotFoundError:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted((int(m.group(1)), n) for n in names if (m := _STEP.match(n)))
 
 
-def _discard(root: str, name: str) -> None:
-    """Remove ``root/name`` atomically as far as readers go: renamed out of sight
-    first, so a crash mid-delete never leaves a half-deleted folder that counts."""
-    trash = os.path.join(root, f".trash-{name}")
+def _folders(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint folder of a run, complete or not, oldest
+    first: ``checkpoint-N`` and the older layout's ``checkpoints/step-N`` (of
+    one step, the older layout's comes first)."""
+    old = os.path.join(run_dir, _OLD_ROOT)
+    found = [(int(m.group(1)), 0, os.path.join(old, n)) for n in _listdir(old)
+             if (m := _STEP.match(n))]
+    found += [(int(m.group(1)), 1, os.path.join(run_dir, n)) for n in _listdir(run_dir)
+              if (m := _CKPT.match(n)) and os.path.isdir(os.path.join(run_dir, n))]
+    return [(s, p) for s, _, p in sorted(found)]
+
+
+def _checkpoint_bytes(run_dir: str) -> int:
+    """Bytes of every checkpoint folder of a run."""
+    return sum(_bytes_under(p) for _, p in _folders(run_dir))
+
+
+def _discard(path: str) -> None:
+    """Remove the folder ``path`` atomically as far as readers go: renamed out of
+    sight first, so a crash mid-delete never leaves a half-deleted folder that
+    counts."""
+    trash = os.path.join(os.path.dirname(path), f".trash-{os.path.basename(path)}")
     shutil.rmtree(trash, ignore_errors=True)
     try:
-        os.replace(os.path.join(root, name), trash)
+        os.replace(path, trash)
     except FileNotFoundError:
         return
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def _complete(path: str) -> bool:
-    meta = os.path.join(path, "meta.json")
+    meta = os.path.join(_state(path), "meta.json")
     if not os.path.isfile(meta):
         return False
     try:
@@ -184,14 +245,14 @@ def _complete(path: str) -> bool:
     return True
 
 
-def _steps(root: str) -> list[tuple[int, str]]:
-    return [(s, os.path.join(root, n)) for s, n in _folders(root)
-            if _complete(os.path.join(root, n))]
+def _steps(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoint folders, oldest first."""
+    return [(s, p) for s, p in _folders(run_dir) if _complete(p)]
 
 
 def _rank_files(path: str) -> list[int]:
     try:
-        names = os.listdir(path)
+        names = os.listdir(_state(path))
     except OSError:
         return []
     return sorted(int(m.group(1)) for n in names if (m := _RANK_FILE.fullmatch(n)))
@@ -204,42 +265,51 @@ def intact(ckpt: str) -> bool:
     return _complete(ckpt) and bool(ranks) and all(verified(ckpt, r) for r in ranks)
 
 
-def _prune(root: str, step: int, keep: int) -> None:
+def _prune(run_dir: str, step: int, keep: int) -> None:
     """Keep the checkpoint of ``step`` (just written) and the ``keep`` newest that
-    verify; remove the rest, and what crashed saves and deletes left behind.
-    Each removal is atomic, so a crash at any point leaves all that is kept."""
+    verify (of either layout); remove the rest, and what crashed saves and
+    deletes left behind.  Each removal is atomic, so a crash at any point
+    leaves all that is kept."""
     counted = 0
-    doomed = []
-    for s, name in reversed(_folders(root)):
-        path = os.path.join(root, name)
-        if s > step:  # only on a disk whose folders this finalizer did not see above
-            doomed.append(name)
+    doomed, seen = [], set()
+    for s, path in reversed(_folders(run_dir)):
+        if s > step or s in seen:  # a disk whose folders this finalizer did not see above;
+            doomed.append(path)    # the older layout's copy of a step
         elif (s == step or counted < keep) and intact(path):
             counted += 1
         elif s != step:
-            doomed.append(name)
-    for name in doomed:
-        _discard(root, name)
+            doomed.append(path)
+        seen.add(s)
+    for path in doomed:
+        _discard(path)
     # leftovers of crashed saves and deletes (a later step's folder may be in the
     # making already: under local SGD a rank can run ahead to the next save)
-    for name in os.listdir(root):
-        m = re.fullmatch(r"\.tmp-step-(\d+)", name)
-        if name.startswith(".trash-") or (m and int(m.group(1)) <= step):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    _fsync_dir(root)
+    for root, tmp, trash in ((run_dir, r"\.tmp-checkpoint-(\d+)", ".trash-checkpoint-"),
+                             (os.path.join(run_dir, _OLD_ROOT), r"\.tmp-step-(\d+)", ".trash-")):
+        names = _listdir(root)
+        for name in names:
+            m = re.fullmatch(tmp, name)
+            if name.startswith(trash) or (m and int(m.group(1)) <= step):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if names:
+            _fsync_dir(root)
+    try:   # the older layout's folder, once its last checkpoint is gone
+        os.rmdir(os.path.join(run_dir, _OLD_ROOT))
+    except OSError:
+        pass
 
 
 def latest(run_dir: str) -> str | None:
     """Folder of the newest complete checkpoint of a run that holds an intact
     state file (one a resume can start from), or None."""
-    for _, path in reversed(_steps(os.path.join(run_dir, "checkpoints"))):
+    for _, path in reversed(_steps(run_dir)):
         if any(verified(path, r) for r in _rank_files(path)):
             return path
     return None
 
 
 def read_meta(ckpt: str) -> dict:
-    with open(os.path.join(ckpt, "meta.json")) as fh:
+    with open(os.path.join(_state(ckpt), "meta.json")) as fh:
         return json.load(fh)
 
 
@@ -248,10 +318,10 @@ def verified(ckpt: str, rank: int) -> bool:
     SHA-256 match the record written beside it.  A file without a valid record
     is not trusted (a record is written with every file, inside the hidden
     folder, before the folder counts)."""
-    path = os.path.join(ckpt, f"rank{rank}.pt")
+    path = os.path.join(_state(ckpt), f"rank{rank}.pt")
     try:
         size = os.path.getsize(path)
-        with open(os.path.join(ckpt, f"rank{rank}.json")) as fh:
+        with open(os.path.join(_state(ckpt), f"rank{rank}.json")) as fh:
             rec = json.load(fh)
     except (OSError, ValueError):
         return False
@@ -274,7 +344,7 @@ def inventory(run_dir: str) -> dict[int, dict]:
     checkpoint folder with at least one state file (intact or not: a rank whose own
     file is damaged still holds the step and may take a peer's state)."""
     out = {}
-    for step, path in _steps(os.path.join(run_dir, "checkpoints")):
+    for step, path in _steps(run_dir):
         try:
             world = int(read_meta(path)["world_size"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -423,7 +493,7 @@ def load_file(path: str, fix: str = _FIX) -> dict:
 
 
 def load_rank(ckpt: str, rank: int) -> dict:
-    path = os.path.join(ckpt, f"rank{rank}.pt")
+    path = os.path.join(_state(ckpt), f"rank{rank}.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{ckpt}: no state for rank {rank}; resume with the same number "
                               "of ranks the run was started with")
@@ -510,11 +580,15 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str, *, rank: int, local_rank: int, world_size: int, barrier,
-                 interval: int, keep: int, pace: Pace | None = None):
+                 interval: int, keep: int, pace: Pace | None = None, tokenizer=None,
+                 model_name: str | None = None):
         self.run_dir, self.rank, self.local_rank = run_dir, rank, local_rank
         self.world_size, self.barrier = world_size, barrier
         self.interval, self.keep = interval, keep
         self.pace = pace or Pace()
+        # what a checkpoint's PEFT adapter names as its base, and the tokenizer beside it
+        self.tokenizer = tokenizer
+        self.base_ref = base_model_ref(model_name) if model_name else None
 
     def agree(self, *, resume: bool, history: dict) -> tuple[ResumePlan, dict, list[dict]]:
         """Collective: (plan, meta of the checkpoint, every rank's ``history``).
@@ -524,8 +598,7 @@ class Checkpointer:
         import torch.distributed as dist
 
         # the inventory verifies every checkpoint file this disk holds
-        self.pace.tick("inventory", allow_s=_bytes_under(
-            os.path.join(self.run_dir, "checkpoints")) / SLOW_DISK_BPS)
+        self.pace.tick("inventory", allow_s=_checkpoint_bytes(self.run_dir) / SLOW_DISK_BPS)
         mine = {"resume": bool(resume), "history": history,
                 "held": {str(k): v for k, v in inventory(self.run_dir).items()}}
         everyone: list = [None] * self.world_size
@@ -539,13 +612,15 @@ class Checkpointer:
             return plan, {}, histories
         # the checkpoint's meta (eval_before, total_steps), from a rank that has the folder
         src = plan.source if plan.source is not None else plan.own[0]
-        box = [read_meta(self._folder(plan.step)) if self.rank == src else None]
+        box = [read_meta(self.folder(plan.step)) if self.rank == src else None]
         with self.pace.waiting("the broadcast of the checkpoint's meta"):
             dist.broadcast_object_list(box, src=src)
         return plan, box[0], histories
 
-    def _folder(self, step: int) -> str:
-        return os.path.join(self.run_dir, "checkpoints", f"step-{step:06d}")
+    def folder(self, step: int) -> str:
+        """The checkpoint folder of ``step`` on this disk (either layout)."""
+        found = [p for s, p in _folders(self.run_dir) if s == step]
+        return found[-1] if found else os.path.join(self.run_dir, f"checkpoint-{step}")
 
     def due(self, step: int, end_step: int) -> bool:
         """Whether a checkpoint is written after ``step``."""
@@ -553,14 +628,20 @@ class Checkpointer:
 
     def save(self, progress: Progress, *, model, opt, sched, sync, meta: dict) -> str:
         """Collective: every rank writes its state at ``progress.step``."""
-        state = {"adapter": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                             if "lora_" in n},
+        from lorasync.train.model import adapter_named_params
+
+        state = {"adapter": {n: p.detach().cpu().clone() for n, p in adapter_named_params(model)},
                  "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "sync": sync.state_dict(), "rng": rng_state(), "step": progress.step,
                  "sample_offset": progress.sample_offset, "grad_accum": progress.grad_accum}
+        adapter_bytes = sum(v.numel() * v.element_size() for v in state["adapter"].values())
         return save(self.run_dir, progress.step, state, meta, rank=self.rank,
                     local_rank=self.local_rank, world_size=self.world_size,
-                    barrier=self.barrier, keep=self.keep, pace=self.pace)
+                    barrier=self.barrier, keep=self.keep, pace=self.pace,
+                    export=None if not hasattr(model, "peft_config") else
+                    lambda folder: export_adapter(model, folder, tokenizer=self.tokenizer,
+                                                  base_ref=self.base_ref),
+                    export_bytes=adapter_bytes + (4 << 20))   # + a tokenizer's files
 
     def restore(self, plan: ResumePlan, progress: Progress, global_batch: int, *, model, opt,
                 sched, sync, seed: int) -> list[str]:
@@ -573,7 +654,7 @@ class Checkpointer:
         stops together, before anything is written."""
         import torch.distributed as dist
 
-        folder = self._folder(plan.step)
+        folder = self.folder(plan.step)
         st = err = None
         self.pace.tick("load", allow_s=_bytes_under(folder) / SLOW_DISK_BPS)
         try:
@@ -616,10 +697,12 @@ class Checkpointer:
                model, opt, sched, sync, seed: int, reset: list[str]) -> None:
         import torch
 
-        folder = self._folder(plan.step)
+        folder = self.folder(plan.step)
         fix = ("resume with the settings its checkpoints were written with, "
                "or start a new run in another --output-dir")
-        named = {n: p for n, p in model.named_parameters() if "lora_" in n}
+        from lorasync.train.model import adapter_named_params
+
+        named = dict(adapter_named_params(model))
         saved = st.get("adapter") if isinstance(st, dict) else None
         if not isinstance(saved, dict):
             raise CheckpointError(f"{folder}: holds no adapter state; {fix}")
@@ -659,8 +742,144 @@ class Checkpointer:
         progress.grad_accum = st.get("grad_accum", progress.grad_accum)
 
     def _any_state(self, step: int) -> dict:
-        folder = self._folder(step)
+        folder = self.folder(step)
         for r in _rank_files(folder):
             if verified(folder, r):
                 return load_rank(folder, r)
         raise CheckpointError(f"{folder}: no intact state file left to resume from")
+
+
+# ---------------------------------------------------------------- what other tools read
+
+
+def base_model_ref(name: str) -> str:
+    """What a saved adapter names as its base model (``train.model.base_model_ref``:
+    the Hub id, the directory the user gave, never lorasync's cache)."""
+    from lorasync.train.model import base_model_ref as ref
+
+    return ref(name)
+
+
+def export_adapter(model, folder: str, *, tokenizer=None, base_ref: str | None = None) -> None:
+    """Write ``model``'s adapter with PEFT's ``save_pretrained`` (safetensors)
+    into ``folder``, its ``adapter_config.json`` naming ``base_ref`` as the base
+    model (not the local path it was loaded from), and the tokenizer beside it:
+    ``PeftModel.from_pretrained(base, folder)`` and
+    ``AutoTokenizer.from_pretrained(folder)`` load them anywhere."""
+    configs = getattr(model, "peft_config", {})
+    before = {k: c.base_model_name_or_path for k, c in configs.items()}
+    try:
+        if base_ref:
+            for c in configs.values():
+                c.base_model_name_or_path = base_ref
+        # the vocabulary is never resized: no base embedding to save, and "auto" would
+        # ask the Hub whether the base's config exists
+        model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
+    finally:
+        for k, c in configs.items():
+            c.base_model_name_or_path = before[k]
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def _same_base(theirs: str, ours: str) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` names this run's base
+    model (``base_model_ref``), also when it is the local directory lorasync
+    versions before named (the embedded default's cache) or the same directory
+    by another path."""
+    def norm(x: str) -> str:
+        path = os.path.expanduser(x)
+        if os.path.isdir(path):
+            real = os.path.realpath(path)
+            try:
+                from lorasync.train.model import _embedded_dir
+                cache = os.path.realpath(_embedded_dir())
+            except ImportError:
+                cache = None
+            return EMBEDDED_REF if real == cache else real
+        if x.rstrip("/").endswith("/smollm2-135m-instruct") and "lorasync" in x:
+            return EMBEDDED_REF   # the embedded default's cache on the machine that saved it
+        return x
+    return norm(theirs) == norm(ours)
+
+
+def check_init_adapter(cfg) -> dict | None:
+    """``run.init_adapter`` against this run, before any worker starts: a PEFT
+    LoRA adapter directory whose r, target modules, alpha and base model are
+    the run's.  Returns its ``adapter_config.json``; a ``ConfigError`` naming
+    the field that differs, with the fix."""
+    from lorasync.errors import ConfigError
+
+    given = cfg.run.init_adapter
+    if not given:
+        return None
+    path = os.path.expanduser(given)
+    fix_dir = ("give a PEFT adapter directory (adapter_config.json + "
+               "adapter_model.safetensors), e.g. RUN/checkpoint-40 or RUN/adapter")
+    if not os.path.isdir(path):
+        raise ConfigError("run.init_adapter", given, f"no such directory; {fix_dir}")
+    conf_path = os.path.join(path, "adapter_config.json")
+    try:
+        with open(conf_path, encoding="utf-8") as fh:
+            conf = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("run.init_adapter", given, f"has no adapter_config.json; "
+                          f"{fix_dir}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("run.init_adapter", given, f"its adapter_config.json cannot be read "
+                          f"({_reason(exc)}); {fix_dir}") from None
+    if not isinstance(conf, dict) or str(conf.get("peft_type", "")).upper() != "LORA":
+        kind = conf.get("peft_type") if isinstance(conf, dict) else type(conf).__name__
+        raise ConfigError("run.init_adapter", given, f"holds a {kind} adapter, not LoRA; "
+                          f"{fix_dir}")
+    if not any(os.path.isfile(os.path.join(path, f))
+               for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ConfigError("run.init_adapter", given, f"has no adapter_model.safetensors; "
+                          f"{fix_dir}")
+    where = f"the adapter in {given} (--init-adapter) has"
+    other = "or start from another --init-adapter"
+    if conf.get("r") != cfg.lora.r:
+        raise ConfigError("lora.r", cfg.lora.r, f"{where} r={conf.get('r')}: pass --lora-r "
+                          f"{conf.get('r')}, {other}")
+    targets = conf.get("target_modules")
+    if isinstance(targets, str) or sorted(targets or []) != sorted(cfg.lora.targets):
+        shown = targets if isinstance(targets, str) else ",".join(sorted(targets or []))
+        raise ConfigError("lora.targets", ",".join(cfg.lora.targets),
+                          f"{where} target modules {shown}: pass --lora-targets {shown}, "
+                          f"{other}")
+    alpha = conf.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or float(alpha) != float(cfg.lora.alpha):
+        raise ConfigError("lora.alpha", cfg.lora.alpha, f"{where} lora_alpha={alpha} (the "
+                          f"scale of its weights): pass --lora-alpha {alpha}, {other}")
+    base = conf.get("base_model_name_or_path")
+    ours = base_model_ref(cfg.model.name)
+    if base and not _same_base(str(base), ours):
+        raise ConfigError("model.name", cfg.model.name, f"{where} base model {base}, this run "
+                          f"{ours}: pass --model with its base, {other}")
+    return conf
+
+
+def load_init_adapter(model, path: str) -> int:
+    """Load the PEFT adapter in ``path`` into ``model``'s fresh adapter (PEFT's
+    own loader); returns the tensors loaded.  A ``ModelError`` when it does not
+    fit (``check_init_adapter`` refuses most of that before launch)."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    from lorasync.errors import ModelError
+
+    path = os.path.expanduser(path)
+    try:
+        weights = load_peft_weights(path, device="cpu")
+        result = set_peft_model_state_dict(model, weights)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelError(f"run.init_adapter: {path} does not load into this run's adapter "
+                         f"({_reason(exc)}); start from an adapter of the same model, r "
+                         "and targets") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        what = (f"{len(missing)} adapter tensor(s) missing, e.g. {missing[0]}" if missing
+                else f"{len(result.unexpected_keys)} tensor(s) this model lacks, e.g. "
+                f"{result.unexpected_keys[0]}")
+        raise ModelError(f"run.init_adapter: {path} does not fit this run's adapter ({what}); "
+                         "start from an adapter of the same model, r and targets")
+    return len(weights)

@@ -106,7 +106,7 @@ def _overrides(args) -> dict[str, dict]:
             continue
         section, name = key.split("__", 1)
         if name == "options":
-            value = parse_options(value)
+            value = parse_options(value, section)
         out.setdefault(section, {})[name] = value
     return out
 
@@ -147,7 +147,7 @@ def _preflight(cfg, world: int | None = None) -> None:
     """Check everything a user can get wrong before any worker starts or any file is written."""
     from lorasync import catalog   # torch-free: this process never trains
     from lorasync.train.data import load_datasets
-    from lorasync.train.model import EMBEDDED, ensure_embedded, load_base
+    from lorasync.train.model import EMBEDDED, check_model_options, ensure_embedded, load_base
 
     if cfg.run.metrics_port:
         import socket
@@ -158,6 +158,8 @@ def _preflight(cfg, world: int | None = None) -> None:
                 raise ConfigError("run.metrics_port", cfg.run.metrics_port,
                                   f"cannot bind {cfg.run.metrics_host}:{cfg.run.metrics_port} "
                                   f"({exc.strerror}); choose a free port") from None
+    from lorasync.monitor.sinks import check_report_to
+    check_report_to(cfg.run.report_to)   # a tracker's package missing
     names = sorted(catalog.SPECS)
     if cfg.comm.strategy not in names:
         raise ConfigError("comm.strategy", cfg.comm.strategy, f"choose one of {', '.join(names)}")
@@ -165,6 +167,12 @@ def _preflight(cfg, world: int | None = None) -> None:
     if cfg.comm.hierarchy == "node" and flat:
         raise ConfigError("comm.hierarchy", "node", f"{cfg.comm.strategy} runs flat only "
                           f"({flat}); use --hierarchy flat or auto")
+    if cfg.train.bf16 or cfg.train.fp16:   # the strategy, and this host's autocast
+        from lorasync.train.loop import check_precision, precision_device
+
+        device = precision_device(cfg.run.backend)
+        check_precision(cfg, device, probe=device == "cpu")
+    check_model_options(cfg.model, cfg.lora)   # bitsandbytes' backend, PEFT's LoraConfig
     if cfg.model.name == EMBEDDED:
         ensure_embedded(log=lambda m: print(m, file=sys.stderr))
     _, tok = _load_tokenizer(cfg.model.name, load_base)
@@ -180,51 +188,11 @@ def _preflight(cfg, world: int | None = None) -> None:
 
 
 def _check_targets(cfg) -> None:
-    """``lora.targets`` against the model's module names, as ``add_lora`` sees
-    them, from the model built on the meta device (no weights, but the
-    modeling code's import: seconds), so that a wrong name fails here once
-    instead of in every worker after the model loaded, on every restart."""
-    from lorasync.config import LoraSettings
-    from lorasync.train.model import EMBEDDED
+    """``lora.targets`` and ``lora.modules_to_save`` against the model's modules,
+    once here instead of in every worker after the model loaded."""
+    from lorasync.train.model import check_lora_targets
 
-    targets = cfg.lora.targets
-    if cfg.model.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets):
-        return   # both are Llamas: the default projections are theirs (the common
-        # case pays no import)
-    names = _adaptable_modules(cfg.model.name)
-    if names is None:
-        return   # an architecture that does not build on the meta device: the worker checks
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ConfigError("lora.targets", missing[0],
-                          f"not a linear or embedding layer of {cfg.model.name}; choose from "
-                          + ", ".join(sorted(names)))
-
-
-def _adaptable_modules(name: str) -> set[str] | None:
-    """Last name components of the modules of ``name`` LoRA can adapt (linear,
-    embedding and convolution layers), or None when the model cannot be built
-    without its weights."""
-    import torch
-
-    from lorasync.train.model import EMBEDDED, _embedded_dir, _tiny_model, _tiny_tokenizer
-
-    try:
-        with torch.device("meta"):
-            if name == "tiny":
-                tok = _tiny_tokenizer()
-                model = _tiny_model(len(tok), tok.pad_token_id, tok.eos_token_id)
-            else:
-                from transformers import AutoConfig, AutoModelForCausalLM
-
-                path = _embedded_dir() if name == EMBEDDED else os.path.expanduser(name)
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError, RuntimeError):
-        return None   # e.g. remote code, an architecture this transformers lacks
-    from transformers.pytorch_utils import Conv1D
-
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)}
+    check_lora_targets(cfg.model, cfg.lora)
 
 
 def _load_tokenizer(name, load_base):
@@ -232,11 +200,9 @@ def _load_tokenizer(name, load_base):
         from lorasync.train.model import _tiny_tokenizer
 
         return None, _tiny_tokenizer(bare=True)
-    from lorasync.train.model import EMBEDDED, _embedded_dir
+    from lorasync.train.model import resolve_model
 
-    path = _embedded_dir() if name == EMBEDDED else os.path.expanduser(name)
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        return load_base(name)  # raises the ModelError with the fix
+    path = resolve_model(name)   # a ModelError with the fix when there is none
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path)
@@ -306,6 +272,9 @@ def run(args) -> int:
                           "already holds a run; pass --resume to continue it or choose another "
                           "directory")
     _check_output_dir(cfg.run.output_dir, out)
+    if not args.resume:   # a resume starts from its checkpoint, not the initial adapter
+        from lorasync.train.checkpoint import check_init_adapter
+        check_init_adapter(cfg)   # an adapter of another shape or base
     spec = None
     if args.emulate:
         from lorasync.emulate.cluster import parse_emulate
@@ -334,6 +303,10 @@ def run(args) -> int:
         raise ConfigError("--nnodes", cfg.run.nnodes, "several nodes need --rdzv-endpoint "
                           "HOST:PORT (node 0's address), or --emulate for an emulated cluster")
     nodes = cfg.run.nnodes or "1"
+    if cfg.run.rdzv_endpoint:   # the job's shared secret is the user's to give: refused
+        from lorasync.launch.torchrun import shared_secret   # before a launch is announced
+
+        shared_secret()
     print(f"lorasync train: {cfg.run.nproc} worker(s)"
           + (f" on this node of {nodes} via torchrun at {cfg.run.rdzv_endpoint}"
              if cfg.run.rdzv_endpoint else " via torchrun")

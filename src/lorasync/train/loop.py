@@ -86,6 +86,149 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
+def schedule_note(schedule: str, lr: float, warmup: int, total: int) -> str | None:
+    """The one-line note for a schedule that never reaches its peak learning
+    rate (more warm-up steps than steps), else None."""
+    if warmup <= total:
+        return None
+    top = lr * _lr_lambda(schedule, warmup, total)(total - 1)
+    return (f"note: the learning rate never reaches its peak {lr:g}: {warmup} warm-up steps "
+            f"(--warmup-steps) for {total} steps, it ends at {top:.3g}; lower --warmup-steps "
+            f"to at most {total} to reach it")
+
+
+def _fp16_refused(strategy: str) -> bool:
+    """Whether ``strategy`` keeps gradients across steps (error feedback; auto
+    may switch to such a strategy), where loss scaling would leave scaled, at
+    times infinite, values."""
+    from lorasync import catalog
+
+    if strategy in ("auto", "torch_powersgd"):
+        return True
+    return strategy in catalog.SPECS and catalog.SPECS[strategy].error_feedback
+
+
+def precision_device(backend: str) -> str:
+    """The device type the workers will compute on (``--backend``)."""
+    import torch
+
+    return "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+
+
+def check_precision(cfg: Config, device_type: str, probe: bool = True) -> None:
+    """``--bf16`` / ``--fp16`` against the strategy and (``probe``) this host's
+    autocast: a ConfigError naming the flag and the fix.  The launcher calls
+    it before any worker starts (probing only a CPU: a probe on a GPU would
+    keep a CUDA context in the launcher for the whole run, and every CUDA GPU
+    autocasts in both dtypes), each worker again on its own device."""
+    from lorasync.errors import ConfigError
+
+    tc = cfg.train
+    if not (tc.bf16 or tc.fp16):
+        return
+    flag, name = ("train.fp16", "float16") if tc.fp16 else ("train.bf16", "bfloat16")
+    if tc.fp16 and _fp16_refused(cfg.comm.strategy):
+        raise ConfigError(flag, True, f"--comm {cfg.comm.strategy} keeps gradients across "
+                          "steps (error feedback), which loss scaling fills with scaled and at "
+                          "times infinite values; use --bf16 (no loss scaling), or --fp16 with "
+                          "allreduce, fp16, bf16, local or diloco")
+    if not probe:
+        return
+    import torch
+
+    why = _autocast_fails(device_type, getattr(torch, name))
+    if why is None and tc.fp16:
+        try:
+            torch.amp.GradScaler(device_type)
+        except (RuntimeError, ValueError) as exc:
+            why = f"no loss scaler: {str(exc).splitlines()[0]}"
+    if why:
+        raise ConfigError(flag, True, f"torch {torch.__version__} cannot run {name} autocast "
+                          f"on {device_type} here ({why}); drop --{flag[6:]}"
+                          + (" or use --bf16" if tc.fp16 else ""))
+
+
+def _autocast_fails(device_type: str, dtype) -> str | None:
+    """Why a matmul under ``torch.autocast(device_type, dtype)`` does not run in
+    ``dtype`` (torch warns and turns autocast off for a dtype a device lacks)."""
+    import torch
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast(device_type, dtype=dtype):
+                x = torch.ones(4, 4, device=device_type)
+                y = x @ x
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if y.dtype != dtype:
+        said = [str(w.message).splitlines()[0] for w in caught]
+        return said[0] if said else f"the result came out {y.dtype}"
+    return None
+
+
+def peak_memory_bytes(device) -> int:
+    """This process's peak memory so far: the CUDA caching allocator's peak
+    allocation on a GPU, the peak resident set size (ru_maxrss) on a CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    """Whether the model's forward takes ``num_items_in_batch`` (transformers'
+    causal LMs do, through their ``**kwargs``; the HF Trainer asks the same)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_items_in_batch" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _enable_checkpointing(base, name: str) -> None:
+    """transformers' gradient checkpointing on the base model, non-reentrant:
+    the recomputation runs inside the one autograd pass, so DDP sees each
+    adapter gradient become ready once (the reentrant variant runs a second
+    backward per block, which DDP reports as a variable marked ready twice),
+    and the frozen embedding's output needs no ``enable_input_require_grads``
+    (only the reentrant variant loses the graph when a block's input does not
+    require grad)."""
+    from lorasync.errors import ConfigError
+
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError("train.gradient_checkpointing", True, f"{name} does not support "
+                          "gradient checkpointing in transformers; drop "
+                          "--gradient-checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):   # its name from transformers 5.x on
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class _LabelTokens:
+    """``[j]``: the label tokens of training example ``j`` that the causal-LM
+    loss counts (labels shifted by one), counted once, when first asked."""
+
+    def __init__(self, examples, ignore: int):
+        self.examples, self.ignore, self.known = examples, ignore, {}
+
+    def __getitem__(self, j: int) -> int:
+        n = self.known.get(j)
+        if n is None:
+            n = self.known[j] = sum(t != self.ignore for t in self.examples[j].labels[1:])
+        return n
+
+
 class _Log:
     def __init__(self, rank: int):
         self.rank = rank
@@ -299,8 +442,9 @@ class Trainer:
 
         from lorasync.comm import attach
         from lorasync.train.checkpoint import Checkpointer, Progress
-        from lorasync.train.data import load_datasets, steps_per_epoch
-        from lorasync.train.model import adapter_param_count, add_lora, load_base
+        from lorasync.train.data import IGNORE, load_datasets, steps_per_epoch
+        from lorasync.train.model import (adapter_named_params, adapter_param_count, add_lora,
+                                          load_base)
         from lorasync.errors import CheckpointError
         from lorasync.train.recovery import Attempt, classify, history
 
@@ -308,11 +452,14 @@ class Trainer:
         self.progress = Progress(grad_accum=tc.grad_accum)
         self.attempt = Attempt()
         self._mark("setup")
+        check_precision(cfg, device.type)   # a run started by torchrun directly
         t_load = time.time()
         # the one stage without a bound of its own: a first download may take any time
         self.pace.tick("load", allow_s=math.inf)
-        base, self.tok = load_base(cfg.model.name, cfg.model.dtype, log=self.log)
-        self.train_set, self.eval_set = load_datasets(cfg.data, self.tok)
+        base, self.tok = load_base(cfg.model, log=self.log, device=device)
+        if tc.gradient_checkpointing:
+            _enable_checkpointing(base, cfg.model.name)
+        self.train_set, self.eval_set = load_datasets(cfg.data, self.tok, warn=self.log)
         self.pace.tick("loaded")
         self.global_batch = world * tc.batch_size * tc.grad_accum
         if len(self.train_set) < self.global_batch:
@@ -324,10 +471,14 @@ class Trainer:
         self.total_steps = tc.max_steps or max(1, int(tc.epochs * spe))
         self.end_step = min(self.total_steps, tc.stop_after) if tc.stop_after \
             else self.total_steps
+        note = schedule_note(tc.schedule, tc.lr, tc.warmup_steps, self.total_steps)
+        if note:
+            self.log(note)
 
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
-                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace)
+                                 interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace,
+                                 tokenizer=self.tok, model_name=cfg.model.name)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
         self.plan, meta, histories = self.ckpt.agree(
@@ -341,14 +492,18 @@ class Trainer:
         if self.attempt.cause == "recover":
             self.log(self.attempt.describe(self.plan.step, world))
         self.eval_before = meta.get("eval_before")
+        self._scaler_state = meta.get("grad_scaler")   # --fp16: the loss scale reached
         # an evaluation deferred past the checkpoint's step runs after the next
         self._eval_owed = bool(meta.get("eval_owed", False))
 
         model = self.model = add_lora(base, cfg.lora, tc.seed).to(device)
+        if cfg.run.init_adapter and not self.plan.step:   # every rank loads the same file
+            from lorasync.train.checkpoint import load_init_adapter
+            load_init_adapter(model, cfg.run.init_adapter)
         model.train()
         # Make the adapter identical on every rank: rank 0's init is the truth.
         # This (a few MB at most) replaces DDP's start-up broadcast of the whole model.
-        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        lora = [p for _, p in adapter_named_params(model)]   # modules_to_save copies too
         with self.pace.waiting("the check that every rank's adapter is the same"):
             self.startup_bytes = make_identical(lora, device)
         self.n_adapter = adapter_param_count(model)
@@ -370,8 +525,17 @@ class Trainer:
                                    cross_node=cfg.comm.cross_node, **cfg.comm.options)
         except ValueError as exc:
             raise LorasyncError(f"comm: {exc}") from None
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        # mixed precision: autocast on the device; the adapter stays fp32, so do its
+        # gradients, what the strategies sync, and the optimizer (docs/training.md)
+        self.amp_dtype = torch.bfloat16 if tc.bf16 else torch.float16 if tc.fp16 else None
+        self.scaler = torch.amp.GradScaler(device.type) if tc.fp16 else None
+        self.loss_kwargs = _accepts_loss_kwargs(model)
+        # label tokens of an example (what the shifted causal-LM loss counts), counted
+        # when first drawn: every rank knows every rank's batch, so the step's token
+        # total needs no collective
+        self.label_tokens = _LabelTokens(self.train_set, IGNORE)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, _lr_lambda(tc.schedule, tc.warmup_steps, self.total_steps))
         if hasattr(self.sync, "set_optimizer"):
@@ -388,12 +552,14 @@ class Trainer:
             self.reset = self.ckpt.restore(self.plan, self.progress, self.global_batch,
                                            model=model, opt=self.opt, sched=self.sched,
                                            sync=self.sync, seed=tc.seed)
-            folder = os.path.join(self.run_dir, "checkpoints", f"step-{self.plan.step:06d}")
+            folder = self.ckpt.folder(self.plan.step)
             self.log(f"resumed from {folder} at step {self.progress.step}"
                      + (f" ({self.plan.note})" if self.plan.peer else ""))
         else:
             from lorasync.train.checkpoint import seed_rngs
             seed_rngs(tc.seed, rank)
+        if self.scaler is not None and self.plan.step and self._scaler_state:
+            self.scaler.load_state_dict(self._scaler_state)
         # Everything the user could get wrong has been checked and the checkpoint
         # restored on every rank (a failed resume stops every rank in restore):
         # only now write.
@@ -452,17 +618,19 @@ class Trainer:
                                    sched=self.sched, sync=self.sync,
                                    meta={"eval_before": self.eval_before,
                                          "total_steps": self.total_steps,
-                                         "eval_owed": self._eval_owed})
-            if self.end_step < self.total_steps:
-                self._end_event("stopped")
+                                         "eval_owed": self._eval_owed,
+                                         # rank 0's (the same on every rank under per-step
+                                         # strategies, which sync before the scaler looks)
+                                         "grad_scaler": self.scaler.state_dict()
+                                         if self.scaler is not None else None})
+            if self.end_step >= self.total_steps:
+                return self._finish()   # its final evaluation still reaches the trackers
+            self._end_event("stopped")
         finally:
             self.steplog.close()
-
-        if self.end_step < self.total_steps:
-            self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
-                     f"continue with --resume --output-dir {self.run_dir}")
-            return 0
-        return self._finish()
+        self.log(f"stopped after step {self.end_step} of {self.total_steps} (--stop-after); "
+                 f"continue with --resume --output-dir {self.run_dir}")
+        return 0
 
     def _start_event(self) -> dict:
         from lorasync.train.watchdog import describe_self
@@ -484,38 +652,49 @@ class Trainer:
 
     def _step(self, step: int) -> None:
         """One optimizer step: micro-batches, optimizer, strategy, record."""
+        import contextlib
+
         import torch
 
-        from lorasync.train.data import batches_at, collate
+        from lorasync.train.data import batch_tokens, batches_at, collate
 
         tc, sync, ddp, device, pg = self.tc, self.sync, self.ddp, self.device, self.progress
         t0 = time.perf_counter()
         micro = batches_at(pg.sample_offset, n=len(self.train_set), seed=tc.seed, rank=self.rank,
                            world=self.world, batch_size=tc.batch_size, grad_accum=pg.grad_accum)
+        denom, factor, mine = self._loss_norm(pg.sample_offset, micro, pg.grad_accum)
         pg.sample_offset += self.world * tc.batch_size * pg.grad_accum
-        losses, samples, tokens, data_s, hook_wait = [], 0, 0, 0.0, 0.0
+        loss_sum, samples, tokens, data_s, hook_wait = 0.0, 0, 0, 0.0, 0.0
+        amp = (lambda: torch.autocast(device.type, dtype=self.amp_dtype)) if self.amp_dtype \
+            else contextlib.nullcontext
         for i, idx in enumerate(micro):
             td = time.perf_counter()
-            batch = collate([self.train_set[j] for j in idx], self.tok.pad_token_id)
+            examples = [self.train_set[j] for j in idx]
+            batch = collate(examples, self.tok.pad_token_id)
             batch = {k: v.to(device) for k, v in batch.items()}
             data_s += time.perf_counter() - td
             last = i == len(micro) - 1
             sync.last_ready_time = None
-            if last:
-                loss = ddp(**batch).loss
-                (loss / len(micro)).backward()
-            else:
-                with ddp.no_sync():  # accumulate locally; sync once per step
-                    loss = ddp(**batch).loss
-                    (loss / len(micro)).backward()
+            # accumulate locally (no_sync); sync once per step, in the last backward.
+            # _micro_loss runs the forward with use_cache=False: no KV cache to build, and
+            # transformers masks attention between packed examples (--packing) only then
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = self._micro_loss(ddp, batch, denom, amp)
+                back = loss * factor
+                (self.scaler.scale(back) if self.scaler is not None else back).backward()
             if last and sync.last_ready_time is not None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 hook_wait += max(0.0, time.perf_counter() - sync.last_ready_time)
-            losses.append(float(loss.detach()))
+            loss_sum += float(loss.detach()) * denom   # this micro-batch's summed token losses
             samples += len(idx)
-            tokens += int(batch["attention_mask"].sum())
-        self.opt.step()
+            tokens += batch_tokens(examples)
+        grad_norm = self._clip()
+        if self.scaler is not None:
+            self.scaler.step(self.opt)   # skipped when the unscaled gradient is not finite
+            self.scaler.update()
+        else:
+            self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         sync.after_step()
@@ -526,10 +705,13 @@ class Trainer:
             sync.settle()
         step_s = time.perf_counter() - t0
         rec = self.steplog.record(step=step, stats=sync.stats(),
-                                  loss=sum(losses) / len(losses),
+                                  loss=loss_sum / max(1, mine),
                                   lr=self.sched.get_last_lr()[0], samples=samples,
                                   tokens=tokens, grad_accum=len(micro), step_s=step_s,
-                                  hook_wait_s=hook_wait, data_s=data_s)
+                                  hook_wait_s=hook_wait, data_s=data_s, grad_norm=grad_norm)
+        rec["peak_mem_bytes"] = peak_memory_bytes(device)
+        if self.scaler is not None:
+            rec["loss_scale"] = float(self.scaler.get_scale())
         if self.adaptive_accum:
             nxt = sync.suggested_accum(pg.grad_accum, tc.max_grad_accum, tc.grad_accum)
             if nxt != pg.grad_accum:
@@ -545,6 +727,78 @@ class Trainer:
         self.steplog.write(rec)
         if self.watchdog is not None:
             self.watchdog.step_done(step_s)
+
+    def _loss_norm(self, offset: int, micro: list[list[int]], accum: int
+                   ) -> tuple[int, float, int]:
+        """(denominator, factor, this rank's label tokens) of the step's loss.
+
+        The loss of a step is the sum of its token losses over the label
+        tokens of the whole accumulated batch (as transformers >= 4.46 and
+        its Trainer compute it with ``num_items_in_batch``), not a mean of
+        micro-batch means, so that a micro-batch of short completions weighs
+        what its tokens weigh.  Where the strategy averages the gradient over
+        the ranks every step, the denominator is every rank's label tokens
+        and the factor the world size (the average divides by it again):
+        the synced gradient is that of the global batch's token mean, the
+        HF Trainer's ``average_tokens_across_devices``.  It costs no
+        collective: every rank holds the data and knows every rank's
+        examples.  Under local SGD, DiLoCo and ``none`` a replica's gradient
+        is its own: the denominator is this rank's tokens, the factor 1."""
+        from lorasync import catalog
+        from lorasync.train.data import batches_at
+
+        mine = sum(self.label_tokens[j] for mb in micro for j in mb)
+        name = getattr(self.sync, "strategy", None) or self.sync.name
+        averaged = name in catalog.SPECS and catalog.SPECS[name].per_step \
+            and name != catalog.NONE
+        if not averaged or self.world == 1:
+            return max(1, mine), 1.0, mine
+        tc = self.tc
+        every = batches_at(offset, n=len(self.train_set), seed=tc.seed, rank=0, world=1,
+                           batch_size=self.world * tc.batch_size * accum, grad_accum=1)[0]
+        return max(1, sum(self.label_tokens[j] for j in every)), float(self.world), mine
+
+    def _micro_loss(self, ddp, batch: dict, denom: int, amp):
+        """The micro-batch's summed token losses / ``denom``."""
+        if self.loss_kwargs:
+            with amp():
+                return ddp(**batch, num_items_in_batch=denom, use_cache=False).loss
+        # a model without the loss kwargs: its token mean, re-weighted
+        from lorasync.train.data import IGNORE
+
+        n = int((batch["labels"][:, 1:] != IGNORE).sum())
+        with amp():
+            loss = ddp(**batch, use_cache=False).loss
+        return loss * (n / denom) if n else loss * 0.0
+
+    def _clip(self) -> float | None:
+        """The gradient's global L2 norm before clipping (None when there is
+        none to measure), clipped to ``--max-grad-norm`` unless that is 0.
+
+        Called after backward, i.e. after a per-step strategy's hooks have
+        synced the gradient: every rank holds the same synced gradient, so
+        every rank computes the same norm and clips alike.  Under local SGD
+        and DiLoCo (and ``none``) ``.grad`` is the replica's own gradient and
+        is clipped as such.  Error-feedback residuals (int8, onebit, topk,
+        powersgd) keep what compression did not deliver, unclipped; clipping
+        scales only what the optimizer takes this step.  Under fp16 the
+        scaler unscales first.  1-bit Adam's momentum steps leave the averaged
+        momentum in ``.grad``, stepped by the strategy itself with its own
+        update clipping (``max_update_rms``): neither measured nor clipped."""
+        import torch
+
+        if self.sync.grads_hold_momentum:
+            return None
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if self.tc.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.tc.max_grad_norm, norm)
+        value = float(norm)
+        return value if math.isfinite(value) else None
 
     def _evaluation_due(self, step: int, sync) -> bool:
         """Whether to evaluate after ``step`` (every rank agrees).  Every
@@ -585,9 +839,12 @@ class Trainer:
             self.sync.finish()
         eval_after = self.evaluate(self.total_steps) if cfg.data.eval_size and self.eval_set \
             else None
+        self.steplog.close()   # trackers have the final evaluation; the bar ends before the summary
         if rank == 0:
-            self.pace.tick("adapter", allow_s=self.n_adapter * 4 / SLOW_DISK_BPS)
-            self.model.save_pretrained(os.path.join(run_dir, "adapter"))
+            self.pace.tick("adapter", allow_s=(self.n_adapter * 4 + (4 << 20)) / SLOW_DISK_BPS)
+            from lorasync.train.checkpoint import base_model_ref, export_adapter
+            export_adapter(self.model, os.path.join(run_dir, "adapter"), tokenizer=self.tok,
+                           base_ref=base_model_ref(cfg.model.name))
         self.pace.tick("end event")
         self._end_event("done")
         gathered = [None] * world if rank == 0 else None
@@ -601,6 +858,11 @@ class Trainer:
             summary = _summarize(steps, cfg, world, self.n_adapter, self.startup_bytes,
                                  self.eval_before, eval_after)
             summary["faults"] = fault_summary(gathered)
+            # per rank: the highest of its records (a high-water mark since the worker started)
+            summary["peak_mem_bytes"] = [max((r.get("peak_mem_bytes") or 0 for r in recs),
+                                             default=0) or None for recs in gathered]
+            summary["peak_mem_kind"] = "cuda_allocated" if self.device.type == "cuda" \
+                else "max_rss"
             with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=1)
             print(format_summary(summary, run_dir))

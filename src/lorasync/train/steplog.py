@@ -4,7 +4,7 @@
 measured, and the growth of the strategy's cumulative counters
 (``sync.stats()``), into the record of docs/contracts.md; appends it to
 ``RUN/ranks/rank{R}.jsonl``; hands it to the live sinks (TensorBoard,
-Prometheus); and, on rank 0, moves the progress bar.
+W&B, MLflow, Prometheus); and, on rank 0, moves the progress bar.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class StepLog:
         self.rank, self.world, self.strategy = rank, world, strategy
         self.stream = RankStream(run_dir, rank)
         self.sinks = open_sinks(run_dir, rank=rank, world_size=world,
-                                tensorboard=run_cfg.tensorboard,
+                                report_to=run_cfg.report_to,
                                 metrics_port=run_cfg.metrics_port,
                                 metrics_host=run_cfg.metrics_host, store=store)
         self.bar = None
@@ -47,7 +47,7 @@ class StepLog:
 
     def record(self, *, step: int, stats: dict, loss: float, lr: float, samples: int,
                tokens: int, grad_accum: int, step_s: float, hook_wait_s: float,
-               data_s: float) -> dict:
+               data_s: float, grad_norm: float | None = None) -> dict:
         """The record of ``step``.  ``stats`` is ``sync.stats()`` after the step;
         ``hook_wait_s`` the time backward waited after the last bucket was ready."""
         last = self._last
@@ -56,7 +56,7 @@ class StepLog:
         exposed = hook_wait_s + stats["comm_s"] - last["comm_s"]
         rec = {"step": step, "rank": self.rank, "world_size": self.world,
                "strategy": stats.get("strategy", self.strategy),
-               "loss": loss, "lr": lr,
+               "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "samples": samples, "tokens": tokens, "grad_accum": grad_accum,
                "compute_s": max(0.0, step_s - exposed - data_s), "comm_s": exposed,
                "step_s": step_s,

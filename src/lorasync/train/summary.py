@@ -73,6 +73,13 @@ def format_summary(s: dict, run_dir: str) -> str:
             " (adapter only)" if s["startup_broadcast_bytes"] > 16 else
             " (adapters identical on every rank: hash checked, nothing broadcast)")),
     ]
+    peaks = [p for p in s.get("peak_mem_bytes") or [] if p]
+    if peaks:
+        from lorasync.units import fmt_bytes
+
+        what = "GPU allocated" if s.get("peak_mem_kind") == "cuda_allocated" else "resident"
+        rows.append((f"peak memory per rank ({what})", ", ".join(fmt_bytes(p, binary=True)
+                                                                for p in peaks)))
     f = s.get("faults") or {}
     if f.get("faults") or f.get("joins"):
         lost = f.get("time_lost_s") or 0.0

@@ -305,6 +305,10 @@ class Auto(Sync):
         return self._child.name
 
     @property
+    def grads_hold_momentum(self) -> bool:
+        return self._child.grads_hold_momentum
+
+    @property
     def bucket_sizes(self) -> list[int]:
         return list(self._meter.bucket_sizes)
 
