@@ -272,6 +272,13 @@ def test_run_refuses_without_the_hook(capsys, monkeypatch):
 
 # --------------------------------------------------------------------------- packaging
 
+def _installed_lorasync() -> list[str]:
+    """The files pip lists for this environment's lorasync (empty if none)."""
+    p = subprocess.run([sys.executable, "-m", "pip", "show", "-f", "lorasync"],
+                       capture_output=True, text=True, timeout=120)
+    return sorted(line.strip() for line in p.stdout.splitlines() if line.startswith("  "))
+
+
 def test_editable_install_puts_the_hook_into_site_packages(tmp_path):
     """``pip install -e`` (make install) installs the hook file (setup.py) into the
     environment's site-packages, where site runs it; a copy of the project is
@@ -284,10 +291,14 @@ def test_editable_install_puts_the_hook_into_site_packages(tmp_path):
     shutil.copytree(os.path.join(ROOT, "src"), proj / "src",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     prefix = tmp_path / "prefix"
+    # --ignore-installed: without it pip uninstalls this environment's own lorasync (the same
+    # name, found on sys.path) before installing the copy under the prefix
+    before = _installed_lorasync()
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                        "--no-build-isolation", "--prefix", str(prefix), "-e", str(proj)],
-                       capture_output=True, text=True, timeout=240)
+                        "--no-build-isolation", "--ignore-installed", "--prefix", str(prefix),
+                        "-e", str(proj)], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert _installed_lorasync() == before   # the environment's own install is untouched
     found = sorted(str(f.relative_to(prefix)) for f in prefix.rglob(switch.HOOK_FILE))
     assert found == [f"lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages/"
                      f"{switch.HOOK_FILE}"], found
