@@ -82,6 +82,9 @@ with open(os.path.join(sys.argv[1], "rank%d.json" % rank), "w") as f:
                "env": {k: os.environ.get(k) for k in
                        ("LSYNC_TEST_VAR", "LORASYNC_STRATEGY", "LORASYNC_SECRET_FILE",
                          "OMP_NUM_THREADS")}}, f)
+# the DDP model holds the group: with it alive, gloo's worker threads outlive the script and
+# may abort it at exit on a loaded host (docs/huggingface.md, "Clean exits")
+del model, opt
 dist.destroy_process_group()
 """
 

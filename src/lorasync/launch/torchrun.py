@@ -204,7 +204,19 @@ def exit_now(code: int) -> None:
     finished process needs: our files are closed and process groups
     destroyed before the commands return."""
     import atexit
+    import signal
 
+    def _now(signum, frame):
+        # a SIGTERM while the exit handlers run (torchrun stopping the other workers of a
+        # failed group) ends the process with its own code at once; raising SystemExit
+        # there, as during the run, would print an "Exception ignored" traceback
+        sys.stderr.flush()
+        os._exit(code)
+
+    try:
+        signal.signal(signal.SIGTERM, _now)
+    except ValueError:   # not the main thread: the handler stays as it was
+        pass
     try:
         atexit._run_exitfuncs()
     finally:
