@@ -708,3 +708,31 @@ def flat_only(name: str, options: Mapping[str, Any] | Options | None = None) -> 
     if name == "onebit" and o.momentum:
         return "1-bit Adam (momentum=true) takes its optimizer step on every rank"
     return None
+
+
+def strategy_problem(strategy: Any, options: Mapping[str, Any]) -> str | None:
+    """What is wrong with a strategy name and its options, as ``lorasync.hf.attach``
+    and the ``LORASYNC_STRATEGY`` switch say it (one line), or None: the name
+    among :func:`names`, every option known and in range (auto's ``NAME.OPTION``
+    ones checked against strategy NAME).  Imports no torch."""
+    from lorasync.errors import LorasyncError
+
+    if not isinstance(strategy, str) or strategy not in names():
+        return f"strategy: unknown name {strategy!r}; choose one of {', '.join(names())}"
+    plain, nested = dict(options), {}
+    if strategy == "auto":
+        plain = {k: v for k, v in options.items() if "." not in k}
+        for key, value in options.items():
+            name, dot, opt = key.partition(".")
+            if dot:
+                nested.setdefault(name, {})[opt] = value
+    for name, opts in [(strategy, plain), *nested.items()]:
+        if name not in SPECS:
+            return (f"auto: option {name}.*: {name!r} is not a strategy; choose one of "
+                    f"{', '.join(STRATEGIES)}")
+        try:
+            parse_options(name, opts)
+        except LorasyncError as exc:
+            known = ", ".join(k for k, _, _ in option_help(name)) or "none"
+            return f"{exc} ({name} takes: {known})"
+    return None

@@ -149,28 +149,10 @@ def _check_strategy(strategy: str, options: dict[str, Any]) -> None:
     """What can be checked before DDP exists: the name, the option names and
     their values (the catalog's ranges; auto's ``NAME.OPTION`` ones too)."""
     from lorasync import catalog
-    from lorasync.comm import strategy_names
-    from lorasync.errors import LorasyncError
 
-    if not isinstance(strategy, str) or strategy not in strategy_names():
-        raise AttachError(f"strategy: unknown name {strategy!r}; choose one of "
-                          f"{', '.join(strategy_names())}")
-    plain, nested = dict(options), {}
-    if strategy == "auto":
-        plain = {k: v for k, v in options.items() if "." not in k}
-        for key, value in options.items():
-            name, dot, opt = key.partition(".")
-            if dot:
-                nested.setdefault(name, {})[opt] = value
-    for name, opts in [(strategy, plain), *nested.items()]:
-        if name not in catalog.SPECS:
-            raise AttachError(f"auto: option {name}.*: {name!r} is not a strategy; choose "
-                              f"one of {', '.join(catalog.STRATEGIES)}")
-        try:
-            catalog.parse_options(name, opts)
-        except LorasyncError as exc:
-            known = ", ".join(k for k, _, _ in catalog.option_help(name)) or "none"
-            raise AttachError(f"{exc} ({name} takes: {known})") from None
+    problem = catalog.strategy_problem(strategy, options)
+    if problem:
+        raise AttachError(problem)
 
 
 def _ddp_kwargs(*, bucket_mb: float, find_unused: bool, buffers: bool,

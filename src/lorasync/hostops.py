@@ -51,3 +51,22 @@ def require_root(what: str, fix: str) -> None:
     ``"{what}: {fix}"``."""
     if os.geteuid() != 0:
         raise EnvironmentProblem(f"{what}: {fix}")
+
+
+def route_address(host: str, port: int = 9) -> str | None:
+    """The local address this host sends from to reach ``host`` (a UDP
+    socket's connect picks the route; nothing is sent), or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError:
+                continue
+    return None

@@ -105,25 +105,9 @@ def check(strategy: str, options: dict[str, Any]) -> None:
     registered strategies' (tests/unit/test_switch.py holds the two equal)."""
     from lorasync import catalog
 
-    if not isinstance(strategy, str) or strategy not in catalog.names():
-        raise SwitchError(f"strategy: unknown name {strategy!r}; choose one of "
-                          f"{', '.join(catalog.names())}")
-    plain, nested = dict(options), {}
-    if strategy == "auto":
-        plain = {k: v for k, v in options.items() if "." not in k}
-        for key, value in options.items():
-            name, dot, opt = key.partition(".")
-            if dot:
-                nested.setdefault(name, {})[opt] = value
-    for name, opts in [(strategy, plain), *nested.items()]:
-        if name not in catalog.SPECS:
-            raise SwitchError(f"auto: option {name}.*: {name!r} is not a strategy; choose "
-                              f"one of {', '.join(catalog.STRATEGIES)}")
-        try:
-            catalog.parse_options(name, opts)
-        except LorasyncError as exc:
-            known = ", ".join(k for k, _, _ in catalog.option_help(name)) or "none"
-            raise SwitchError(f"{exc} ({name} takes: {known})") from None
+    problem = catalog.strategy_problem(strategy, options)
+    if problem:
+        raise SwitchError(problem)
 
 
 def settings(environ=None) -> tuple[str, dict[str, Any], dict[str, Any]] | None:

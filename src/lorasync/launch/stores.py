@@ -29,6 +29,8 @@ import socket
 from datetime import timedelta
 from typing import Callable
 
+from lorasync.hostops import route_address
+
 __all__ = ["ENV", "GUARD_ENV", "LOOPBACK", "StoreBindError", "StoreAuthError",
            "listening_socket", "bind_stores", "worker_secret", "connect", "interface_address",
            "collective_address", "route_address", "store_address", "master_endpoint",
@@ -238,13 +240,6 @@ def collective_address(env=None) -> str | None:
     return interface_address(name) if name else None
 
 
-def route_address(host: str, port: int = 9) -> str | None:
-    """The local address this host sends from to reach ``host`` (a UDP
-    socket's connect picks the route; nothing is sent), or None."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
     for family, _, _, _, sockaddr in infos:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             try:

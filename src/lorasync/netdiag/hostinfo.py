@@ -365,18 +365,9 @@ class HostInfo:
         route, or a fake tree).  A UDP connect picks the route and sends nothing."""
         if self.fake:
             return None
-        try:
-            infos = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)
-        except OSError:
-            return None
-        for family, _, _, _, addr in infos:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                try:
-                    s.connect(addr)
-                    return s.getsockname()[0]
-                except OSError:
-                    continue
-        return None
+        from lorasync.hostops import route_address
+
+        return route_address(peer)
 
     def overlay_to(self, peer: str) -> Interface | None:
         """The overlay interface that reaches ``peer``: the route to it leaves
