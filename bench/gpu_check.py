@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GPU figures for the planner and the docs (run on a CUDA machine).
 
-    python bench/gpu_check.py                      # --quick: about 5 minutes on an H200
+    python bench/gpu_check.py                      # --quick: no run starts that would end
+                                                   # past --budget-s (450 s)
     python bench/gpu_check.py --full               # 1.5B shape too, 20 steps a run
     python bench/gpu_check.py --dry-run-cpu        # the same orchestration on the CPU,
                                                    # tiny shapes, 2 gloo ranks: tests the script
@@ -56,6 +57,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -265,25 +267,29 @@ def train_run(model_dir: str, work: str, label: str, extra: list[str], common: l
     shown = ["lorasync", "train", "--model", "MODEL", *common, *extra]
     res = {"args": shown[2:]}
     t0 = time.perf_counter()
+    # its own session, so that a timeout ends torchrun's workers too (they hold the GPU)
+    p = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        p = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True,
-                           timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
+        stdout, stderr = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
         res.update(status="failed", message=f"timed out after {timeout_s:.0f} s",
-                   output_tail=((exc.stderr or b"")[-2000:].decode(errors="replace")
-                                if isinstance(exc.stderr, bytes) else (exc.stderr or "")[-2000:]))
+                   wall_s=round(time.perf_counter() - t0, 1),
+                   output_tail=stdout[-1500:] + "\n--- stderr ---\n" + stderr[-3000:])
         return res
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     res["exit_code"] = p.returncode
     with open(os.path.join(work, label + ".log"), "w") as fh:
-        fh.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
+        fh.write(stdout + "\n--- stderr ---\n" + stderr)
     if p.returncode != 0:
-        res["message"] = _last_line(p.stderr) or _last_line(p.stdout)
+        res["message"] = _last_line(stderr) or _last_line(stdout)
         if "--load-in-4bit" in extra and importlib.util.find_spec("bitsandbytes") is None:
             res["status"] = "skipped: bitsandbytes not installed"
         else:
             res["status"] = "failed"
-            res["output_tail"] = (p.stdout[-1500:] + "\n--- stderr ---\n" + p.stderr[-3000:])
+            res["output_tail"] = stdout[-1500:] + "\n--- stderr ---\n" + stderr[-3000:]
         return res
     try:
         res.update(read_run(out))
@@ -362,6 +368,7 @@ def parse_args(argv=None):
                     help="the default: the 0.5B shape, --train-steps 6")
     ap.add_argument("--full", dest="full", action="store_true",
                     help="also the modes on the 1.5B shape; --train-steps 20")
+    ap.set_defaults(full=False)
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="run the same orchestration on the CPU with tiny shapes (2 layers), "
                          "2 steps, 2 gloo ranks: tests this script, measures nothing")
@@ -386,7 +393,7 @@ def parse_args(argv=None):
                     help="skip the runs that would end after this many seconds of the script "
                          "(default 450, dry run none)")
     ap.add_argument("--run-timeout-s", type=float, default=0,
-                    help="bound of one lorasync train run (default 240, dry run 600)")
+                    help="bound of one lorasync train run (default 180, dry run 600)")
     ap.add_argument("--table", metavar="JSON", default="",
                     help="print the train runs of a result file as markdown tables, and exit")
     ap.add_argument("--keep", default="",
@@ -398,7 +405,7 @@ def parse_args(argv=None):
     a.batch_size = a.batch_size or (2 if dry else 4)
     a.seq_len = a.seq_len or (128 if dry else 1024)
     a.budget_s = a.budget_s or (0 if dry else 900 if a.full else 450)
-    a.run_timeout_s = a.run_timeout_s or (600 if dry else 240)
+    a.run_timeout_s = a.run_timeout_s or (600 if dry else 180)
     a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     a.strategies = [s.strip() for s in a.strategies.split(",") if s.strip()]
@@ -505,8 +512,10 @@ def main(argv=None) -> int:
                         continue
                     print(f"gpu_check: {shape} {section} {label} ...", file=sys.stderr,
                           flush=True)
+                    timeout = a.run_timeout_s if not a.budget_s else \
+                        min(a.run_timeout_s, max(60.0, a.budget_s + 60 - elapsed))
                     res = train_run(model_dir, work, f"{shape}-{section}-{label}", extra,
-                                    common, a.run_timeout_s)
+                                    common, timeout)
                     if "wall_s" in res:
                         walls.append(res["wall_s"])
                     entry[section][label] = res
@@ -516,7 +525,8 @@ def main(argv=None) -> int:
                              if res["status"] == "ok" else f": {res.get('message', '')}"),
                           file=sys.stderr, flush=True)
                     rep.save()
-                shutil.rmtree(model_dir, ignore_errors=True) if not a.keep else None
+                if not a.keep:
+                    shutil.rmtree(model_dir, ignore_errors=True)
         finally:
             if not a.keep:
                 shutil.rmtree(work, ignore_errors=True)

@@ -77,3 +77,11 @@ def test_without_cuda_it_stops_with_one_line_and_exit_2(gpu_check, monkeypatch, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no CUDA device" in err and "--dry-run-cpu" in err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_quick_is_the_default(gpu_check):
+    quick, full = gpu_check.parse_args([]), gpu_check.parse_args(["--full"])
+    assert (quick.full, quick.train_steps, quick.budget_s) == (False, 6, 450)
+    assert (full.full, full.train_steps) == (True, 20)
+    dry = gpu_check.parse_args(["--dry-run-cpu"])
+    assert (dry.train_steps, dry.seq_len, dry.budget_s) == (2, 128, 0)
