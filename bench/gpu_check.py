@@ -301,6 +301,21 @@ def train_run(model_dir: str, work: str, label: str, extra: list[str], common: l
     return res
 
 
+def _guarded(fn, *args, **kwargs) -> dict:
+    """``fn``'s result, or {"status": "failed", "message": ...} when it raises."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:   # noqa: BLE001 -- recorded, and the other parts still run
+        import traceback
+
+        print(f"gpu_check: {fn.__name__} failed: {exc!r}", file=sys.stderr, flush=True)
+        return {"status": "failed", "message": f"{type(exc).__name__}: {exc}"[:500],
+                "traceback": traceback.format_exc()[-3000:]}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def _version(pkg: str):
     try:
         return importlib.metadata.version(pkg)
@@ -332,9 +347,23 @@ def _mib(b) -> str:
 def markdown(d: dict) -> str:
     """The train runs of a result file as markdown tables (for docs/benchmarks.md)."""
     out = []
+    for key in ("step_fp32", "step_bf16"):
+        r = d.get(key) or {}
+        if "median_s" in r:
+            out.append(f"{key}: {r['median_s']:.3f} s median over {r['steps']} steps "
+                       f"(min {r['min_s']:.3f}, max {r['max_s']:.3f})\n")
+    enc = d.get("encode_ms_per_sync") or {}
+    if enc and "status" not in enc:
+        out += [f"| strategy | encode+decode on {d.get('encode_ms_per_sync_device')} (ms per "
+                "sync) | catalog's CPU figure (ms) |", "|---|---|---|"]
+        out += [f"| {k} | {v['ms']:.2f} | {v['cpu_figure_ms']:.2f} |" for k, v in enc.items()]
+        out.append("")
     t = d.get("train") or {}
     for shape, e in t.get("shapes", {}).items():
         m = e["model"]
+        if m.get("status") == "failed":
+            out.append(f"{shape}: the model was not built: {m.get('message')}\n")
+            continue
         out.append(f"{m['shape']}: {m['params']:,} parameters, random weights; "
                    f"{t.get('workload', '')}; {t.get('nproc')} rank(s), {t.get('backend')}, "
                    f"{d.get('device')}, torch {d.get('torch')}"
@@ -446,14 +475,15 @@ def main(argv=None) -> int:
         "command": "python bench/gpu_check.py " + " ".join(sys.argv[1:] if argv is None
                                                             else argv)})
     d = rep.data
+    # a part that fails is recorded and the next one runs: device time is scarce
     if "step" in a.sections:
         layers = 2 if a.dry_run_cpu else None
         steps = 2 if a.dry_run_cpu else a.steps
-        d["step_fp32"] = step_time(steps, False, device, layers)
-        d["step_bf16"] = step_time(steps, True, device, layers)
-        rep.save()
+        for key, bf16 in (("step_fp32", False), ("step_bf16", True)):
+            d[key] = _guarded(step_time, steps, bf16, device, layers)
+            rep.save()
     if "codecs" in a.sections:
-        d["encode_ms_per_sync"] = codecs(1 if a.dry_run_cpu else 5, device)
+        d["encode_ms_per_sync"] = _guarded(codecs, 1 if a.dry_run_cpu else 5, device)
         d["encode_ms_per_sync_device"] = device
         rep.save()
 
@@ -496,9 +526,12 @@ def main(argv=None) -> int:
             for si, shape in enumerate(shapes):
                 model_dir = os.path.join(work, "model-" + shape)
                 entry = d["train"]["shapes"][shape] = {
-                    "model": build_model(shape, model_dir, tiny=a.dry_run_cpu, device=device),
+                    "model": _guarded(build_model, shape, model_dir, tiny=a.dry_run_cpu,
+                                      device=device),
                     "modes": {}, "strategies": {}}
                 rep.save()
+                if entry["model"].get("status") == "failed":
+                    continue
                 for section, label, extra in runs:
                     if si and section == "strategies":
                         continue   # the strategies on the first shape only
@@ -534,9 +567,13 @@ def main(argv=None) -> int:
     d["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     rep.save()
     print(json.dumps(d, indent=1))
-    failed = [f"{shape}/{sec}/{k}" for shape, e in d.get("train", {}).get("shapes", {}).items()
-              for sec in ("modes", "strategies") for k, v in e[sec].items()
-              if v.get("status") == "failed"]
+    failed = [k for k in ("step_fp32", "step_bf16", "encode_ms_per_sync")
+              if d.get(k, {}).get("status") == "failed"]
+    failed += [f"{shape}/model" for shape, e in d.get("train", {}).get("shapes", {}).items()
+               if e["model"].get("status") == "failed"]
+    failed += [f"{shape}/{sec}/{k}" for shape, e in d.get("train", {}).get("shapes", {}).items()
+               for sec in ("modes", "strategies") for k, v in e[sec].items()
+               if v.get("status") == "failed"]
     if failed:
         print(f"gpu_check: {len(failed)} run(s) failed: {', '.join(failed)} (see their "
               "message and output_tail in the JSON)", file=sys.stderr)
