@@ -536,7 +536,8 @@ def main(argv=None) -> int:
                     if si and section == "strategies":
                         continue   # the strategies on the first shape only
                     elapsed = time.perf_counter() - t_start
-                    guess = max(walls) if walls else 0.0
+                    # a typical run (one that hung to its timeout says nothing of the next)
+                    guess = statistics.median(walls) if walls else 0.0
                     if a.budget_s and elapsed + guess > a.budget_s:
                         entry[section][label] = {
                             "status": f"skipped: time budget (--budget-s {a.budget_s:.0f}; "
@@ -549,7 +550,7 @@ def main(argv=None) -> int:
                         min(a.run_timeout_s, max(60.0, a.budget_s + 60 - elapsed))
                     res = train_run(model_dir, work, f"{shape}-{section}-{label}", extra,
                                     common, timeout)
-                    if "wall_s" in res:
+                    if "wall_s" in res and not res.get("message", "").startswith("timed out"):
                         walls.append(res["wall_s"])
                     entry[section][label] = res
                     print(f"gpu_check:   {res['status']}"
