@@ -11,7 +11,7 @@ YAML layout (every section and key optional)::
     lora:  {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj]}
     data:  {path: demo, seq_len: 1024, format: auto, packing: false}
     train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 120, seed: 0}
-    comm:  {strategy: allreduce, bucket_mb: 1.0, options: {period: 8}}
+    comm:  {strategy: auto, bucket_mb: 1.0, options: {period: 8}}
     run:   {output_dir: runs/..., nproc: 2}
 """
 
@@ -320,8 +320,9 @@ class TrainConfig:
 
 @dataclass
 class CommConfig:
-    strategy: str = _f("allreduce", "gradient-sync strategy: " + ", ".join(
-                       n for n in catalog.names() if n != "none") + " (none = no sync: the "
+    strategy: str = _f("auto", "gradient-sync strategy: " + ", ".join(
+                       n for n in catalog.names() if n != "none") + " (default auto: measures "
+                       "the network and picks, as lorasync.hf.attach does; none = no sync: the "
                        "compute ceiling; `lorasync train --list-strategies` describes them)",
                        flag="--comm")
     options: dict = _f(dict, "strategy options as key=value pairs, e.g. period=8",
