@@ -318,6 +318,10 @@ class TrainConfig:
                "choose one of --bf16 and --fp16")
 
 
+#: auto's candidates under --fp16 when none are given (train.loop._fp16_refused)
+FP16_AUTO_CANDIDATES = "allreduce,fp16"
+
+
 @dataclass
 class CommConfig:
     strategy: str = _f("auto", "gradient-sync strategy: " + ", ".join(
@@ -646,6 +650,12 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
             if f.name in raw[section]:
                 kwargs[f.name] = _coerce(section, f, raw[section][f.name])
         built[section] = cls(**kwargs)
+    comm = built["comm"]
+    if built["train"].fp16 and comm.strategy == "auto" and "candidates" not in comm.options:
+        # the default strategy under --fp16: auto among the per-step strategies that keep
+        # nothing across steps (loss scaling and error feedback do not mix; local SGD and
+        # DiLoCo give each rank its own loss scale, which a later switch would mix)
+        comm.options = {**comm.options, "candidates": FP16_AUTO_CANDIDATES}
     return Config(**built)
 
 
