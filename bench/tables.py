@@ -287,8 +287,8 @@ def trl() -> str:
              f"the rows' order rotated each round; eval loss on {a['eval_size']} held-out "
              f"examples. Host load (1-minute average) {d['load_before']:.1f} before, "
              f"{d['load_after']:.1f} after.", "",
-             "| run | samples/s by round | mean | vs TRL | eval loss by seed | quality |",
-             "|---|---|---|---|---|---|"]
+             "| run | samples/s by round | mean | median | mean vs TRL | eval loss by seed | "
+             "quality |", "|---|---|---|---|---|---|---|"]
     limit = q["limit"]
     for key, name, qk in (("trl", "TRL `SFTTrainer` (plain DDP)", None),
                           ("allreduce", "`lorasync train --comm allreduce`", "allreduce"),
@@ -298,7 +298,8 @@ def trl() -> str:
         m = mean[key]
         vs = f"{m / mean['trl']:.3f}x" if mean.get("trl") and m else "-"
         losses = q["trl_eval_losses"] if qk is None else q[qk]["eval_losses"]
-        lines.append(f"| {name} | {cells(rounds[key])} | {m:.2f} | {vs} | "
+        med = sorted(rounds[key])[len(rounds[key]) // 2]
+        lines.append(f"| {name} | {cells(rounds[key])} | {m:.2f} | {med:.2f} | {vs} | "
                      f"{cells(losses, '.4f')} | "
                      f"{'reference' if qk is None else verdict(q[qk]['pass'])} |")
     if limit:
@@ -310,6 +311,18 @@ def trl() -> str:
                      f"{sp['default_vs_allreduce']:.3f}x the samples/s by the means (by round: "
                      f"{cells(sp['default_vs_allreduce_rounds'], '.3f')}); launch to the end "
                      f"of step 1 {cells(first, '.1f')} s against {cells(first_ar, '.1f')} s.")
+        # auto's own set-up, from its log lines: encode timing and the start probe
+        own = []
+        for r in d["rows"]:
+            if r.get("comm") == "default" and r.get("auto_log"):
+                secs = [float(x) for line in r["auto_log"][:3]
+                        for x in re.findall(r"\((\d+(?:\.\d+)?) s\)", line)]
+                if secs:
+                    own.append(sum(secs))
+        if own:
+            lines[-1] += (f" Of that, auto's own set-up as its log times it (each "
+                          f"candidate's encode+decode, the start probe; its timing of the DiLoCo "
+                          f"variants is not logged in seconds) took {cells(own, '.1f')} s.")
     mem = d.get("memory") or {}
     if mem:
         lines += ["", "| mode | TRL peak resident MiB, rank 0 / 1 | lorasync train, rank 0 / 1 "

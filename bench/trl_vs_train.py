@@ -200,6 +200,13 @@ def run_trl(a, work: str, label: str, seed: int, steps: int, *, bf16=False, gc=F
     return res
 
 
+def _auto_lines(log: str) -> list[str]:
+    try:
+        return [x.strip() for x in Path(log).read_text().splitlines() if x.startswith("auto:")]
+    except OSError:
+        return []
+
+
 def run_train(a, work: str, label: str, seed: int, steps: int, *, comm: str | None,
               bf16=False, gc=False, eval_size: int | None = None) -> dict:
     run = os.path.join(work, label)
@@ -235,6 +242,8 @@ def run_train(a, work: str, label: str, seed: int, steps: int, *, comm: str | No
     if ea:
         res["eval_loss"] = ea["eval_loss"]
         res["eval_n"] = ea.get("n")
+    # auto's own start-up and decisions (its encode timing, probe, choice), from rank 0's log
+    res["auto_log"] = _auto_lines(os.path.join(work, f"{label}.log"))
     cfg = Path(run, "config.yaml")
     if cfg.is_file():
         import yaml
