@@ -325,8 +325,9 @@ FP16_AUTO_CANDIDATES = "allreduce,fp16"
 @dataclass
 class CommConfig:
     strategy: str = _f("auto", "gradient-sync strategy: " + ", ".join(
-                       n for n in catalog.names() if n != "none") + " (default auto: measures "
-                       "the network and picks, as lorasync.hf.attach does; none = no sync: the "
+                       n for n in catalog.names() if n != "none") + " (auto measures the "
+                       "network and picks, the default here and in lorasync.hf.attach; none = "
+                       "no sync: the "
                        "compute ceiling; `lorasync train --list-strategies` describes them)",
                        flag="--comm")
     options: dict = _f(dict, "strategy options as key=value pairs, e.g. period=8",
