@@ -326,7 +326,8 @@ def trl() -> str:
     mem = d.get("memory") or {}
     if mem:
         lines += ["", "| mode | TRL peak resident MiB, rank 0 / 1 | lorasync train, rank 0 / 1 "
-                  "| lorasync vs TRL (rank 0) | samples/s TRL / lorasync |", "|---|---|---|---|---|"]
+                  "| lorasync vs TRL (rank 0) | samples/s TRL / lorasync |",
+                  "|---|---|---|---|---|"]
 
         def mib(x):
             return "-" if not x else " / ".join(f"{b / 2**20:.0f}" for b in x)
