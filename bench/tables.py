@@ -268,6 +268,80 @@ def hf_exits() -> str:
     return "\n".join(lines)
 
 
+def trl() -> str:
+    """bench/trl_vs_train.py: lorasync train against TRL's SFTTrainer on one machine,
+    and lorasync train's default strategy against --comm allreduce."""
+    d = _load("trl", "trl_vs_train.json")
+    a, q, sp, default = d["args"], d["quality"], d["speed"], d["default_strategy"]
+    rounds, mean = sp["rounds"], sp["mean"]
+
+    def cells(xs, spec=".2f"):
+        return ", ".join("-" if x is None else format(x, spec) for x in xs)
+
+    def verdict(ok):
+        return {True: "pass", False: "**fail**", None: "-"}[ok]
+
+    lines = [f"{a['steps']} steps x 2 ranks (one thread each), {a['batch_size']} examples x "
+             f"<= {a['seq_len']} tokens per rank per step, lr {a['lr']:g} cosine, "
+             f"{a['warmup']} warm-up steps; {len(rounds['trl'])} rounds, round k with seed k, "
+             f"the rows' order rotated each round; eval loss on {a['eval_size']} held-out "
+             f"examples. Host load (1-minute average) {d['load_before']:.1f} before, "
+             f"{d['load_after']:.1f} after.", "",
+             "| run | samples/s by round | mean | median | mean vs TRL | eval loss by seed | "
+             "quality |", "|---|---|---|---|---|---|---|"]
+    limit = q["limit"]
+    for key, name, qk in (("trl", "TRL `SFTTrainer` (plain DDP)", None),
+                          ("allreduce", "`lorasync train --comm allreduce`", "allreduce"),
+                          ("default", f"`lorasync train` (default: `{default}`)", "default")):
+        if not rounds.get(key):
+            continue
+        m = mean[key]
+        vs = f"{m / mean['trl']:.3f}x" if mean.get("trl") and m else "-"
+        losses = q["trl_eval_losses"] if qk is None else q[qk]["eval_losses"]
+        med = sorted(rounds[key])[len(rounds[key]) // 2]
+        lines.append(f"| {name} | {cells(rounds[key])} | {m:.2f} | {med:.2f} | {vs} | "
+                     f"{cells(losses, '.4f')} | "
+                     f"{'reference' if qk is None else verdict(q[qk]['pass'])} |")
+    if limit:
+        lines += ["", f"Quality limit (the worst TRL seed + 5%): {limit:.4f}."]
+    if "default_vs_allreduce" in sp:
+        first = [x for x in sp.get("default_to_first_step_s") or [] if x is not None]
+        first_ar = [x for x in sp.get("allreduce_to_first_step_s") or [] if x is not None]
+        lines.append(f"Default (`{default}`) against `--comm allreduce`: "
+                     f"{sp['default_vs_allreduce']:.3f}x the samples/s by the means (by round: "
+                     f"{cells(sp['default_vs_allreduce_rounds'], '.3f')}); launch to the end "
+                     f"of step 1 {cells(first, '.1f')} s against {cells(first_ar, '.1f')} s.")
+        # auto's own set-up, from its log lines: encode timing and the start probe
+        own = []
+        for r in d["rows"]:
+            if r.get("comm") == "default" and r.get("auto_log"):
+                secs = [float(x) for line in r["auto_log"][:3]
+                        for x in re.findall(r"\((\d+(?:\.\d+)?) s\)", line)]
+                if secs:
+                    own.append(sum(secs))
+        if own:
+            lines[-1] += (f" Of that, auto's own set-up as its log times it (each "
+                          f"candidate's encode+decode, the start probe; its timing of the DiLoCo "
+                          f"variants is not logged in seconds) took {cells(own, '.1f')} s.")
+    mem = d.get("memory") or {}
+    if mem:
+        lines += ["", "| mode | TRL peak resident MiB, rank 0 / 1 | lorasync train, rank 0 / 1 "
+                  "| lorasync vs TRL (rank 0) | samples/s TRL / lorasync |",
+                  "|---|---|---|---|---|"]
+
+        def mib(x):
+            return "-" if not x else " / ".join(f"{b / 2**20:.0f}" for b in x)
+
+        for mode, m in mem.items():
+            t, lo = m.get("trl"), m.get("lorasync")
+            ratio = f"{lo[0] / t[0]:.2f}x" if t and lo else "-"
+            sps = (f"{cells([m.get('trl_samples_per_s')])} / "
+                   f"{cells([m.get('lorasync_samples_per_s')])}")
+            lines.append(f"| {mode} ({m['steps']} steps) | {mib(t)} | {mib(lo)} | {ratio} | "
+                         f"{sps} |")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -282,6 +356,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "auto-cut": auto_cut,
     "scaling": scaling,
     "hf-exits": hf_exits,
+    "trl": trl,
 }
 
 

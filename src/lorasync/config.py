@@ -11,7 +11,7 @@ YAML layout (every section and key optional)::
     lora:  {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj]}
     data:  {path: demo, seq_len: 1024, format: auto, packing: false}
     train: {batch_size: 4, grad_accum: 1, lr: 2.0e-3, max_steps: 120, seed: 0}
-    comm:  {strategy: allreduce, bucket_mb: 1.0, options: {period: 8}}
+    comm:  {strategy: auto, bucket_mb: 1.0, options: {period: 8}}
     run:   {output_dir: runs/..., nproc: 2}
 """
 
@@ -318,10 +318,16 @@ class TrainConfig:
                "choose one of --bf16 and --fp16")
 
 
+#: auto's candidates under --fp16 when none are given (train.loop._fp16_refused)
+FP16_AUTO_CANDIDATES = "allreduce,fp16"
+
+
 @dataclass
 class CommConfig:
-    strategy: str = _f("allreduce", "gradient-sync strategy: " + ", ".join(
-                       n for n in catalog.names() if n != "none") + " (none = no sync: the "
+    strategy: str = _f("auto", "gradient-sync strategy: " + ", ".join(
+                       n for n in catalog.names() if n != "none") + " (auto measures the "
+                       "network and picks, the default here and in lorasync.hf.attach; none = "
+                       "no sync: the "
                        "compute ceiling; `lorasync train --list-strategies` describes them)",
                        flag="--comm")
     options: dict = _f(dict, "strategy options as key=value pairs, e.g. period=8",
@@ -645,6 +651,12 @@ def load_config(yaml_path: str | None = None, overrides: dict[str, dict[str, Any
             if f.name in raw[section]:
                 kwargs[f.name] = _coerce(section, f, raw[section][f.name])
         built[section] = cls(**kwargs)
+    comm = built["comm"]
+    if built["train"].fp16 and comm.strategy == "auto" and "candidates" not in comm.options:
+        # the default strategy under --fp16: auto among the per-step strategies that keep
+        # nothing across steps (loss scaling and error feedback do not mix; local SGD and
+        # DiLoCo give each rank its own loss scale, which a later switch would mix)
+        comm.options = {**comm.options, "candidates": FP16_AUTO_CANDIDATES}
     return Config(**built)
 
 

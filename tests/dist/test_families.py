@@ -34,7 +34,7 @@ FAMILIES = {
 VARIANT = {"qwen2": ["--use-rslora"], "gemma": ["--use-dora"]}
 RUN = ["--nproc", "2", "--lora-targets", "all-linear", "--max-steps", "2", "--batch-size", "2",
        "--seq-len", "64", "--demo-size", "64", "--eval-size", "4", "--max-new-tokens", "2",
-       "--no-eval-before", "--ckpt-interval", "0", "--no-progress"]
+       "--no-eval-before", "--ckpt-interval", "0", "--no-progress", "--comm", "allreduce"]
 
 
 def save_in_hub_cache(cache, repo_id: str, model, tok) -> str:

@@ -207,7 +207,7 @@ def test_token_weighted_loss_and_grad_norm_of_the_synced_gradient(tmp_path):
 
     out = tmp_path / "run"
     p = run_cli("train", *TINY, "--max-steps", "1", "--batch-size", "2", "--grad-accum", "2",
-                "--max-grad-norm", "0.01", "--output-dir", out)
+                "--max-grad-norm", "0.01", "--comm", "allreduce", "--output-dir", out)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = {r["rank"]: r for r in _records(out) if r.get("step") == 1}
     # 5 warm-up steps (the default) in a 1-step run: said once, by rank 0

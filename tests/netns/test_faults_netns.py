@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(420),
               pytest.mark.skipif(_why is not None, reason=_why or "")]
 
 TAG = f"f{os.getpid() % 100000}"
+# plain all-reduce named (the default is auto): a recovered rank takes a peer's state,
+# replicated after every step under a per-step sync
 TINY = ["train", "--model", "tiny", "--batch-size", "2", "--eval-size", "0", "--no-progress",
-        "--no-eval-before"]
+        "--no-eval-before", "--comm", "allreduce"]
 
 
 @pytest.fixture(scope="module", autouse=True)

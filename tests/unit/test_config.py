@@ -15,7 +15,7 @@ def test_defaults_are_the_embedded_job():
     assert c.model.name == "smollm2-135m"
     assert (c.lora.r, c.lora.alpha) == (8, 16.0)
     assert c.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    assert c.comm.strategy == "allreduce" and c.run.nproc == 2 and c.data.path == "demo"
+    assert c.comm.strategy == "auto" and c.run.nproc == 2 and c.data.path == "demo"
 
 
 def test_yaml_then_overrides(tmp_path):

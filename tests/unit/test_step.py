@@ -46,7 +46,7 @@ def test_flags_reach_the_config():
     assert t.bf16 and t.gradient_checkpointing and t.max_grad_norm == 0.0 and not t.fp16
 
 
-@pytest.mark.parametrize("strategy", ["int8", "onebit", "topk", "powersgd", "auto",
+@pytest.mark.parametrize("strategy", ["int8", "onebit", "topk", "powersgd",
                                       "torch_powersgd"])
 def test_fp16_refused_with_error_feedback(strategy):
     cfg = load_config(None, {"train": {"fp16": True}, "comm": {"strategy": strategy}})
@@ -61,6 +61,19 @@ def test_fp16_refused_with_error_feedback(strategy):
 def test_fp16_runs_on_this_cpu_with_lossless_and_periodic(strategy):
     check_precision(load_config(None, {"train": {"fp16": True},
                                        "comm": {"strategy": strategy}}), "cpu")
+
+
+def test_fp16_with_auto_runs_among_per_step_strategies():
+    cfg = load_config(None, {"train": {"fp16": True}})   # no --comm: the default, auto
+    assert cfg.comm.strategy == "auto" and cfg.comm.options == {"candidates": "allreduce,fp16"}
+    check_precision(cfg, "cpu")
+    assert load_config(None, {"train": {"bf16": True}}).comm.options == {}
+    # candidates the user names are kept, and refused if one keeps gradients across steps
+    cfg = load_config(None, {"train": {"fp16": True},
+                             "comm": {"options": {"candidates": "allreduce,int8"}}})
+    assert cfg.comm.options == {"candidates": "allreduce,int8"}
+    with pytest.raises(ConfigError, match="candidates=allreduce,fp16"):
+        check_precision(cfg, "cpu")
 
 
 def test_autocast_a_device_lacks_is_named():

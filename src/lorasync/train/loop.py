@@ -97,13 +97,18 @@ def schedule_note(schedule: str, lr: float, warmup: int, total: int) -> str | No
             f"to at most {total} to reach it")
 
 
-def _fp16_refused(strategy: str) -> bool:
+def _fp16_refused(strategy: str, options: dict | None = None) -> bool:
     """Whether ``strategy`` keeps gradients across steps (error feedback; auto
     may switch to such a strategy), where loss scaling would leave scaled, at
-    times infinite, values."""
+    times infinite, values.  auto passes when its ``candidates`` are per-step
+    strategies without error feedback (what --fp16 gives the default auto)."""
     from lorasync import catalog
 
-    if strategy in ("auto", "torch_powersgd"):
+    if strategy == "auto":
+        given = (options or {}).get("candidates")
+        names = [c.strip() for c in str(given).split(",") if c.strip()] if given else []
+        return not names or any(c not in ("allreduce", "fp16", "bf16") for c in names)
+    if strategy == "torch_powersgd":
         return True
     return strategy in catalog.SPECS and catalog.SPECS[strategy].error_feedback
 
@@ -128,11 +133,13 @@ def check_precision(cfg: Config, device_type: str, probe: bool = True) -> None:
     if not (tc.bf16 or tc.fp16):
         return
     flag, name = ("train.fp16", "float16") if tc.fp16 else ("train.bf16", "bfloat16")
-    if tc.fp16 and _fp16_refused(cfg.comm.strategy):
+    if tc.fp16 and _fp16_refused(cfg.comm.strategy, cfg.comm.options):
         raise ConfigError(flag, True, f"--comm {cfg.comm.strategy} keeps gradients across "
                           "steps (error feedback), which loss scaling fills with scaled and at "
                           "times infinite values; use --bf16 (no loss scaling), or --fp16 with "
-                          "allreduce, fp16, bf16, local or diloco")
+                          "allreduce, fp16, bf16, local or diloco"
+                          + (" (or auto among allreduce, fp16 and bf16 only: --comm-opt "
+                             "candidates=allreduce,fp16)" if cfg.comm.strategy == "auto" else ""))
     if not probe:
         return
     import torch
