@@ -24,7 +24,8 @@ def run(nproc: int, steps: int, model: str, workdir: str, extra: list[str]) -> d
     out = os.path.join(workdir, f"n{nproc}")
     cmd = [sys.executable, "-m", "lorasync", "train", "--model", model, "--nproc", str(nproc),
            "--max-steps", str(steps), "--eval-size", "0", "--ckpt-interval", "0",
-           "--no-progress", "--output-dir", out, "--comm", "allreduce", *extra]   # a --comm in extra wins
+           "--no-progress", "--output-dir", out,
+           "--comm", "allreduce", *extra]   # a --comm in extra comes later and wins
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
