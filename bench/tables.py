@@ -268,6 +268,55 @@ def hf_exits() -> str:
     return "\n".join(lines)
 
 
+def switch_bench() -> str:
+    """bench/hf_trainer.py --sft: one TRL SFTTrainer script run plain, with
+    accelerate's fp16 hook and with the switch, beside ``lorasync train``."""
+    d = _load("hf", "switch_10mbit.json")
+    names = {"sft-plain": "TRL script, plain (the Trainer's DDP)",
+             "sft-accelerate_fp16": "TRL script, accelerate's fp16 comm hook",
+             f"sft-switch-{d['switch_strategy']}":
+                 f"TRL script, `LORASYNC_STRATEGY={d['switch_strategy']}`",
+             f"lorasync-train-{d['switch_strategy']}":
+                 f"`lorasync train --comm {d['switch_strategy']}`"}
+    rows = {r["label"]: r for r in d["rows"]}
+    plain = rows.get("sft-plain", {}).get("samples_per_s")
+    lines = ["| run | samples/s | vs plain | start-up sync | gradient sync at the end |",
+             "|---|---|---|---|---|"]
+    for label, name in names.items():
+        r = rows.get(label)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"| {name} | failed ({r['error'].split(';')[0]}) | | | |")
+            continue
+        sps = r["samples_per_s"]
+        sync = {"sft-plain": "fp32 all-reduce", "sft-accelerate_fp16": "fp16 all-reduce"}.get(
+            label, r.get("final_strategy"))
+        start = r.get("startup_bytes")
+        start = "-" if start is None else (f"{start / 1e6:.0f} MB (DDP's broadcast)"
+                                           if start >= 1e6 else f"{start:,} B")
+        lines.append(f"| {name} | {sps:.2f} | {sps / plain:.2f}x | {start} | {sync} |"
+                     if plain else f"| {name} | {sps:.2f} | - | {start} | {sync} |")
+    t = d.get("targets", {})
+    lines.append("")
+    parts = []
+    if "speedup_vs_plain" in t:
+        x = t["speedup_vs_plain"]
+        parts.append(f"switch vs plain {x['ratio']:.2f}x (target >= 1.5x: "
+                     f"{'met' if x['met'] else 'not met'})")
+    if "parity_vs_lorasync_train" in t:
+        x = t["parity_vs_lorasync_train"]
+        parts.append(f"switch vs `lorasync train` {x['ratio']:.3f} (target within 5%: "
+                     f"{'met' if x['met'] else 'not met'})")
+    lines.append("; ".join(parts) + "." if parts else "Targets: no figures (a row failed).")
+    lines.append("")
+    lines.append(f"{d['steps']} steps x 2 ranks, {d['batch_size']} examples of <= {d['seq_len']} "
+                 f"tokens per rank per step, link {d['rate']}; the plain and fp16 rows start on "
+                 f"{d['startup_rate']} and are cut to {d['rate']} before step 1. Host load "
+                 f"(1-minute average) {d['load_before']:.1f} before, {d['load_after']:.1f} after.")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -282,6 +331,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "auto-cut": auto_cut,
     "scaling": scaling,
     "hf-exits": hf_exits,
+    "switch-bench": switch_bench,
 }
 
 
