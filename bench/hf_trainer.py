@@ -200,7 +200,6 @@ def sft_worker(a) -> None:
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
     with open(a.data) as fh:
         rows = json.load(fh)   # input_ids + labels, in the order the bench wrote them
-    state_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     torch.manual_seed(0)
     peft = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
                       task_type="CAUSAL_LM")
@@ -231,6 +230,10 @@ def sft_worker(a) -> None:
             ddp = trainer.model_wrapped
             times["comm_hook"] = (ddp._get_ddp_logging_data().get("comm_hook", "")
                                   if hasattr(ddp, "_get_ddp_logging_data") else None)
+            # what DDP's start-up sync broadcasts from rank 0: every parameter and buffer
+            m = trainer.model
+            times["state_bytes"] = sum(t.numel() * t.element_size()
+                                       for t in [*m.parameters(), *m.buffers()])
             if a.gate:   # the bench cuts the link now; wait for it
                 Path(a.gate, f"ready-{dist.get_rank()}").touch()
                 while not Path(a.gate, "go").exists():
@@ -250,7 +253,7 @@ def sft_worker(a) -> None:
                     if any(k.startswith("lorasync/") for k in h)), {})
     res = {"mode": a.mode, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
            "startup_s": times["begin"] - t_train, "gate_s": times.get("gate_s", 0.0),
-           "records": times["records"], "base_state_bytes": state_bytes,
+           "records": times["records"], "base_state_bytes": times["state_bytes"],
            "batch_size": a.batch_size, "losses": [h["loss"] for h in logs],
            "trainer_class": type(trainer).__name__,
            "ddp_comm_hook": times.get("comm_hook"),
