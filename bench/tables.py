@@ -271,7 +271,10 @@ def hf_exits() -> str:
 def switch_bench() -> str:
     """bench/hf_trainer.py --sft: one TRL SFTTrainer script run plain, with
     accelerate's fp16 hook and with the switch, beside ``lorasync train``."""
+    from lorasync.units import fmt_bytes, fmt_rate, parse_rate_bps
+
     d = _load("hf", "switch_10mbit.json")
+    rate, startup_rate = (fmt_rate(parse_rate_bps(d[k]), unit="bit") for k in ("rate", "startup_rate"))
     names = {"sft-plain": "TRL script, plain (the Trainer's DDP)",
              "sft-accelerate_fp16": "TRL script, accelerate's fp16 comm hook",
              f"sft-switch-{d['switch_strategy']}":
@@ -293,8 +296,8 @@ def switch_bench() -> str:
         sync = {"sft-plain": "fp32 all-reduce", "sft-accelerate_fp16": "fp16 all-reduce"}.get(
             label, r.get("final_strategy"))
         start = r.get("startup_bytes")
-        start = "-" if start is None else (f"{start / 1e6:.0f} MB (DDP's broadcast)"
-                                           if start >= 1e6 else f"{start:,} B")
+        start = "-" if start is None else fmt_bytes(start) + (
+            " (DDP's broadcast)" if label in ("sft-plain", "sft-accelerate_fp16") else "")
         lines.append(f"| {name} | {sps:.2f} | {sps / plain:.2f}x | {start} | {sync} |"
                      if plain else f"| {name} | {sps:.2f} | - | {start} | {sync} |")
     t = d.get("targets", {})
@@ -311,8 +314,8 @@ def switch_bench() -> str:
     lines.append("; ".join(parts) + "." if parts else "Targets: no figures (a row failed).")
     lines.append("")
     lines.append(f"{d['steps']} steps x 2 ranks, {d['batch_size']} examples of <= {d['seq_len']} "
-                 f"tokens per rank per step, link {d['rate']}; the plain and fp16 rows start on "
-                 f"{d['startup_rate']} and are cut to {d['rate']} before step 1. Host load "
+                 f"tokens per rank per step, link {rate}; the plain and fp16 rows start on "
+                 f"{startup_rate} and are cut to {rate} before step 1. Host load "
                  f"(1-minute average) {d['load_before']:.1f} before, {d['load_after']:.1f} after.")
     return "\n".join(lines)
 
