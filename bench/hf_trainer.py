@@ -259,7 +259,11 @@ def sft_worker(a) -> None:
            "ddp_comm_hook": times.get("comm_hook"),
            "examples_given": len(rows), "examples_trained_on": len(trainer.train_dataset),
            "lorasync_modules": sorted(m for m in sys.modules if m.split(".")[0] == "lorasync"),
-           "lorasync_log": last_ls}
+           "lorasync_log": last_ls,
+           # lorasync's per-window figures (step_s, comm_s ...) of the last log: with
+           # logging_steps = steps, means over every step
+           "lorasync_window": next(({k: v for k, v in h.items() if k.startswith("lorasync/")}
+                                    for h in reversed(logs) if "lorasync/step_s" in h), {})}
     with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(res, fh)
 
@@ -360,6 +364,9 @@ def run_lorasync_train(cluster, a, work: str, strategy: str) -> dict:
     r0 = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["step"])
     res["samples_per_s"] = samples_per_s([(r["step"], r["time"]) for r in r0],
                                          summary["world_size"] * a.batch_size)
+    steady = r0[1:] or r0
+    res.update(step_s=sum(r["step_s"] for r in steady) / len(steady),
+               compute_s=sum(r["compute_s"] for r in steady) / len(steady))
     res.update(startup_bytes=summary["startup_broadcast_bytes"], final_strategy=r0[-1]["strategy"],
                switches=sum(1 for r in r0 if "switch" in r),
                wire_bytes_per_step=summary["wire_bytes_per_step"],
@@ -459,6 +466,10 @@ def run_sft(cluster, a, work: str, mode: str, python: str, data: str, model_dir:
                    startup_bytes=ls.get("lorasync/startup_bytes"),
                    lorasync_startup_s=ls.get("lorasync/startup_s"),
                    wire_bytes_total=ls.get("lorasync/wire_bytes_total"))
+        win = r0.get("lorasync_window") or {}
+        if "lorasync/step_s" in win:   # means over every step, step 1 included
+            res.update(step_s=win["lorasync/step_s"], sync_share=win["lorasync/sync_share"],
+                       compute_s=win["lorasync/step_s"] - win["lorasync/comm_s"])
     else:
         res["startup_bytes"] = r0["base_state_bytes"]   # DDP's start-up broadcast
         res["startup_note"] = f"start-up on {a.startup_rate}, cut to {a.rate} before step 1"
@@ -499,13 +510,25 @@ def report_sft(rows: list[dict], a, load: tuple[float, float]) -> dict:
               f"{'met' if x >= 1.5 else 'NOT met'}")
     if ok(sw) and ok(tr):
         x = sw["samples_per_s"] / tr["samples_per_s"]
-        targets["parity_vs_lorasync_train"] = {"ratio": x, "target": 0.05,
-                                               "met": abs(x - 1) <= 0.05}
+        mean = _mean_ratio(sw, tr)
+        several = len(sw.get("rounds") or []) > 1
+        targets["parity_vs_lorasync_train"] = {"ratio": x, "target": 0.05}
+        if several:   # the verdict on the means: a best round is a row's luckiest
+            targets["parity_vs_lorasync_train"].update(
+                mean_ratio=mean, rounds_switch=sw["rounds"], rounds_train=tr["rounds"])
+            print(f"switch ({s}) vs lorasync train, best rounds {x:.3f}; means of the rounds "
+                  f"{mean:.3f} (switch {_rounds(sw)}; lorasync train {_rounds(tr)})")
+            x = mean
+        targets["parity_vs_lorasync_train"]["met"] = abs(x - 1) <= 0.05
         print(f"switch ({s}) vs lorasync train --comm {s}: {x:.3f} (target within 5%) -> "
               f"{'met' if abs(x - 1) <= 0.05 else 'NOT met'}"
               + ("" if sw.get("final_strategy") == tr.get("final_strategy") else
                  f" (ended on different strategies: switch {sw.get('final_strategy')}, "
                  f"lorasync train {tr.get('final_strategy')})"))
+    for r in rows:
+        if "error" not in r and r.get("compute_s") is not None:
+            print(f"{r['label']}: rank 0 {r['step_s']:.3f} s/step, of which computing "
+                  f"{r['compute_s']:.3f} s (sync share {100 * r['sync_share']:.1f}%)")
     return {"rate": a.rate, "startup_rate": a.startup_rate, "steps": a.steps,
             "batch_size": a.batch_size, "seq_len": a.seq_len, "model": a.model,
             "switch_strategy": s, "load_before": load[0], "load_after": load[1],
@@ -648,6 +671,9 @@ def main() -> None:
                          "lorasync), and lorasync train --comm --switch-strategy")
     ap.add_argument("--switch-strategy", default="auto",
                     help="the --sft switch row's LORASYNC_STRATEGY")
+    ap.add_argument("--sft-rows", default="train,plain,accelerate_fp16,switch",
+                    help="the --sft rows to run: train (lorasync train), plain, "
+                         "accelerate_fp16, switch")
     ap.add_argument("--sft-logging-steps", type=int, default=0,
                     help="the --sft script's logging_steps (0: --steps, one log at the end)")
     ap.add_argument("--run-timeout", type=float, default=1800)
@@ -697,7 +723,9 @@ def main() -> None:
         if a.sft:
             python = switch_python(work)
             model_dir, data = write_sft_data(a, work)
-            kinds = [("train", a.switch_strategy), *(("sft", m) for m in SFT_MODES)]
+            want = {x.strip() for x in a.sft_rows.split(",") if x.strip()}
+            kinds = [("train", a.switch_strategy)] if "train" in want else []
+            kinds += [("sft", m) for m in SFT_MODES if m in want]
             plan = []
             for k in range(max(1, a.rounds)):
                 plan += kinds[k % len(kinds):] + kinds[:k % len(kinds)]

@@ -320,6 +320,34 @@ def switch_bench() -> str:
     return "\n".join(lines)
 
 
+def switch_parity() -> str:
+    """bench/hf_trainer.py --sft --sft-rows train,switch --rounds N: the switch
+    row and ``lorasync train`` alternating, with rank 0's time per step."""
+    d = _load("hf", "switch_10mbit_parity.json")
+    s = d["switch_strategy"]
+    names = {f"sft-switch-{s}": f"TRL script, `LORASYNC_STRATEGY={s}`",
+             f"lorasync-train-{s}": f"`lorasync train --comm {s}`"}
+    rows = {r["label"]: r for r in d["rows"]}
+    lines = ["| run | samples/s, each round | mean | s/step (rank 0, best round) | of which computing | "
+             "sync share | gradient sync at the end |", "|---|---|---|---|---|---|---|"]
+    for label, name in names.items():
+        r = rows.get(label)
+        if r is None or "error" in r:
+            lines.append(f"| {name} | failed | | | | | |")
+            continue
+        rounds = [x for x in r["rounds"] if x]
+        lines.append(f"| {name} | {', '.join(f'{x:.2f}' for x in r['rounds'])} | "
+                     f"{sum(rounds) / len(rounds):.2f} | {r['step_s']:.3f} | {r['compute_s']:.3f} | "
+                     f"{100 * r['sync_share']:.1f}% | {r.get('final_strategy')} |")
+    t = d["targets"].get("parity_vs_lorasync_train")
+    lines.append("")
+    if t:
+        lines.append(f"Switch vs `lorasync train`, means of the rounds: {t.get('mean_ratio', t['ratio']):.3f} "
+                     f"(target within 5%: {'met' if t['met'] else 'not met'}). Host load (1-minute "
+                     f"average) {d['load_before']:.1f} before, {d['load_after']:.1f} after.")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -335,6 +363,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "scaling": scaling,
     "hf-exits": hf_exits,
     "switch-bench": switch_bench,
+    "switch-parity": switch_parity,
 }
 
 
