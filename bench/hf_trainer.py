@@ -24,6 +24,24 @@ after the other in this invocation (compare ratios, not absolute times):
   starts on a 1 Gbit/s link and is cut to ``--rate`` before its first step
   (its start-up is the plain row's; this saves one more slow broadcast).
 
+``--sft`` (docs/integrations.md, "Measured"): instead, one TRL ``SFTTrainer``
+script that never imports lorasync (``sft_worker``, the same batches), run
+three ways, and ``lorasync train --comm S`` beside it:
+
+    flock /work/bench.lock .venv/bin/python bench/hf_trainer.py --sft [--switch-strategy auto] \\
+        --json bench/reference/hf/switch_10mbit.json
+
+* plain: the Trainer's own DDP (fp32 all-reduce);
+* accelerate_fp16: ``DistributedDataParallelKwargs(comm_hook=FP16)`` on the
+  Trainer's accelerator (accelerate registers torch's ``fp16_compress_hook``);
+* switch: ``LORASYNC_STRATEGY=S`` in the workers' environment, nothing else:
+  lorasync's start-up hook file attaches it (the rows run with a Python whose
+  site-packages holds that file: ``switch_python``).
+Targets: switch >= 1.5x plain, and within 5% of ``lorasync train --comm S``.
+plain and accelerate_fp16 start on ``--startup-rate`` and are cut to
+``--rate`` before step 1 (DDP's start-up broadcast of the whole model would
+take ~8 minutes each); about 12 minutes at 10 Mbit/s.
+
 samples/s = samples of all ranks in steps 2..N / rank 0's wall time from the
 end of step 1 to the end of step N (the first step pays DDP's bucket rebuild).
 Neither path counts the sync after step N that leaves the replicas identical
@@ -157,6 +175,99 @@ def worker(a) -> None:
         json.dump(res, fh)
 
 
+# --------------------------------------------------------------------------- TRL script
+
+def sft_worker(a) -> None:
+    """The TRL ``SFTTrainer`` script of the ``--sft`` rows, as a user writes it:
+    nothing of lorasync is imported here (the switch row gets lorasync from the
+    start-up hook and ``LORASYNC_STRATEGY`` alone).  Only the bench's clock (a
+    ``TrainerCallback``) and, in the accelerate_fp16 row, torch's fp16 hook
+    handed to the Trainer's accelerator are added."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import SFTConfig, SFTTrainer
+
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
+    with open(a.data) as fh:
+        rows = json.load(fh)   # input_ids + labels, in the order the bench wrote them
+    torch.manual_seed(0)
+    peft = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                      task_type="CAUSAL_LM")
+    args = SFTConfig(
+        output_dir=os.path.join(a.out, "trainer"), max_steps=a.steps,
+        per_device_train_batch_size=a.batch_size, learning_rate=2e-3,
+        lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.0, max_length=a.seq_len,
+        logging_steps=a.logging_steps, save_strategy="no", report_to=[], disable_tqdm=True,
+        use_cpu=True, seed=0, train_sampling_strategy="sequential")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tok, peft_config=peft)
+    if a.mode == "accelerate_fp16":
+        # accelerate's way: DistributedDataParallelKwargs(comm_hook=FP16).  The Trainer
+        # builds that handler itself (find_unused_parameters, bucket size ... from its
+        # arguments) and has no argument for a hook, so set the field on the handler
+        # its accelerator holds; accelerate registers the hook when it wraps the model.
+        from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+        handler = trainer.accelerator.ddp_handler
+        assert isinstance(handler, DistributedDataParallelKwargs), handler
+        handler.comm_hook = DDPCommunicationHookType.FP16
+    times: dict = {"records": []}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            times["begin"] = time.time()
+            # the hook DDP runs, as DDP's own logging data names it ("" for its all-reduce)
+            ddp = trainer.model_wrapped
+            times["comm_hook"] = (ddp._get_ddp_logging_data().get("comm_hook", "")
+                                  if hasattr(ddp, "_get_ddp_logging_data") else None)
+            # what DDP's start-up sync broadcasts from rank 0: every parameter and buffer
+            m = trainer.model
+            times["state_bytes"] = sum(t.numel() * t.element_size()
+                                       for t in [*m.parameters(), *m.buffers()])
+            if a.gate:   # the bench cuts the link now; wait for it
+                Path(a.gate, f"ready-{dist.get_rank()}").touch()
+                while not Path(a.gate, "go").exists():
+                    time.sleep(0.05)
+                dist.barrier()
+                times["gate_s"] = time.time() - times["begin"]
+
+        def on_step_end(self, args, state, control, **kw):
+            times["records"].append({"step": state.global_step, "time": time.time()})
+
+    trainer.add_callback(Clock())
+    t_train = time.time()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    last_ls = next(({k: v for k, v in h.items() if k.startswith("lorasync/")}
+                    for h in reversed(trainer.state.log_history)
+                    if any(k.startswith("lorasync/") for k in h)), {})
+    res = {"mode": a.mode, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+           "startup_s": times["begin"] - t_train, "gate_s": times.get("gate_s", 0.0),
+           "records": times["records"], "base_state_bytes": times["state_bytes"],
+           "batch_size": a.batch_size, "losses": [h["loss"] for h in logs],
+           "trainer_class": type(trainer).__name__,
+           "ddp_comm_hook": times.get("comm_hook"),
+           "examples_given": len(rows), "examples_trained_on": len(trainer.train_dataset),
+           "lorasync_modules": sorted(m for m in sys.modules if m.split(".")[0] == "lorasync"),
+           "lorasync_log": last_ls,
+           # lorasync's per-window figures (step_s, comm_s ...) of the last log: with
+           # logging_steps = steps, means over every step
+           "lorasync_window": next(({k: v for k, v in h.items() if k.startswith("lorasync/")}
+                                    for h in reversed(logs) if "lorasync/step_s" in h), {})}
+    with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as fh:
+        json.dump(res, fh)
+
+
 # --------------------------------------------------------------------------- bench
 
 def samples_per_s(times_r0: list[tuple[int, float]], samples_per_step: int) -> float | None:
@@ -167,29 +278,24 @@ def samples_per_s(times_r0: list[tuple[int, float]], samples_per_step: int) -> f
     return samples_per_step * (last - 1) / (t[last] - t[1])
 
 
-def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool = False,
-                keep_avg: bool = False) -> dict:
+def _launch_gated(cluster, a, argv: list, out: str, gate: bool, env: dict | None = None
+                  ) -> tuple[int | None, float]:
+    """Run ``argv`` (after torchrun's options) on the cluster; (exit code, wall s).
+    With ``gate`` the link runs at ``--startup-rate`` until every worker has
+    reached ``on_train_begin`` (DDP built, its start-up broadcast done), then
+    at ``--rate``: the workers wait for the cut before their first step."""
     from lorasync.emulate.cluster import launch_on_cluster
 
-    label = f"trainer-{mode}" + (f"-{strategy}" if strategy else "") + (
-        "-token_average" if keep_avg else "")
-    out = os.path.join(work, label)
-    os.makedirs(out, exist_ok=True)
-    argv = [os.path.abspath(__file__), "--worker", "--mode", mode, "--strategy",
-            strategy or "none", "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--model", a.model, "--out", out,
-            "--logging-steps", str(a.logging_steps)]
-    if keep_avg:
-        argv.append("--keep-token-average")
     gate_dir = None
     if gate:
         gate_dir = os.path.join(out, "gate")
         os.makedirs(gate_dir)
-        argv += ["--gate", gate_dir]
+        argv = [*argv, "--gate", gate_dir]
         cluster.set_rate(a.startup_rate)
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("rc", launch_on_cluster(
-        cluster, argv, module=None, timeout=a.run_timeout, log_dir=os.path.join(out, "logs"))))
+        cluster, argv, module=None, timeout=a.run_timeout, env=env,
+        log_dir=os.path.join(out, "logs"))))
     t0 = time.time()
     t.start()
     while t.is_alive():
@@ -200,8 +306,24 @@ def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool
         time.sleep(0.05)
     t.join()
     cluster.set_rate(a.rate)
+    return box.get("rc"), time.time() - t0
+
+
+def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool = False,
+                keep_avg: bool = False) -> dict:
+    label = f"trainer-{mode}" + (f"-{strategy}" if strategy else "") + (
+        "-token_average" if keep_avg else "")
+    out = os.path.join(work, label)
+    os.makedirs(out, exist_ok=True)
+    argv = [os.path.abspath(__file__), "--worker", "--mode", mode, "--strategy",
+            strategy or "none", "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+            "--seq-len", str(a.seq_len), "--model", a.model, "--out", out,
+            "--logging-steps", str(a.logging_steps)]
+    if keep_avg:
+        argv.append("--keep-token-average")
+    rc, wall = _launch_gated(cluster, a, argv, out, gate)
     res = {"label": label, "kind": "trainer", "mode": mode, "strategy": strategy or None,
-           "rc": box.get("rc"), "wall_s": time.time() - t0}
+           "rc": rc, "wall_s": wall}
     if res["rc"] != 0:
         res["error"] = f"exit {res['rc']}; see {out}/logs"
         return res
@@ -242,11 +364,178 @@ def run_lorasync_train(cluster, a, work: str, strategy: str) -> dict:
     r0 = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["step"])
     res["samples_per_s"] = samples_per_s([(r["step"], r["time"]) for r in r0],
                                          summary["world_size"] * a.batch_size)
+    steady = r0[1:] or r0
+    res.update(step_s=sum(r["step_s"] for r in steady) / len(steady),
+               compute_s=sum(r["compute_s"] for r in steady) / len(steady))
     res.update(startup_bytes=summary["startup_broadcast_bytes"], final_strategy=r0[-1]["strategy"],
                switches=sum(1 for r in r0 if "switch" in r),
                wire_bytes_per_step=summary["wire_bytes_per_step"],
                sync_share=summary["sync_share"])
     return res
+
+
+SFT_MODES = ("plain", "accelerate_fp16", "switch")
+
+
+def switch_python(work: str) -> str:
+    """A Python whose site-packages runs lorasync's start-up hook file.
+
+    This environment's own when the package installed the hook there;
+    otherwise (an editable install of another checkout, say) a throwaway venv
+    in ``work`` that reaches this environment's packages through a ``.pth``
+    file and holds the hook file as the package ships it.  Every ``--sft`` row
+    runs with it; without ``LORASYNC_STRATEGY`` the hook imports nothing."""
+    import subprocess
+
+    from lorasync.integrations import switch
+
+    if switch.hook_installed():
+        return sys.executable
+    venv = os.path.join(work, "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = os.path.join(venv, "bin", "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    shared = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    # "00-": before the hook in site's (alphabetical) order, as in a real install
+    Path(site, "00-shared.pth").write_text("\n".join(shared) + "\n")
+    Path(site, switch.HOOK_FILE).write_text(Path(switch.hook_source()).read_text())
+    return python
+
+
+def write_sft_data(a, work: str) -> tuple[str, str]:
+    """(model directory, data file) for the TRL script.  The data: the ordered
+    examples (``_ordered_examples``: the batches of ``lorasync train``) as a
+    JSON list of ``input_ids``/``labels`` rows; TRL takes a dataset with
+    ``input_ids`` as tokenized and uses its ``labels`` as they are.  The model:
+    the embedded default's converted directory, a directory as given, or
+    another name (``tiny``) saved once into ``work``."""
+    from lorasync.train.model import EMBEDDED, ensure_embedded, load_base
+
+    base, tok = load_base(a.model)
+    if a.model == EMBEDDED:
+        model_dir = ensure_embedded(log=lambda m: print(m, file=sys.stderr))
+    elif os.path.isdir(a.model):
+        model_dir = a.model
+    else:
+        model_dir = os.path.join(work, "model")
+        base.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    path = os.path.join(work, "sft-data.json")
+    with open(path, "w") as fh:
+        json.dump(_ordered_examples(tok, a.steps, 2, a.batch_size, a.seq_len), fh)
+    return model_dir, path
+
+
+def run_sft(cluster, a, work: str, mode: str, python: str, data: str, model_dir: str) -> dict:
+    """One row of the TRL script (``sft_worker``), started with ``python``
+    (torchrun ``--no-python``).  plain and accelerate_fp16 start on
+    ``--startup-rate`` (their start-up is DDP's broadcast of the whole model,
+    ~8 minutes at 10 Mbit/s) and are cut to ``--rate`` before step 1; the
+    switch row runs on ``--rate`` throughout (its start-up sync is a hash
+    check, and auto's probe must see the slow link)."""
+    label = f"sft-{mode}" + (f"-{a.switch_strategy}" if mode == "switch" else "")
+    out = os.path.join(work, label)
+    os.makedirs(out, exist_ok=True)
+    argv = ["--no-python", python, os.path.abspath(__file__), "--sft-worker", "--mode", mode,
+            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+            "--seq-len", str(a.seq_len), "--model-dir", model_dir, "--data", data, "--out", out,
+            "--logging-steps", str(a.sft_logging_steps or a.steps)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LORASYNC_STRATEGY", "LORASYNC_OPTIONS")}
+    if mode == "switch":
+        env["LORASYNC_STRATEGY"] = a.switch_strategy
+    gate = mode != "switch"
+    rc, wall = _launch_gated(cluster, a, argv, out, gate, env=env)
+    res = {"label": label, "kind": "trl sft", "mode": mode, "rc": rc, "wall_s": wall,
+           "strategy": a.switch_strategy if mode == "switch" else None}
+    if rc != 0:
+        res["error"] = f"exit {rc}; see {out}/logs"
+        return res
+    with open(os.path.join(out, "rank0.json")) as fh:
+        r0 = json.load(fh)
+    res.update({k: r0[k] for k in ("startup_s", "base_state_bytes", "losses", "trainer_class",
+                                   "ddp_comm_hook", "lorasync_modules", "examples_given",
+                                   "examples_trained_on")})
+    ls = r0["lorasync_log"]
+    if mode == "switch":
+        if not ls:   # the switch did not attach: say so rather than report plain DDP as auto
+            res["error"] = "no lorasync/* metrics in the Trainer's logs: the switch did not attach"
+            return res
+        res.update(final_strategy=ls.get("lorasync/strategy"),
+                   switches=ls.get("lorasync/switches", 0),
+                   startup_bytes=ls.get("lorasync/startup_bytes"),
+                   lorasync_startup_s=ls.get("lorasync/startup_s"),
+                   wire_bytes_total=ls.get("lorasync/wire_bytes_total"))
+        win = r0.get("lorasync_window") or {}
+        if "lorasync/step_s" in win:   # means over every step, step 1 included
+            res.update(step_s=win["lorasync/step_s"], sync_share=win["lorasync/sync_share"],
+                       compute_s=win["lorasync/step_s"] - win["lorasync/comm_s"])
+    else:
+        res["startup_bytes"] = r0["base_state_bytes"]   # DDP's start-up broadcast
+        res["startup_note"] = f"start-up on {a.startup_rate}, cut to {a.rate} before step 1"
+    res["samples_per_s"] = samples_per_s([(r["step"], r["time"]) for r in r0["records"]],
+                                         r0["world_size"] * r0["batch_size"])
+    return res
+
+
+def report_sft(rows: list[dict], a, load: tuple[float, float]) -> dict:
+    """The ``--sft`` table and its two targets: the switch row >= 1.5x plain,
+    and within 5% of ``lorasync train --comm S``."""
+    by = {r["label"]: r for r in rows}
+    s = a.switch_strategy
+    print(f"\nTRL SFTTrainer, one script three ways, and lorasync train; model {a.model}, "
+          f"{a.steps} steps x 2 ranks, {a.batch_size} x <= {a.seq_len} tokens per rank per step, "
+          f"link {a.rate}; load average {load[0]:.1f} before, {load[1]:.1f} after\n")
+    print("| run | samples/s | vs plain | start-up | start-up sync | strategy at the end |")
+    print("|---|---|---|---|---|---|")
+    plain = by.get("sft-plain", {}).get("samples_per_s")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['label']} | failed: {r['error']} | | | | |")
+            continue
+        sps = r["samples_per_s"]
+        start = "-" if "startup_s" not in r else (
+            f"({r['startup_s']:.1f} s at {a.startup_rate})" if r.get("startup_note")
+            else f"{r['startup_s']:.1f} s")
+        print(f"| {r['label']} | {_fmt(sps)} | {_fmt(sps / plain if plain and sps else None)}x | "
+              f"{start} | {_fmt_bytes(r['startup_bytes']) if r.get('startup_bytes') is not None else '-'} | "
+              f"{r.get('final_strategy') or ('fp16 hook' if r.get('mode') == 'accelerate_fp16' else 'allreduce')} |")
+    sw, tr = by.get(f"sft-switch-{s}"), by.get(f"lorasync-train-{s}")
+    ok = lambda r: r is not None and "error" not in r and r.get("samples_per_s")  # noqa: E731
+    targets: dict = {}
+    if ok(sw) and plain:
+        x = sw["samples_per_s"] / plain
+        targets["speedup_vs_plain"] = {"ratio": x, "target": 1.5, "met": x >= 1.5}
+        print(f"\nswitch ({s}) vs plain: {x:.2f}x (target >= 1.5x) -> "
+              f"{'met' if x >= 1.5 else 'NOT met'}")
+    if ok(sw) and ok(tr):
+        x = sw["samples_per_s"] / tr["samples_per_s"]
+        mean = _mean_ratio(sw, tr)
+        several = len(sw.get("rounds") or []) > 1
+        targets["parity_vs_lorasync_train"] = {"ratio": x, "target": 0.05}
+        if several:   # the verdict on the means: a best round is a row's luckiest
+            targets["parity_vs_lorasync_train"].update(
+                mean_ratio=mean, rounds_switch=sw["rounds"], rounds_train=tr["rounds"])
+            print(f"switch ({s}) vs lorasync train, best rounds {x:.3f}; means of the rounds "
+                  f"{mean:.3f} (switch {_rounds(sw)}; lorasync train {_rounds(tr)})")
+            x = mean
+        targets["parity_vs_lorasync_train"]["met"] = abs(x - 1) <= 0.05
+        print(f"switch ({s}) vs lorasync train --comm {s}: {x:.3f} (target within 5%) -> "
+              f"{'met' if abs(x - 1) <= 0.05 else 'NOT met'}"
+              + ("" if sw.get("final_strategy") == tr.get("final_strategy") else
+                 f" (ended on different strategies: switch {sw.get('final_strategy')}, "
+                 f"lorasync train {tr.get('final_strategy')})"))
+    for r in rows:
+        if "error" not in r and r.get("compute_s") is not None:
+            print(f"{r['label']}: rank 0 {r['step_s']:.3f} s/step, of which computing "
+                  f"{r['compute_s']:.3f} s (sync share {100 * r['sync_share']:.1f}%)")
+    return {"rate": a.rate, "startup_rate": a.startup_rate, "steps": a.steps,
+            "batch_size": a.batch_size, "seq_len": a.seq_len, "model": a.model,
+            "switch_strategy": s, "load_before": load[0], "load_after": load[1],
+            "rows": [{k: v for k, v in r.items() if k != "losses"} | (
+                {"loss_first": r["losses"][0], "loss_last": r["losses"][-1]}
+                if r.get("losses") else {}) for r in rows],
+            "targets": targets}
 
 
 def _fmt_bytes(n: int) -> str:
@@ -375,6 +664,18 @@ def main() -> None:
                          "that lorasync train does not have")
     ap.add_argument("--skip-plain", action="store_true",
                     help="leave out the two plain Trainer rows (saves ~10 minutes)")
+    ap.add_argument("--sft", action="store_true",
+                    help="instead of the rows above: one TRL SFTTrainer script (no lorasync in "
+                         "it) run plain, with accelerate's fp16 comm hook, and with "
+                         "LORASYNC_STRATEGY=--switch-strategy (the start-up hook attaches "
+                         "lorasync), and lorasync train --comm --switch-strategy")
+    ap.add_argument("--switch-strategy", default="auto",
+                    help="the --sft switch row's LORASYNC_STRATEGY")
+    ap.add_argument("--sft-rows", default="train,plain,accelerate_fp16,switch",
+                    help="the --sft rows to run: train (lorasync train), plain, "
+                         "accelerate_fp16, switch")
+    ap.add_argument("--sft-logging-steps", type=int, default=0,
+                    help="the --sft script's logging_steps (0: --steps, one log at the end)")
     ap.add_argument("--run-timeout", type=float, default=1800)
     ap.add_argument("--json", metavar="FILE")
     # worker side (started by the bench on every node)
@@ -385,9 +686,15 @@ def main() -> None:
     ap.add_argument("--keep-token-average", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--gate", help=argparse.SUPPRESS)
+    ap.add_argument("--sft-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         worker(a)
+        return
+    if a.sft_worker:
+        sft_worker(a)
         return
     a.pairs = [s.strip() for s in a.pairs.split(",") if s.strip()]
 
@@ -413,9 +720,20 @@ def main() -> None:
                 plan += kinds[k % len(kinds):] + kinds[:k % len(kinds)]
         if not a.skip_plain:
             plan += [("trainer-torch_fp16", ""), ("trainer-plain", "")]
+        if a.sft:
+            python = switch_python(work)
+            model_dir, data = write_sft_data(a, work)
+            want = {x.strip() for x in a.sft_rows.split(",") if x.strip()}
+            kinds = [("train", a.switch_strategy)] if "train" in want else []
+            kinds += [("sft", m) for m in SFT_MODES if m in want]
+            plan = []
+            for k in range(max(1, a.rounds)):
+                plan += kinds[k % len(kinds):] + kinds[:k % len(kinds)]
         for kind, s in plan:
             print(f"running {kind} {s} ...", file=sys.stderr, flush=True)
-            if kind == "train":
+            if kind == "sft":
+                r = run_sft(cluster, a, work, s, python, data, model_dir)
+            elif kind == "train":
                 r = run_lorasync_train(cluster, a, work, s)
             else:
                 mode = kind.split("-")[1]
@@ -431,7 +749,7 @@ def main() -> None:
                                          > (b.get("samples_per_s") or 0)):
             best[r["label"]] = dict(r, rounds=[x.get("samples_per_s") for x in rows
                                                if x["label"] == r["label"]])
-    res = report(list(best.values()), a, (load0, os.getloadavg()[0]))
+    res = (report_sft if a.sft else report)(list(best.values()), a, (load0, os.getloadavg()[0]))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with open(a.json, "w") as fh:

@@ -342,6 +342,86 @@ def trl() -> str:
     return "\n".join(lines)
 
 
+def switch_bench() -> str:
+    """bench/hf_trainer.py --sft: one TRL SFTTrainer script run plain, with
+    accelerate's fp16 hook and with the switch, beside ``lorasync train``."""
+    from lorasync.units import fmt_bytes, fmt_rate, parse_rate_bps
+
+    d = _load("hf", "switch_10mbit.json")
+    rate, startup_rate = (fmt_rate(parse_rate_bps(d[k]), unit="bit") for k in ("rate", "startup_rate"))
+    names = {"sft-plain": "TRL script, plain (the Trainer's DDP)",
+             "sft-accelerate_fp16": "TRL script, accelerate's fp16 comm hook",
+             f"sft-switch-{d['switch_strategy']}":
+                 f"TRL script, `LORASYNC_STRATEGY={d['switch_strategy']}`",
+             f"lorasync-train-{d['switch_strategy']}":
+                 f"`lorasync train --comm {d['switch_strategy']}`"}
+    rows = {r["label"]: r for r in d["rows"]}
+    plain = rows.get("sft-plain", {}).get("samples_per_s")
+    lines = ["| run | samples/s | vs plain | start-up sync | gradient sync at the end |",
+             "|---|---|---|---|---|"]
+    for label, name in names.items():
+        r = rows.get(label)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"| {name} | failed ({r['error'].split(';')[0]}) | | | |")
+            continue
+        sps = r["samples_per_s"]
+        sync = {"sft-plain": "fp32 all-reduce", "sft-accelerate_fp16": "fp16 all-reduce"}.get(
+            label, r.get("final_strategy"))
+        start = r.get("startup_bytes")
+        start = "-" if start is None else fmt_bytes(start) + (
+            " (DDP's broadcast)" if label in ("sft-plain", "sft-accelerate_fp16") else "")
+        lines.append(f"| {name} | {sps:.2f} | {sps / plain:.2f}x | {start} | {sync} |"
+                     if plain else f"| {name} | {sps:.2f} | - | {start} | {sync} |")
+    t = d.get("targets", {})
+    lines.append("")
+    parts = []
+    if "speedup_vs_plain" in t:
+        x = t["speedup_vs_plain"]
+        parts.append(f"switch vs plain {x['ratio']:.2f}x (target >= 1.5x: "
+                     f"{'met' if x['met'] else 'not met'})")
+    if "parity_vs_lorasync_train" in t:
+        x = t["parity_vs_lorasync_train"]
+        parts.append(f"switch vs `lorasync train` {x['ratio']:.3f} (target within 5%: "
+                     f"{'met' if x['met'] else 'not met'})")
+    lines.append("; ".join(parts) + "." if parts else "Targets: no figures (a row failed).")
+    lines.append("")
+    lines.append(f"{d['steps']} steps x 2 ranks, {d['batch_size']} examples of <= {d['seq_len']} "
+                 f"tokens per rank per step, link {rate}; the plain and fp16 rows start on "
+                 f"{startup_rate} and are cut to {rate} before step 1. Host load "
+                 f"(1-minute average) {d['load_before']:.1f} before, {d['load_after']:.1f} after.")
+    return "\n".join(lines)
+
+
+def switch_parity() -> str:
+    """bench/hf_trainer.py --sft --sft-rows train,switch --rounds N: the switch
+    row and ``lorasync train`` alternating, with rank 0's time per step."""
+    d = _load("hf", "switch_10mbit_parity.json")
+    s = d["switch_strategy"]
+    names = {f"sft-switch-{s}": f"TRL script, `LORASYNC_STRATEGY={s}`",
+             f"lorasync-train-{s}": f"`lorasync train --comm {s}`"}
+    rows = {r["label"]: r for r in d["rows"]}
+    lines = ["| run | samples/s, each round | mean | s/step (rank 0, best round) | of which computing | "
+             "sync share | gradient sync at the end |", "|---|---|---|---|---|---|---|"]
+    for label, name in names.items():
+        r = rows.get(label)
+        if r is None or "error" in r:
+            lines.append(f"| {name} | failed | | | | | |")
+            continue
+        rounds = [x for x in r["rounds"] if x]
+        lines.append(f"| {name} | {', '.join(f'{x:.2f}' for x in r['rounds'])} | "
+                     f"{sum(rounds) / len(rounds):.2f} | {r['step_s']:.3f} | {r['compute_s']:.3f} | "
+                     f"{100 * r['sync_share']:.1f}% | {r.get('final_strategy')} |")
+    t = d["targets"].get("parity_vs_lorasync_train")
+    lines.append("")
+    if t:
+        lines.append(f"Switch vs `lorasync train`, means of the rounds: {t.get('mean_ratio', t['ratio']):.3f} "
+                     f"(target within 5%: {'met' if t['met'] else 'not met'}). Host load (1-minute "
+                     f"average) {d['load_before']:.1f} before, {d['load_after']:.1f} after.")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -357,6 +437,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "scaling": scaling,
     "hf-exits": hf_exits,
     "trl": trl,
+    "switch-bench": switch_bench,
+    "switch-parity": switch_parity,
 }
 
 
