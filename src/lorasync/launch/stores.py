@@ -240,16 +240,6 @@ def collective_address(env=None) -> str | None:
     return interface_address(name) if name else None
 
 
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(sockaddr)
-                return s.getsockname()[0]
-            except OSError:
-                continue
-    return None
-
-
 def _single_node(env) -> bool:
     try:
         return int(env.get("WORLD_SIZE", 1)) == int(env.get("LOCAL_WORLD_SIZE",
