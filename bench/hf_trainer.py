@@ -87,13 +87,41 @@ def _ordered_examples(tok, steps: int, world: int, batch: int, seq_len: int):
     return out
 
 
+def _add_clock(trainer, gate: str, on_begin) -> dict:
+    """A callback on ``trainer`` that fills the dict it returns: ``begin`` (train()
+    reached its first step's set-up), ``records`` (step, wall time) at each step's
+    end, and with ``gate`` the wait for the bench to cut the link (``gate_s``).
+    ``on_begin(times)`` runs at train begin, before the gate (DDP exists then)."""
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    times: dict = {"records": []}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            times["begin"] = time.time()
+            on_begin(times)
+            if gate:   # the bench cuts the link now; wait for it
+                Path(gate, f"ready-{dist.get_rank()}").touch()
+                while not Path(gate, "go").exists():
+                    time.sleep(0.05)
+                dist.barrier()
+                times["gate_s"] = time.time() - times["begin"]
+
+        def on_step_end(self, args, state, control, **kw):
+            times["records"].append({"step": state.global_step, "time": time.time()})
+
+    trainer.add_callback(Clock())
+    return times
+
+
 def worker(a) -> None:
     import warnings
 
     import torch
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     import lorasync.hf
@@ -129,26 +157,13 @@ def worker(a) -> None:
     if a.mode == "lorasync":
         handle = lorasync.hf.attach(trainer, a.strategy, keep_token_average=a.keep_token_average,
                                     **parse_options(a.option))
-    times: dict = {"records": []}
+    def fp16_hook(times):
+        if a.mode == "torch_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            times["begin"] = time.time()
-            if a.mode == "torch_fp16":
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            trainer.model_wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
 
-                trainer.model_wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            if a.gate:   # the bench cuts the link now; wait for it
-                Path(a.gate, f"ready-{dist.get_rank()}").touch()
-                while not Path(a.gate, "go").exists():
-                    time.sleep(0.05)
-                dist.barrier()
-                times["gate_s"] = time.time() - times["begin"]
-
-        def on_step_end(self, args, state, control, **kw):
-            times["records"].append({"step": state.global_step, "time": time.time()})
-
-    trainer.add_callback(Clock())
+    times = _add_clock(trainer, a.gate, fp16_hook)
     t_train = time.time()
     trainer.train()
     res = {"mode": a.mode, "strategy": a.strategy, "rank": dist.get_rank(), "world_size": world,
@@ -189,7 +204,7 @@ def sft_worker(a) -> None:
     import torch.distributed as dist
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     from trl import SFTConfig, SFTTrainer
 
@@ -221,30 +236,17 @@ def sft_worker(a) -> None:
         handler = trainer.accelerator.ddp_handler
         assert isinstance(handler, DistributedDataParallelKwargs), handler
         handler.comm_hook = DDPCommunicationHookType.FP16
-    times: dict = {"records": []}
+    def ddp_facts(times):
+        # the hook DDP runs, as DDP's own logging data names it ("" for its all-reduce)
+        ddp = trainer.model_wrapped
+        times["comm_hook"] = (ddp._get_ddp_logging_data().get("comm_hook", "")
+                              if hasattr(ddp, "_get_ddp_logging_data") else None)
+        # what DDP's start-up sync broadcasts from rank 0: every parameter and buffer
+        m = trainer.model
+        times["state_bytes"] = sum(t.numel() * t.element_size()
+                                   for t in [*m.parameters(), *m.buffers()])
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            times["begin"] = time.time()
-            # the hook DDP runs, as DDP's own logging data names it ("" for its all-reduce)
-            ddp = trainer.model_wrapped
-            times["comm_hook"] = (ddp._get_ddp_logging_data().get("comm_hook", "")
-                                  if hasattr(ddp, "_get_ddp_logging_data") else None)
-            # what DDP's start-up sync broadcasts from rank 0: every parameter and buffer
-            m = trainer.model
-            times["state_bytes"] = sum(t.numel() * t.element_size()
-                                       for t in [*m.parameters(), *m.buffers()])
-            if a.gate:   # the bench cuts the link now; wait for it
-                Path(a.gate, f"ready-{dist.get_rank()}").touch()
-                while not Path(a.gate, "go").exists():
-                    time.sleep(0.05)
-                dist.barrier()
-                times["gate_s"] = time.time() - times["begin"]
-
-        def on_step_end(self, args, state, control, **kw):
-            times["records"].append({"step": state.global_step, "time": time.time()})
-
-    trainer.add_callback(Clock())
+    times = _add_clock(trainer, a.gate, ddp_facts)
     t_train = time.time()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
