@@ -280,3 +280,42 @@ def test_a_round_after_a_failure_is_bounded_and_names_the_node_not_back(monkeypa
     finally:
         for h in handlers:
             h.shutdown()
+
+
+def test_a_stale_beat_of_a_peer_waiting_at_a_point_passed_is_not_stuck():
+    """The race CI met: both ranks waited 5 s at one barrier; this rank left it
+    and waits at the next one before the peer's next beat says it left too.
+    Its beat still shows it waiting at the barrier, unchanged for 5 s: that
+    wait counts from when this rank saw it behind, not from 5 s ago.  A peer
+    that stays behind, waiting, is still named once the bound has passed."""
+    fired = {}
+    d = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
+                    min_timeout_s=3, steps=10,
+                    on_fault=lambda e: fired.setdefault("event", e),
+                    next_action=lambda: ("give up", "giving up"),
+                    exit=lambda code: fired.setdefault("code", code))
+    d.mark("checkpoint", 4)
+    with d.waiting("a barrier"):
+        pass
+    with d.waiting("the next barrier"):
+        peer = {"s": 4, "p": "checkpoint", "i": 1, "t": 0, "w": "a barrier", "q": True,
+                "b": 3.0, "x": ""}
+        pos = {1: ((4, "checkpoint", 1, 0), 100.0)}          # unchanged since t=100
+        d._check_stuck({1: peer}, pos, now=105.0)           # 5 s: the stale beat
+        assert not fired, fired
+        d._check_stuck({1: peer}, pos, now=107.0)           # 2 s seen behind
+        assert not fired, fired
+        d._check_stuck({1: peer}, pos, now=108.5)           # 3.5 s seen behind
+        assert fired["code"] == wd.EXIT_FAULT and fired["event"]["peer"] == 1
+        # working (not waiting) and behind: counted from its last progress, as before
+    fired.clear()
+    d2 = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
+                     min_timeout_s=3, steps=10,
+                     on_fault=lambda e: fired.setdefault("event", e),
+                     next_action=lambda: ("give up", "giving up"),
+                     exit=lambda code: fired.setdefault("code", code))
+    d2.mark("checkpoint", 4)
+    with d2.waiting("a barrier"):
+        peer = dict(peer, i=0, w="", q=False)
+        d2._check_stuck({1: peer}, {1: ((4, "checkpoint", 0, 0), 100.0)}, now=104.0)
+        assert fired["event"]["peer"] == 1 and fired["event"]["kind"] == "stuck"

@@ -280,6 +280,7 @@ class Watchdog(Pace):
         self._store = None
         self._beat = 0
         self._warned_stall = False
+        self._behind: dict[int, tuple[tuple, float]] = {}  # rank -> (progress, seen behind since)
 
     # -- the main thread's side -------------------------------------------------
 
@@ -474,6 +475,14 @@ class Watchdog(Pace):
             # the peer's own bound, or what this rank measured doing the same work
             b = max(float(info["b"]), self.stage_bound(info["p"], info["i"]))
             still = now - pos[m["rank"]][1]
+            if info.get("q"):
+                # seen waiting in a collective this rank has left: its beat may
+                # predate its own leaving (beats come once an interval), so the
+                # wait counts only from when this rank first saw it behind
+                since = self._behind.get(m["rank"])
+                if since is None or since[0] != pos[m["rank"]][0]:
+                    since = self._behind[m["rank"]] = (pos[m["rank"]][0], now)
+                still = min(still, now - since[1])
             if still > b:
                 stuck.append((at, m, info, still, b))
         if not stuck:
