@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test clean
+.PHONY: install axolotl-env demo test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,21 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
+# axolotl's own environment (its pins differ from lorasync's), for the tests that run
+# a real `axolotl train` with lorasync's plugin and switch; where it cannot be built
+# (no package index) those tests skip and say so.
+AXOLOTL_VENV ?= .venv-axolotl
+$(AXOLOTL_VENV)/.installed: tests/fixtures/axolotl/requirements.txt pyproject.toml
+	rm -rf $(AXOLOTL_VENV)
+	( $(PY) -m venv $(AXOLOTL_VENV) \
+	  && $(AXOLOTL_VENV)/bin/pip install -q torch==2.13.0 \
+	  && $(AXOLOTL_VENV)/bin/pip install -q -r tests/fixtures/axolotl/requirements.txt \
+	  && $(AXOLOTL_VENV)/bin/pip install -q --no-deps axolotl==0.19.0 \
+	  && $(AXOLOTL_VENV)/bin/pip install -q --no-deps -e . \
+	  && touch $@ ) || { rm -rf $(AXOLOTL_VENV); echo "axolotl's environment could not be built: its tests will skip"; }
+
+axolotl-env: $(AXOLOTL_VENV)/.installed
+
 demo: install
 	$(BIN)/lorasync train
 
@@ -30,8 +45,8 @@ demo: install
 # second worker fills those waits (16 -> 13 minutes on 2 cores).
 TEST_WORKERS ?= 2
 
-test: install
+test: install axolotl-env
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(AXOLOTL_VENV) runs

@@ -3,13 +3,11 @@ axolotl's plugin, in this process or one short subprocess each; the switch on
 2 ranks under torchrun and accelerate is tests/dist/test_hf_switch.py.
 
 The axolotl tests import the real axolotl.  It is not installed into the
-project's environment (it pins its own torch); to run them, install it beside
-it without dependencies and let that environment see this one's packages:
+project's environment (it pins its own transformers, PEFT and TRL); ``make
+test`` builds its environment, ``.venv-axolotl``, and
+tests/dist/test_axolotl_train.py runs these tests there, as
 
-    python3 -m venv /tmp/axo && /tmp/axo/bin/pip install --no-deps axolotl==0.19.0 addict
-    .venv/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" \\
-        > /tmp/axo/lib/python3.11/site-packages/zz-lorasync.pth
-    PYTHONPATH=src /tmp/axo/bin/python -m pytest tests/unit/test_switch.py -k axolotl
+    PYTHONPATH=src .venv-axolotl/bin/python -m pytest tests/unit/test_switch.py -k axolotl
 
 LLaMA-Factory's example config test the same way (llamafactory==0.9.5 plus
 omegaconf, antlr4-python3-runtime==4.9.3 without dependencies; ``-k llamafactory``).
