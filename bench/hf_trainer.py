@@ -429,14 +429,18 @@ def write_sft_data(a, work: str) -> tuple[str, str]:
     return model_dir, path
 
 
-def run_sft(cluster, a, work: str, mode: str, python: str, data: str, model_dir: str) -> dict:
+def run_sft(cluster, a, work: str, mode: str, python: str, data: str, model_dir: str,
+            strategy: str | None = None) -> dict:
     """One row of the TRL script (``sft_worker``), started with ``python``
     (torchrun ``--no-python``).  plain and accelerate_fp16 start on
     ``--startup-rate`` (their start-up is DDP's broadcast of the whole model,
     ~8 minutes at 10 Mbit/s) and are cut to ``--rate`` before step 1; the
     switch row runs on ``--rate`` throughout (its start-up sync is a hash
-    check, and auto's probe must see the slow link)."""
-    label = f"sft-{mode}" + (f"-{a.switch_strategy}" if mode == "switch" else "")
+    check, and auto's probe must see the slow link).  ``strategy``: the switch
+    row's LORASYNC_STRATEGY (default ``--switch-strategy``; ``none`` is the
+    script's own no-sync ceiling)."""
+    strategy = strategy or a.switch_strategy
+    label = f"sft-{mode}" + (f"-{strategy}" if mode == "switch" else "")
     out = os.path.join(work, label)
     os.makedirs(out, exist_ok=True)
     argv = ["--no-python", python, os.path.abspath(__file__), "--sft-worker", "--mode", mode,
@@ -445,11 +449,11 @@ def run_sft(cluster, a, work: str, mode: str, python: str, data: str, model_dir:
             "--logging-steps", str(a.sft_logging_steps or a.steps)]
     env = {k: v for k, v in os.environ.items() if k not in ("LORASYNC_STRATEGY", "LORASYNC_OPTIONS")}
     if mode == "switch":
-        env["LORASYNC_STRATEGY"] = a.switch_strategy
+        env["LORASYNC_STRATEGY"] = strategy
     gate = mode != "switch"
     rc, wall = _launch_gated(cluster, a, argv, out, gate, env=env)
     res = {"label": label, "kind": "trl sft", "mode": mode, "rc": rc, "wall_s": wall,
-           "strategy": a.switch_strategy if mode == "switch" else None}
+           "strategy": strategy if mode == "switch" else None}
     if rc != 0:
         res["error"] = f"exit {rc}; see {out}/logs"
         return res
@@ -527,6 +531,24 @@ def report_sft(rows: list[dict], a, load: tuple[float, float]) -> dict:
               + ("" if sw.get("final_strategy") == tr.get("final_strategy") else
                  f" (ended on different strategies: switch {sw.get('final_strategy')}, "
                  f"lorasync train {tr.get('final_strategy')})"))
+    cs, ct = by.get("sft-switch-none"), by.get("lorasync-train-none")
+    if ok(sw) and ok(tr) and ok(cs) and ok(ct):
+        # the same parity with each path's own compute taken out: the share of its
+        # no-sync ceiling each reaches (the TRL script computes more per step than
+        # lorasync train: its loss path, not the sync)
+        share_sw = (_mean_of(sw) or sw["samples_per_s"]) / (_mean_of(cs) or cs["samples_per_s"])
+        share_tr = (_mean_of(tr) or tr["samples_per_s"]) / (_mean_of(ct) or ct["samples_per_s"])
+        x = share_sw / share_tr
+        ceil = (_mean_of(cs) or cs["samples_per_s"]) / (_mean_of(ct) or ct["samples_per_s"])
+        targets["parity_of_ceiling_shares"] = {
+            "switch_share": share_sw, "train_share": share_tr, "ratio": x, "target": 0.05,
+            "met": abs(x - 1) <= 0.05, "ceiling_ratio": ceil}
+        print(f"no-sync ceilings (means of the rounds): the TRL script {_rounds(cs)}, "
+              f"lorasync train {_rounds(ct)} samples/s: the script's own ceiling is "
+              f"{ceil:.3f} of lorasync train's")
+        print(f"share of its own ceiling: switch ({s}) {share_sw:.3f}, lorasync train --comm {s} "
+              f"{share_tr:.3f}: ratio {x:.3f} (within 5%) -> "
+              f"{'met' if abs(x - 1) <= 0.05 else 'NOT met'}")
     for r in rows:
         if "error" not in r and r.get("compute_s") is not None:
             print(f"{r['label']}: rank 0 {r['step_s']:.3f} s/step, of which computing "
@@ -550,6 +572,11 @@ def _fmt(v, spec=".2f", none="-"):
 
 def _rounds(r: dict) -> str:
     return ", ".join(_fmt(x) for x in r.get("rounds") or [r.get("samples_per_s")])
+
+
+def _mean_of(r: dict) -> float | None:
+    xs = [x for x in r.get("rounds") or [] if x]
+    return sum(xs) / len(xs) if xs else None
 
 
 def _mean_ratio(a: dict, b: dict) -> float | None:
@@ -675,7 +702,9 @@ def main() -> None:
                     help="the --sft switch row's LORASYNC_STRATEGY")
     ap.add_argument("--sft-rows", default="train,plain,accelerate_fp16,switch",
                     help="the --sft rows to run: train (lorasync train), plain, "
-                         "accelerate_fp16, switch")
+                         "accelerate_fp16, switch, ceilings (lorasync train --comm none "
+                         "and the script with LORASYNC_STRATEGY=none: each path's no-sync "
+                         "ceiling, so that the parity can be read as shares of the ceilings)")
     ap.add_argument("--sft-logging-steps", type=int, default=0,
                     help="the --sft script's logging_steps (0: --steps, one log at the end)")
     ap.add_argument("--run-timeout", type=float, default=1800)
@@ -728,13 +757,16 @@ def main() -> None:
             want = {x.strip() for x in a.sft_rows.split(",") if x.strip()}
             kinds = [("train", a.switch_strategy)] if "train" in want else []
             kinds += [("sft", m) for m in SFT_MODES if m in want]
+            if "ceilings" in want:   # each path's own no-sync ceiling (--comm none)
+                kinds += [("train", "none"), ("sft", "switch:none")]
             plan = []
             for k in range(max(1, a.rounds)):
                 plan += kinds[k % len(kinds):] + kinds[:k % len(kinds)]
         for kind, s in plan:
             print(f"running {kind} {s} ...", file=sys.stderr, flush=True)
             if kind == "sft":
-                r = run_sft(cluster, a, work, s, python, data, model_dir)
+                mode, _, strat = s.partition(":")
+                r = run_sft(cluster, a, work, mode, python, data, model_dir, strat or None)
             elif kind == "train":
                 r = run_lorasync_train(cluster, a, work, s)
             else:
