@@ -422,6 +422,47 @@ def switch_parity() -> str:
     return "\n".join(lines)
 
 
+def switch_ceilings() -> str:
+    """bench/hf_trainer.py --sft --sft-rows train,switch,ceilings --rounds N:
+    each path beside its own no-sync ceiling (``--comm none``,
+    ``LORASYNC_STRATEGY=none``), rounds alternating."""
+    d = _load("hf", "switch_10mbit_ceilings.json")
+    s = d["switch_strategy"]
+    rows = {r["label"]: r for r in d["rows"]}
+    paths = [("TRL script", f"sft-switch-{s}", "sft-switch-none", f"`LORASYNC_STRATEGY={s}`"),
+             ("`lorasync train`", f"lorasync-train-{s}", "lorasync-train-none", f"`--comm {s}`")]
+    lines = [f"| path | {s}: samples/s, each round | no sync: samples/s, each round | "
+             "share of its ceiling, means (best rounds) | computing, s/step (no sync) |",
+             "|---|---|---|---|---|"]
+
+    def mean(r):
+        xs = [x for x in r["rounds"] if x]
+        return sum(xs) / len(xs)
+
+    for name, run, ceil, how in paths:
+        r, c = rows.get(run), rows.get(ceil)
+        if r is None or c is None or "error" in r or "error" in c:
+            lines.append(f"| {name} | failed | | | |")
+            continue
+        lines.append(f"| {name}, {how} | {', '.join(f'{x:.2f}' for x in r['rounds'])} | "
+                     f"{', '.join(f'{x:.2f}' for x in c['rounds'])} | "
+                     f"{mean(r) / mean(c):.3f} ({max(r['rounds']) / max(c['rounds']):.3f}) | "
+                     f"{c.get('compute_s', float('nan')):.3f} |")
+    t = d["targets"].get("parity_of_ceiling_shares")
+    p = d["targets"].get("parity_vs_lorasync_train")
+    lines.append("")
+    if t and p:
+        lines.append(
+            f"Switch vs `lorasync train` in samples/s, means of the rounds: "
+            f"{p.get('mean_ratio', p['ratio']):.3f} (target within 5%: "
+            f"{'met' if p['met'] else 'not met'}); the TRL script's own no-sync ceiling is "
+            f"{t['ceiling_ratio']:.3f} of `lorasync train`'s; as shares of their ceilings "
+            f"{t['switch_share']:.3f} vs {t['train_share']:.3f}, ratio {t['ratio']:.3f} "
+            f"(within 5%: {'met' if t['met'] else 'not met'}). Host load (1-minute average) "
+            f"{d['load_before']:.1f} before, {d['load_after']:.1f} after.")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -439,6 +480,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "trl": trl,
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
+    "switch-ceilings": switch_ceilings,
 }
 
 
