@@ -65,6 +65,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
 import time_to_quality as ttq  # noqa: E402
+from tables import bytes_to_target as table  # noqa: E402  (the docs' table, one renderer)
 
 from lorasync.monitor.metrics import read_jsonl_records  # noqa: E402
 
@@ -208,32 +209,6 @@ def run_candidate(key: str, a, out: str, ref: dict) -> dict:
     return cell
 
 
-def _mb(b) -> str:
-    return "-" if b is None else f"{b / 1e6:.3f}"
-
-
-def table(res: dict) -> str:
-    """The result as a Markdown table (bench/tables.py renders the same)."""
-    ref = res["references"]
-    lines = ["| outer sync | bytes per node to target (MB) | x fewer than fp32 DDP | "
-             "steps to target | eval loss @ step " + str(res["args"]["steps"])
-             + " (quality rule) |", "|---|---|---|---|---|",
-             f"| fp32 DDP (`--comm allreduce`, seed 0: the target) | "
-             f"{_mb(ref['ddp_bytes_to_target'])} | 1 | {ref['ddp_reached_step']} | "
-             f"{ref['target']:.4f} |"]
-    for c in res["cells"]:
-        q = "-" if c["quality"] is None else ("pass" if c["quality"] else "FAIL")
-        ok = c["status"] == "ok" or c["status"].startswith("stopped: reached")
-        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.0f}x"
-        lines.append(
-            f"| {c['label']}{'' if ok else ' (' + c['status'] + ')'} | "
-            f"{_mb(c['bytes_to_target']) if c['reached_step'] else 'not reached (' + _mb(c.get('bytes_spent')) + ' spent)'} | "
-            f"{ratio} | "
-            f"{c['reached_step'] or '-'} | "
-            f"{'-' if c['eval_at_steps'] is None else format(c['eval_at_steps'], '.4f')} ({q}) |")
-    return "\n".join(lines)
-
-
 def verdict(res: dict) -> str:
     ok = [c for c in res["cells"] if c["ratio"] and c["quality"]]
     anchors = ", ".join(f"{k} {v}x" for k, v in ANCHORS.items())
@@ -311,7 +286,7 @@ def main() -> int:
     text = (f"bytes to target: {a.nodes} ranks over loopback, {a.model}, batch {a.batch_size} "
             f"per rank, schedule {a.max_steps} steps, target = fp32 all-reduce's eval loss at "
             f"step {a.steps} ({ref['target']:.4f}; quality limit {ref['quality_limit']:.4f} = "
-            f"worst of {len(ref['reference'])} seeds + 5%)\n\n{table(res)}\n\n- {res['verdict']}\n")
+            f"worst of {len(ref['reference'])} seeds + 5%)\n\n{table(res)}\n")
     print(text)
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(text)
