@@ -77,20 +77,32 @@ ANCHORS = {"DiLoCo (pre-training)": 500, "Fed-SB (LoRA)": 230, "Covenant-72B": 1
 
 
 def parse_candidate(text: str, period: int) -> tuple[str, list[str], dict]:
-    """``DTYPE[@TOPK][/BLOCK]`` or ``auto`` -> (label, train args, options)."""
+    """``DTYPE[@TOPK][/BLOCK][:OPTION=VALUE...]`` or ``auto`` -> (label, train
+    args, options); ``:outer_momentum=0`` e.g. drops DiLoCo's outer momentum
+    (SparseLoCo's error feedback takes its place)."""
     if text == "auto":
         return "auto", ["--comm", "auto", "--comm-opt", "batch_size=4"], {}
-    head, _, block = text.partition("/")
+    head, *extra = text.split(":")
+    head, _, block = head.partition("/")
     dtype, at, ratio = head.partition("@")
     opts: dict = {"period": period, "delta_dtype": dtype}
     if at:
         opts["delta_topk"] = float(ratio)
     if block:
         opts["delta_block"] = int(block)
+    for kv in extra:
+        k, eq, v = kv.partition("=")
+        if not eq:
+            raise ValueError(f"{kv!r}: write OPTION=VALUE")
+        opts[k] = float(v) if v.replace(".", "", 1).isdigit() else v
     from lorasync import catalog
-    catalog.parse_options("diloco", opts)   # a bad candidate fails here, not in a run
+    parsed = catalog.parse_options("diloco", opts)   # a bad candidate fails here, not in a run
+    opts = {k: getattr(parsed, k) for k in opts}
     label = (f"DiLoCo {dtype}" + (f", top {100 * float(ratio):g}%" if at else "")
-             + (f", blocks of {block}" if block else "") + f", every {period} steps")
+             + (f", blocks of {block}" if block else "") + f", every {period} steps"
+             + "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
+                       for k, v in opts.items()
+                       if k not in ("period", "delta_dtype", "delta_topk", "delta_block")))
     if dtype == "int2" and at:
         label += " (SparseLoCo-style)"
     args = ["--comm", "diloco"] + [x for k, v in opts.items() for x in ("--comm-opt", f"{k}={v}")]
@@ -169,7 +181,8 @@ def run_references(a, out: str) -> dict:
 
 def run_candidate(key: str, a, out: str, ref: dict) -> dict:
     label, args, opts = parse_candidate(key, a.period)
-    run_dir = os.path.join(out, "cand-" + key.replace("@", "_top").replace("/", "_b"))
+    run_dir = os.path.join(out, "cand-" + key.replace("@", "_top").replace("/", "_b")
+                           .replace(":", "_").replace("=", ""))
     target = ref["target"]
 
     def stop(steps, evals):
@@ -235,7 +248,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=3, help="reference seeds (quality rule)")
     ap.add_argument("--candidates", default=DEFAULT_CANDIDATES,
-                    help="DTYPE[@TOPK][/BLOCK] (DiLoCo) or auto, comma-separated")
+                    help="DTYPE[@TOPK][/BLOCK][:OPTION=VALUE] (DiLoCo) or auto, "
+                         "comma-separated")
     ap.add_argument("--refs", metavar="FILE",
                     help="take the target and references from this earlier JSON")
     ap.add_argument("--row-timeout", type=float, default=900.0)
