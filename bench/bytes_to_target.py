@@ -201,6 +201,8 @@ def run_candidate(key: str, a, out: str, ref: dict) -> dict:
             "steps_run": len(steps), "eval_at_steps": at,
             "quality": None if at is None else at <= ref["quality_limit"],
             "final_strategy": steps[-1]["strategy"] if steps else None,
+            "evals": [[e["step"], e["eval_loss"]] for e in sorted(evals, key=lambda e: e["step"])
+                      if e.get("eval_loss") is not None],
             "bytes_per_step": (bytes_upto(per, steps[-1]["step"]) / len(steps)
                                if steps else None)}
     if hit:
