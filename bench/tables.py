@@ -428,6 +428,7 @@ def bytes_to_target(res: dict | None = None) -> str:
     res = res if res is not None else _load("bytes", "results.json")
     ref, a = res["references"], res["args"]
     mb = lambda b: "-" if b is None else f"{b / 1e6:.3f}"  # noqa: E731
+    curve = lambda ev: " ".join(f"{x:.2f}" for _, x in ev) if ev else "-"  # noqa: E731
     lines = [f"{a['nodes']} ranks over loopback, `{a['model']}`, batch {a['batch_size']} per "
              f"rank, schedule {a['max_steps']} steps, DiLoCo every {a['period']} steps (not "
              f"streamed); target: fp32 all-reduce's eval loss at step {a['steps']} "
@@ -435,10 +436,11 @@ def bytes_to_target(res: dict | None = None) -> str:
              f"{len(ref['reference'])} seeds + 5%); {a['eval_size']} eval examples every "
              f"{a['eval_interval']} steps.", "",
              "| outer sync | MB per node to target | x fewer than fp32 DDP | steps to target | "
-             f"eval loss at step {a['steps']} (quality rule) |", "|---|---|---|---|---|",
+             f"eval loss at step {a['steps']} (quality rule) | eval loss every "
+             f"{a['eval_interval']} steps |", "|---|---|---|---|---|---|",
              f"| fp32 DDP (`--comm allreduce`, seed 0: the target) | "
              f"{mb(ref['ddp_bytes_to_target'])} | 1x | {ref['ddp_reached_step']} | "
-             f"{ref['target']:.4f} (reference) |"]
+             f"{ref['target']:.4f} (reference) | {curve(ref.get('evals_seed0'))} |"]
     for c in res["cells"]:
         q = "-" if c["quality"] is None else ("pass" if c["quality"] else "FAIL")
         done = c["status"] == "ok" or c["status"].startswith("stopped: reached")
@@ -448,7 +450,7 @@ def bytes_to_target(res: dict | None = None) -> str:
                      f"{'-' if c['ratio'] is None else format(c['ratio'], '.0f') + 'x'} | "
                      f"{c['reached_step'] or '-'} | "
                      f"{'-' if c['eval_at_steps'] is None else format(c['eval_at_steps'], '.4f')}"
-                     f" ({q}) |")
+                     f" ({q}) | {curve(c.get('evals'))} |")
     return "\n".join(lines + ["", f"Verdict: {res['verdict']}."])
 
 
