@@ -349,6 +349,20 @@ class AutoOptions(Options):
                                   "streaming delay and fragment count that hide it")
     log: bool = option(True, "log decisions on rank 0 (stderr)")
 
+    def check(self, given: frozenset[str] = frozenset()) -> None:
+        super().check(given)
+        # each variant's delta options, before any worker starts (a typo such
+        # as int2@2 would otherwise fail in every worker, once per restart)
+        for item in (x.strip() for x in self.diloco_variants.split(",") if x.strip()):
+            dtype, at, ratio = item.partition("@")
+            try:
+                DiLoCoOptions(delta_dtype=dtype.strip(),
+                              **({"delta_topk": float(ratio)} if at else {}))
+            except ValueError as e:
+                raise ConfigError("auto.diloco_variants", item,
+                                  f"write DTYPE or DTYPE@TOPK_RATIO, e.g. int2@0.01 ({e})"
+                                  ) from None
+
 
 # --------------------------------------------------------------------------- byte formulas
 

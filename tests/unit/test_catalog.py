@@ -68,6 +68,8 @@ def test_every_registered_strategy_is_in_the_catalog_and_back():
     ("diloco", {"fragments": 0}, "diloco.fragments", ">= 1"),
     ("diloco", {"fragments": 9}, "diloco.fragments", "at most period (8)"),
     ("auto", {"probe": "fast"}, "auto.probe", "quick, live, none"),
+    ("auto", {"diloco_variants": "int4,int2@2"}, "auto.diloco_variants", "int2@0.01"),
+    ("auto", {"diloco_variants": "int3"}, "auto.diloco_variants", "DTYPE@TOPK_RATIO"),
     ("auto", {"interval": True}, "auto.interval", "integer"),
 ])
 def test_bad_options_name_the_field_and_the_fix(name, given, field, needle):
