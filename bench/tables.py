@@ -463,6 +463,38 @@ def switch_ceilings() -> str:
     return "\n".join(lines)
 
 
+def bytes_to_target(res: dict | None = None) -> str:
+    """bench/bytes_to_target.py: bytes per node until fp32 DDP's eval loss, and
+    the ratio to fp32 DDP's (``res``: a result JSON; default the committed one)."""
+    res = res if res is not None else _load("bytes", "results.json")
+    ref, a = res["references"], res["args"]
+    mb = lambda b: "-" if b is None else f"{b / 1e6:.3f}"  # noqa: E731
+    curve = lambda ev: " ".join(f"{x:.2f}" for _, x in ev) if ev else "-"  # noqa: E731
+    lines = [f"{a['nodes']} ranks over loopback, `{a['model']}`, batch {a['batch_size']} per "
+             f"rank, schedule {a['max_steps']} steps, DiLoCo every {a['period']} steps (not "
+             f"streamed); target: fp32 all-reduce's eval loss at step {a['steps']} "
+             f"({ref['target']:.4f}); quality limit {ref['quality_limit']:.4f} (worst of "
+             f"{len(ref['reference'])} seeds + 5%); {a['eval_size']} eval examples every "
+             f"{a['eval_interval']} steps.", "",
+             "| outer sync | MB per node to target | x fewer than fp32 DDP | steps to target | "
+             f"eval loss at step {a['steps']} (quality rule) | eval loss every "
+             f"{a['eval_interval']} steps |", "|---|---|---|---|---|---|",
+             f"| fp32 DDP (`--comm allreduce`, seed 0: the target) | "
+             f"{mb(ref['ddp_bytes_to_target'])} | 1x | {ref['ddp_reached_step']} | "
+             f"{ref['target']:.4f} (reference) | {curve(ref.get('evals_seed0'))} |"]
+    for c in res["cells"]:
+        q = "-" if c["quality"] is None else ("pass" if c["quality"] else "FAIL")
+        done = c["status"] == "ok" or c["status"].startswith("stopped: reached")
+        got = (mb(c["bytes_to_target"]) if c["reached_step"] else
+               f"not reached in {c['steps_run']} steps ({mb(c.get('bytes_spent'))} sent)")
+        lines.append(f"| {c['label']}{'' if done else ' (' + c['status'] + ')'} | {got} | "
+                     f"{'-' if c['ratio'] is None else format(c['ratio'], '.0f') + 'x'} | "
+                     f"{c['reached_step'] or '-'} | "
+                     f"{'-' if c['eval_at_steps'] is None else format(c['eval_at_steps'], '.4f')}"
+                     f" ({q}) | {curve(c.get('evals'))} |")
+    return "\n".join(lines + ["", f"Verdict: {res['verdict']}."])
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -481,6 +513,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
     "switch-ceilings": switch_ceilings,
+    "bytes-to-target": bytes_to_target,
 }
 
 

@@ -37,13 +37,13 @@ Per strategy, with N elements, n ranks, per tensor m elements cut by
                 the fragments are synced in turn, see fragment_ranges and
                 fragments_due), for the fragment's tensors:
                 fp32/fp16/bf16, delta_topk 1:  N_f * bytes(delta_dtype)   all_reduce
-                otherwise (int8/int4, or delta_topk < 1):                 all_gather
+                otherwise (int8/int4/int2, or delta_topk < 1):            all_gather
                     sum over its tensors of delta_tensor_bytes(m):
                     k = m, or max(1, ceil(delta_topk m)) entries kept
                     + k indices (2 bytes while m <= 65536, else 4) when sparse
-                    + values: k * bytes(fp32/fp16/bf16), or for int8/int4
+                    + values: k * bytes(fp32/fp16/bf16), or for int8/int4/int2
                       ceil(k / delta_block) blocks of delta_block codes
-                      (1 or 1/2 byte each) + one fp32 scale per block
+                      (1, 1/2 or 1/4 byte each) + one fp32 scale per block
     none        0
 """
 
@@ -68,11 +68,13 @@ __all__ = [
 #: bytes per element of the dtypes a sync may send
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 #: dtypes DiLoCo's outer delta may travel in: the float casts are all-reduced
-#: (when dense); int8/int4 are blockwise codes with one fp32 scale per block,
-#: all-gathered and summed in fp32 by every rank
-DELTA_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+#: (when dense); int8/int4/int2 are blockwise codes with one fp32 scale per
+#: block, all-gathered and summed in fp32 by every rank (int2: four levels,
+#: +-scale/2 and +-3 scale/2, no zero: meant for top-k values, SparseLoCo's
+#: 2-bit outer sync)
+DELTA_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 #: bits per value of each delta dtype
-DELTA_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
+DELTA_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 #: a sparse delta's indices are local to their tensor: 2 bytes while it has
 #: at most this many elements (LoRA factors have a few thousand), else 4
 SHORT_INDEX_MAX = 1 << 16
@@ -270,11 +272,12 @@ class DiLoCoOptions(_PeriodicOptions):
                              lo_open=True)
     outer_momentum: float = option(0.5, "outer Nesterov momentum", lo=0.0, hi=1.0, hi_open=True)
     delta_dtype: str = option("fp32", "dtype the outer delta travels in: fp32, fp16, bf16 "
-                              "(all-reduced) or int8, int4 (blockwise codes + one fp32 scale "
-                              "per delta_block values, all-gathered, error feedback)",
+                              "(all-reduced) or int8, int4, int2 (blockwise codes + one fp32 "
+                              "scale per delta_block values, all-gathered, error feedback; "
+                              "int2 with delta_topk: SparseLoCo's outer sync)",
                               choices=DELTA_DTYPES)
-    delta_block: int = option(64, "values per fp32 scale of an int8/int4 delta (per tensor; "
-                              "even)", lo=2)
+    delta_block: int = option(64, "values per fp32 scale of an int8/int4/int2 delta (per "
+                              "tensor; even, a multiple of 4 for int2)", lo=2)
     delta_topk: float = option(1.0, "share of each tensor's delta entries sent, largest first, "
                                "with their indices and error feedback (delta_dtype applies to "
                                "the values); 1: all of them", lo=0.0, hi=1.0, lo_open=True)
@@ -290,10 +293,13 @@ class DiLoCoOptions(_PeriodicOptions):
         if self.delta_block % 2:
             raise ConfigError("diloco.delta_block", self.delta_block,
                               "use an even number (int4 packs two codes a byte)")
+        if self.delta_dtype == "int2" and self.delta_block % 4:
+            raise ConfigError("diloco.delta_block", self.delta_block,
+                              "use a multiple of 4 with delta_dtype int2 (four codes a byte)")
         if "delta_block" in given and DELTA_BITS[self.delta_dtype] > 8 \
                 and self.delta_block != type(self)().delta_block:
             raise ConfigError("diloco.delta_block", self.delta_block,
-                              "delta_block applies only with delta_dtype int8 or int4")
+                              "delta_block applies only with delta_dtype int8, int4 or int2")
 
     @property
     def gathered(self) -> bool:
@@ -342,6 +348,20 @@ class AutoOptions(Options):
                                   "DTYPE@TOPK_RATIO, the least lossy first), each with the "
                                   "streaming delay and fragment count that hide it")
     log: bool = option(True, "log decisions on rank 0 (stderr)")
+
+    def check(self, given: frozenset[str] = frozenset()) -> None:
+        super().check(given)
+        # each variant's delta options, before any worker starts (a typo such
+        # as int2@2 would otherwise fail in every worker, once per restart)
+        for item in (x.strip() for x in self.diloco_variants.split(",") if x.strip()):
+            dtype, at, ratio = item.partition("@")
+            try:
+                DiLoCoOptions(delta_dtype=dtype.strip(),
+                              **({"delta_topk": float(ratio)} if at else {}))
+            except ValueError as e:
+                raise ConfigError("auto.diloco_variants", item,
+                                  f"write DTYPE or DTYPE@TOPK_RATIO, e.g. int2@0.01 ({e})"
+                                  ) from None
 
 
 # --------------------------------------------------------------------------- byte formulas
@@ -527,7 +547,8 @@ def _diloco_encode_ns(o: "DiLoCoOptions") -> float:
         return 7.0
     if o.delta_topk < 1.0:   # a top-k per size group, then little to code
         return 7.0 + 3.0
-    return 7.0 + {"int8": 6.0, "int4": 5.0}[o.delta_dtype]
+    # int2: 1.75x int4's codec, timed side by side (four shifts to pack and unpack)
+    return 7.0 + {"int8": 6.0, "int4": 5.0, "int2": 9.0}[o.delta_dtype]
 
 
 # --------------------------------------------------------------------------- the catalog

@@ -47,6 +47,9 @@ CONFIGS = [
     ("diloco_fragments", "diloco", {"fragments": 3, "delta_dtype": "int8", "streaming": True,
                                     "delay": 4}),
     ("diloco_fragments_fp16", "diloco", {"fragments": 2, "delta_dtype": "fp16"}),
+    # issue 33: SparseLoCo's outer sync (top-k, 2-bit values, error feedback), streamed
+    ("diloco_int2_topk", "diloco", {"delta_dtype": "int2", "delta_topk": 0.1,
+                                    "streaming": True}),
 ]
 #: configurations whose sync is given the optimizer (``set_optimizer``)
 WITH_OPTIMIZER = {"onebit_adam"}
@@ -230,6 +233,7 @@ def scenario_mass(rank, name, opts, teach, steps=8):
 
 DELTA_MASS_CONFIGS = {"int4": {"delta_dtype": "int4", "delta_block": 16},
                       "topk_int8": {"delta_dtype": "int8", "delta_topk": 0.2},
+                      "topk_int2": {"delta_dtype": "int2", "delta_topk": 0.05},
                       "topk_fp16_fragments": {"delta_dtype": "fp16", "delta_topk": 0.3,
                                               "fragments": 3}}
 

@@ -56,6 +56,7 @@ QUALITY_FACTOR = {
     # the same, with the outer delta in 8 / 4 bits, 10% of it, or in fragments
     "diloco_int4": 6.0, "diloco_topk": 6.0, "diloco_fragments": 6.0,
     "diloco_fragments_fp16": 6.0,
+    "diloco_int2_topk": 6.0,                    # 10% of it, 2-bit values
 }
 # every strategy must at least cut the initial eval loss by this factor
 MIN_IMPROVEMENT = 10.0

@@ -420,6 +420,9 @@ def test_diloco_variants_parse_in_order_and_are_checked():
     assert A.parse_variants("fp16, int8,int4@0.03") == [
         {"delta_dtype": "fp16"}, {"delta_dtype": "int8"},
         {"delta_dtype": "int4", "delta_topk": 0.03}]
+    # SparseLoCo's outer sync is a variant a user may offer auto
+    assert A.parse_variants("int4@0.03,int2@0.01") == [
+        {"delta_dtype": "int4", "delta_topk": 0.03}, {"delta_dtype": "int2", "delta_topk": 0.01}]
     for bad, needle in (("int3", "delta_dtype"), ("int4@x", "DTYPE@RATIO"),
                         ("int4@2", "delta_topk"), ("fp16,fp16", "twice"), ("", "empty")):
         with pytest.raises(ValueError, match=needle):

@@ -62,10 +62,14 @@ def test_every_registered_strategy_is_in_the_catalog_and_back():
     ("diloco", {"delta_topk": 0}, "diloco.delta_topk", "(0, 1]"),
     ("diloco", {"delta_topk": 1.5}, "diloco.delta_topk", "(0, 1]"),
     ("diloco", {"delta_dtype": "int4", "delta_block": 33}, "diloco.delta_block", "even"),
+    ("diloco", {"delta_dtype": "int2", "delta_block": 34}, "diloco.delta_block",
+     "multiple of 4"),
     ("diloco", {"delta_block": 32}, "diloco.delta_block", "only with delta_dtype int8"),
     ("diloco", {"fragments": 0}, "diloco.fragments", ">= 1"),
     ("diloco", {"fragments": 9}, "diloco.fragments", "at most period (8)"),
     ("auto", {"probe": "fast"}, "auto.probe", "quick, live, none"),
+    ("auto", {"diloco_variants": "int4,int2@2"}, "auto.diloco_variants", "int2@0.01"),
+    ("auto", {"diloco_variants": "int3"}, "auto.diloco_variants", "DTYPE@TOPK_RATIO"),
     ("auto", {"interval": True}, "auto.interval", "integer"),
 ])
 def test_bad_options_name_the_field_and_the_fix(name, given, field, needle):
@@ -251,13 +255,15 @@ def _delta_tensor(m, dtype, ratio=1.0, block=64):
     if dtype in ("fp32", "fp16", "bf16"):
         return index + {"fp32": 4, "fp16": 2, "bf16": 2}[dtype] * k
     nb = math.ceil(k / block)
-    return index + nb * block * (1 if dtype == "int8" else 0.5) + 4 * nb
+    return index + nb * block * {"int8": 1, "int4": 0.5, "int2": 0.25}[dtype] + 4 * nb
 
 
 @pytest.mark.parametrize("opts", [
     {"delta_dtype": "int8"}, {"delta_dtype": "int4"}, {"delta_dtype": "int4", "delta_block": 128},
     {"delta_dtype": "int4", "delta_topk": 0.03}, {"delta_dtype": "int8", "delta_topk": 0.01},
     {"delta_dtype": "fp16", "delta_topk": 0.1}, {"delta_dtype": "fp32", "delta_topk": 0.5},
+    {"delta_dtype": "int2"}, {"delta_dtype": "int2", "delta_topk": 0.01},
+    {"delta_dtype": "int2", "delta_topk": 0.03, "delta_block": 16},
 ])
 @pytest.mark.parametrize("world", [2, 4])
 def test_diloco_gathered_delta_bytes(opts, world):
@@ -277,11 +283,17 @@ def test_diloco_delta_sizes_on_the_embedded_default():
     per_sync = {k: wire_bytes("diloco", SMOL, 2, **o) * 8 for k, o in {
         "fp32": {}, "fp16": {"delta_dtype": "fp16"}, "int8": {"delta_dtype": "int8"},
         "int4": {"delta_dtype": "int4"},
-        "top3%int4": {"delta_dtype": "int4", "delta_topk": 0.03}}.items()}
+        "top3%int4": {"delta_dtype": "int4", "delta_topk": 0.03},
+        "int2": {"delta_dtype": "int2"},
+        "top1%int2": {"delta_dtype": "int2", "delta_topk": 0.01}}.items()}
     assert per_sync["fp32"] == 4 * N and per_sync["fp16"] == 2 * N
     assert per_sync["int8"] == N * (1 + 4 / 64)          # a scale per 64 codes
     assert per_sync["int4"] == N * (0.5 + 4 / 64)
     assert per_sync["top3%int4"] < N / 10                # 2-byte indices + 4-bit values
+    assert per_sync["int2"] == N * (0.25 + 4 / 64)
+    # SparseLoCo's: 1% of each tensor, 2-byte indices, 2-bit values in one block
+    # of 64 (a tensor keeps at most 47 values here): over 150x fewer than fp32
+    assert 150 < 4 * N / per_sync["top1%int2"] < 4 * N / per_sync["top3%int4"] * 4
 
 
 def test_diloco_fragments_split_the_bytes_and_keep_the_kind():

@@ -19,7 +19,9 @@ DEVICES = ["cpu", CUDA]
 # one odd size and one too big for 2-byte indices
 NUMELS = [8 * 64, 64 * 8, 8 * 64, 24 * 8, 5, 333, 70_000]
 CODECS = [("int8", 1.0), ("int4", 1.0), ("int8", 0.05), ("int4", 0.03), ("fp16", 0.1),
-          ("bf16", 0.02), ("fp32", 0.2)]
+          ("bf16", 0.02), ("fp32", 0.2), ("int2", 1.0), ("int2", 0.01), ("int2", 0.05)]
+#: the largest magnitude of each integer delta dtype's codes, in units of its scale
+LEVELS = {8: 127, 4: 7, 2: 1.5}
 
 
 def _x(n: int, device="cpu", seed: int = 0) -> torch.Tensor:
@@ -46,14 +48,14 @@ def test_buffer_is_the_formulas_bytes(dtype, ratio, block):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_dense_roundtrip_error_at_most_half_a_step(device, bits):
     n = sum(NUMELS)
     x = _x(n, device)
     codec = C.DeltaCodec(NUMELS, f"int{bits}", 32, 1.0, device=device)
     y = codec.decode(codec.encode(x))
     assert y.device.type == torch.device(device).type
-    levels = 127 if bits == 8 else 7
+    levels = LEVELS[bits]
     off = 0
     for m in NUMELS:   # per tensor, per block of 32 of its values: max|x| / L / 2
         pad = -m % 32
@@ -62,7 +64,8 @@ def test_dense_roundtrip_error_at_most_half_a_step(device, bits):
         bound = xs.abs().amax(dim=1, keepdim=True) / levels / 2 * (1 + 1e-4) + 1e-30
         assert bool((err <= bound).all()), m
         off += m
-    assert bool((y[n // 7 + 10: n // 7 + 80] == 0).all())   # inside the zero stretch
+    if bits > 2:   # int2 has no zero level: a zero beside non-zeros arrives as +-scale/2
+        assert bool((y[n // 7 + 10: n // 7 + 80] == 0).all())   # inside the zero stretch
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -105,7 +108,8 @@ def test_error_feedback_conserves_mass(device, dtype, ratio):
     assert float(e.abs().max()) > 0   # something was held back
 
 
-@pytest.mark.parametrize("dtype, ratio", [("int4", 1.0), ("int8", 0.05), ("fp16", 0.1)])
+@pytest.mark.parametrize("dtype, ratio", [("int4", 1.0), ("int8", 0.05), ("fp16", 0.1),
+                                          ("int2", 0.03)])
 def test_decode_sum_adds_ranks_in_order(dtype, ratio):
     n = sum(NUMELS)
     codec = C.DeltaCodec(NUMELS, dtype, 64, ratio)
@@ -126,11 +130,61 @@ def test_int4_packing_roundtrip():
     assert torch.equal(C.unpack_int4(p), q)
 
 
+def test_int2_packing_roundtrip():
+    q = torch.tensor([-2, -1, 0, 1], dtype=torch.int8).repeat(9)[:32].roll(3)
+    p = C.pack_int2(q)
+    assert p.dtype == torch.uint8 and p.numel() == 8
+    assert torch.equal(C.unpack_int2(p), q)
+
+
+def test_int2_levels_have_no_zero_and_keep_the_sign():
+    """Four levels, +-s/2 and +-3s/2 with s = max|x| / 1.5: the block's
+    largest value arrives exactly, every value within s/2 and with its sign
+    (the top-k values int2 is for are never near zero); an all-zero block
+    decodes to zeros."""
+    x = torch.tensor([[3.0, -3.0, 1.2, -0.9, 0.4, -0.1, 2.1, -1.6],
+                      [0.0] * 8])
+    q, scale = C.quantize_blocks(x, 2)
+    assert int(q.min()) >= -2 and int(q.max()) <= 1
+    y = C.dequantize_blocks(q, scale, 2)
+    s = 3.0 / 1.5
+    assert y[0, 0] == 3.0 and y[0, 1] == -3.0
+    assert set(y[0].abs().tolist()) <= {s / 2, 3 * s / 2}
+    assert bool(((y[0] - x[0]).abs() <= s / 2 + 1e-6).all())
+    assert torch.equal(torch.sign(y[0]), torch.sign(x[0]))
+    assert torch.equal(y[1], torch.zeros(8))
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_int2_topk_keeps_the_largest_within_half_a_step(ratio):
+    """int2 with top-k (SparseLoCo's outer sync): the kept entries are each
+    tensor's largest, each decoded within half its block's step, same sign."""
+    n = sum(NUMELS)
+    x = _x(n, seed=5)
+    codec = C.DeltaCodec(NUMELS, "int2", 16, ratio)
+    y = codec.decode(codec.encode(x))
+    off = 0
+    for m in NUMELS:
+        xs, ys = x[off:off + m], y[off:off + m]
+        k = catalog.topk_k(m, ratio)
+        kept = ys != 0
+        top = xs.abs().topk(k)
+        assert int(kept.sum()) == int((top.values > 0).sum())
+        assert bool(kept[top.indices[top.values > 0]].all())
+        # a block of 16 kept values has scale max|x| / 1.5; the tensor's largest bounds them all
+        step = float(top.values[0]) / 1.5
+        assert bool(((ys - xs)[kept].abs() <= step / 2 * (1 + 1e-5)).all()), m
+        assert torch.equal(torch.sign(ys[kept]), torch.sign(xs[kept]))
+        off += m
+
+
 def test_codec_refuses_bad_input():
     with pytest.raises(ValueError, match="dtype"):
         C.DeltaCodec([10], "fp8")
     with pytest.raises(ValueError, match="even"):
         C.DeltaCodec([10], "int4", block=5)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        C.DeltaCodec([10], "int2", block=6)
 
 
 @pytest.mark.parametrize("dtype, ratio", CODECS)

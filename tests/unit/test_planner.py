@@ -573,3 +573,16 @@ def test_tune_periodic_takes_each_variant_as_given():
     w = wl(options={"diloco": {"delta_dtype": "int4", "delta_topk": 0.03, "fragments": 2}})
     opts, _, i = tune_periodic(slow, w, "diloco", [{"delta_dtype": "int8"}])
     assert (i, opts["delta_dtype"], opts["delta_topk"]) == (0, "int8", 1.0)
+
+
+def test_tune_periodic_takes_the_2_bit_sparse_variant_only_where_the_others_fall_behind():
+    # issue 33: SparseLoCo's outer sync (1% of the delta, 2-bit values) as a variant
+    sparse = [*VARIANTS, {"delta_dtype": "int2", "delta_topk": 0.01}]
+    slow = what_if_net(2, 1.3e6 / 8, 1e-3)      # int8 keeps up: the least lossy still wins
+    assert tune_periodic(slow, wl(), "diloco", sparse)[2] == 1
+    # 30 kbit/s: 3% top-k with int4 values cannot keep up; 1% with int2 ones can
+    thin = what_if_net(2, 30e3 / 8, 1e-3)
+    _, p4 = hide_sync(thin, _dl(delta_dtype="int4", delta_topk=0.03))
+    opts, p, i = tune_periodic(thin, wl(), "diloco", sparse)
+    assert (i, opts["delta_dtype"], opts["delta_topk"]) == (4, "int2", 0.01)
+    assert p.samples_per_s > p4.samples_per_s * 1.05

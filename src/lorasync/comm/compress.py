@@ -1,6 +1,6 @@
 """Pure compressors: blockwise int8, 1-bit signs, top-k, and PowerSGD's
 orthogonalisation, and DiLoCo's outer-delta codec (:class:`DeltaCodec`:
-int8/int4 blocks, top-k values + indices, packed into one byte buffer).  No
+int8/int4/int2 blocks, top-k values + indices, packed into one byte buffer).  No
 communication here; the strategies compose these with collectives and error
 feedback.
 
@@ -32,7 +32,8 @@ __all__ = [
     "onebit_encode", "onebit_decode", "pack_bits", "unpack_bits",
     "topk_encode", "topk_decode",
     "orthogonalize_",
-    "quantize_blocks", "dequantize_blocks", "pack_int4", "unpack_int4", "DeltaCodec",
+    "quantize_blocks", "dequantize_blocks", "pack_int4", "unpack_int4", "pack_int2",
+    "unpack_int2", "DeltaCodec",
 ]
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8, device="cpu")
@@ -193,25 +194,44 @@ def orthogonalize_(m: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return m
 
 
-# -- blockwise int8 / int4 (equal blocks) ---------------------------------------
+# -- blockwise int8 / int4 / int2 (equal blocks) ----------------------------------
 #: largest code of a symmetric signed integer of ``bits`` bits
 _LEVELS = {8: 127, 4: 7}
 
 
 def quantize_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 (``bits`` 8) or int4 (``bits`` 4) codes of the rows of
-    ``x`` (blocks x block size), one fp32 scale per row: ``max|row| / L`` with
-    L = 127 or 7; codes are int8 in [-L, L], ``|x - q * scale| <= scale / 2``."""
-    levels = _LEVELS[bits]
+    """Codes of the rows of ``x`` (blocks x block size), one fp32 scale per
+    row, ``|x - decoded| <= scale / 2`` everywhere.
+
+    int8 (``bits`` 8) or int4 (4): symmetric, ``scale = max|row| / L`` with
+    L = 127 or 7, codes int8 in [-L, L] standing for ``q * scale``.
+
+    int2 (2): four levels with no zero, ``(q + 1/2) * scale`` for q in
+    [-2, 1], i.e. +-scale/2 and +-3 scale/2, ``scale = max|row| / 1.5``.  A
+    symmetric 2-bit code would spend one of its four codes on zero and have
+    only one magnitude; the values int2 is meant for are top-k entries (the
+    largest of their tensor: none near zero, SparseLoCo's 2-bit outer sync),
+    and a dense block's small values are carried by error feedback.  An
+    all-zero block has scale 0 and decodes to zeros."""
     x = x.float()
+    if bits == 2:
+        scale = x.abs().amax(dim=1) / 1.5
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.round(x * inv.unsqueeze(1) - 0.5).clamp_(-2, 1).to(torch.int8)
+        return q, scale
+    levels = _LEVELS[bits]
     scale = x.abs().amax(dim=1) / levels
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round(x * inv.unsqueeze(1)).clamp_(-levels, levels).to(torch.int8)
     return q, scale
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.unsqueeze(1)
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """The values codes of :func:`quantize_blocks` with ``bits`` stand for."""
+    v = q.float()
+    if bits == 2:
+        v = v.add_(0.5)
+    return v * scale.unsqueeze(1)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -226,9 +246,23 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=1).reshape(-1)
 
 
+def pack_int2(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-2, 1] (a multiple of 4 of them) -> uint8, four a byte
+    (the first in the lowest two bits)."""
+    u = (q.reshape(-1, 4) + 2).to(torch.uint8)
+    return u[:, 0] | (u[:, 1] << 2) | (u[:, 2] << 4) | (u[:, 3] << 6)
+
+
+def unpack_int2(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack([((p >> s) & 3).to(torch.int8) - 2 for s in (0, 2, 4, 6)],
+                       dim=1).reshape(-1)
+
+
 # -- DiLoCo's outer delta ---------------------------------------------------------
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
+_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
+_PACK = {8: lambda q: q.view(torch.uint8), 4: pack_int4, 2: pack_int2}
+_UNPACK = {8: lambda c: c.view(torch.int8), 4: unpack_int4, 2: unpack_int2}
 
 
 class DeltaCodec:
@@ -238,7 +272,7 @@ class DeltaCodec:
     vector (``numels`` each).  Per tensor: with ``ratio < 1`` its
     ``max(1, ceil(ratio m))`` largest-magnitude entries and their indices
     (local to the tensor: int16 while it has at most 65,536 elements, else
-    int32), else all of it; the values as fp32/fp16/bf16, or as int8/int4
+    int32), else all of it; the values as fp32/fp16/bf16, or as int8/int4/int2
     codes in blocks of ``block`` values (the tensor's values zero-padded to
     whole blocks) with one fp32 scale a block.  Tensors of equal size are
     coded together as the rows of one matrix (a LoRA adapter has a few
@@ -260,6 +294,8 @@ class DeltaCodec:
         self.dtype, self.bits, self.block, self.ratio = dtype, _BITS[dtype], int(block), ratio
         if self.bits <= 8 and self.block % 2:
             raise ValueError(f"block: int4/int8 blocks must be even, got {block}")
+        if self.bits == 2 and self.block % 4:
+            raise ValueError(f"block: int2 blocks must be a multiple of 4, got {block}")
         self.sparse = ratio < 1.0
         self.numel = int(sum(numels))
         host = torch.device("cpu")
@@ -320,8 +356,7 @@ class DeltaCodec:
                 vals = torch.nn.functional.pad(vals, (0, width - vals.shape[1]))
             q, scale = quantize_blocks(vals.reshape(-1, self.block), self.bits)
             self._put(buf, gi, "scale", scale)
-            codes = q.view(torch.uint8) if self.bits == 8 else pack_int4(q)
-            self._put(buf, gi, "code", codes)
+            self._put(buf, gi, "code", _PACK[self.bits](q))
         return buf
 
     def _put(self, buf: torch.Tensor, gi: int, what: str, t: torch.Tensor) -> None:
@@ -346,8 +381,9 @@ class DeltaCodec:
             else:
                 scale = self._get(buf, gi, "scale")
                 codes = self._get(buf, gi, "code")
-                q = codes.view(torch.int8) if self.bits == 8 else unpack_int4(codes)
-                vals = dequantize_blocks(q.view(-1, self.block), scale).view(g, -1)[:, :k]
+                q = _UNPACK[self.bits](codes)
+                vals = dequantize_blocks(q.view(-1, self.block), scale,
+                                         self.bits).view(g, -1)[:, :k]
             if self.sparse:
                 idx = self._get(buf, gi, "index").view(g, k).long()
                 if self._layout[(gi, "index")][2] == torch.int16:

@@ -20,9 +20,10 @@ How DiLoCo's delta travels (``delta_dtype``, ``delta_topk``; bytes in
 
 * fp32, fp16, bf16, dense: divided by the world size, cast, all-reduced (one
   summable tensor).
-* int8 or int4 (blockwise, one fp32 scale per ``delta_block`` values), or
-  sparse (``delta_topk`` < 1: each tensor's largest entries and their
-  indices, the values in ``delta_dtype``): every rank encodes its delta into
+* int8, int4 or int2 (blockwise, one fp32 scale per ``delta_block``
+  values), or sparse (``delta_topk`` < 1: each tensor's largest entries and
+  their indices, the values in ``delta_dtype``; int2 with a small
+  ``delta_topk`` is SparseLoCo's outer sync): every rank encodes its delta into
   one byte buffer (:class:`~lorasync.comm.compress.DeltaCodec`), the buffers
   are all-gathered, and every rank decodes and sums them in fp32, in rank
   order, so every rank gets the same mean delta.  Error feedback: what a
