@@ -422,6 +422,67 @@ def switch_parity() -> str:
     return "\n".join(lines)
 
 
+def long_link_text(d: dict) -> str:
+    """bench/long_link.py: auto's start figure on a long, thin link, before and
+    after the probe was sized by latency (probe part, train part: either may be absent)."""
+    from statistics import median
+
+    out = []
+    probe = [r for r in d.get("probe", []) if r.get("rc") == 0]
+    if probe:
+        out += ["| link (one-way delay) | version | real rate | start figure, probe=quick (default) | "
+                "start / real | took | start figure, probe=live | start / real | took |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        keys = list(dict.fromkeys((r["profile"], r["version"]) for r in probe))
+        for prof, ver in keys:
+            rs = [r for r in probe if (r["profile"], r["version"]) == (prof, ver)]
+            cells = []
+            for mode in ("quick", "live"):
+                ratio = [r[mode]["over_real"] for r in rs]
+                spread = f" ({min(ratio):.2f}-{max(ratio):.2f})" if len(rs) > 1 else ""
+                cells.append(f"{median(r[mode]['start_Bps'] for r in rs) * 8e-6:.2f} Mbit/s | "
+                             f"**{median(ratio):.2f}x**{spread} | "
+                             f"{median(r[mode]['start_s'] for r in rs):.1f} s")
+            out.append(f"| {prof.replace('/', ', ')} | {ver}{f' ({len(rs)} rounds)' if len(rs) > 1 else ''} | "
+                       f"{median(r['real_Bps'] for r in rs) * 8e-6:.2f} Mbit/s | " + " | ".join(cells) + " |")
+    train = [r for r in d.get("train", []) if r.get("rc") == 0]
+    if train:
+        ceil = max((r["samples_per_s"] for r in train if r["label"] == "ceiling"), default=None)
+        a = d.get("args", {})
+        first, end = a.get("measure_steps", 4) + 1, a.get("measure_steps", 4) + a.get("interval", 10)
+        if out:
+            out.append("")
+        out += [f"| run ({train[0]['profile'].replace('/', ', ')} one way, {a.get('steps')} steps) | "
+                "start figure | strategies (switch at step) | first sync exposed | "
+                f"exposed, steps {first}-{end} | exposed, whole run | samples/s (of the ceiling) |",
+                "|---|---|---|---|---|---|---|"]
+        for label in dict.fromkeys(r["label"] for r in train):
+            rs = [r for r in train if r["label"] == label]
+            for r in rs:
+                seq = ", ".join(f"{to}@{st}" for st, to in r["sequence"]) or "-"
+                share = f" ({r['samples_per_s'] / ceil:.0%})" if ceil and label != "ceiling" else ""
+                rnd = f", round {r['round']}" if len(rs) > 1 else ""
+                if label == "ceiling":
+                    out.append(f"| no sync (the ceiling){rnd} | - | - | - | - | - | "
+                               f"{r['samples_per_s']:.2f} |")
+                    continue
+                out.append(f"| auto, {r['version']}{rnd} | {r.get('start_figure') or '-'} | {seq} | "
+                           f"{r['first_sync_exposed_s']:.2f} s | {r['first_window_exposed_s']:.2f} s | "
+                           f"{r['exposed_share']:.0%} | {r['samples_per_s']:.2f}{share} |")
+    if out:
+        out += ["", f"Host load (1-minute average) {d['load_before'][0]:.1f} before, "
+                f"{d['load_after'][0]:.1f} after; {d.get('date')}."]
+    return "\n".join(out)
+
+
+def long_link_probe() -> str:
+    return long_link_text(_load("slow-links", "long_link_probe.json"))
+
+
+def long_link_train() -> str:
+    return long_link_text(_load("slow-links", "long_link_train.json"))
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -439,6 +500,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "trl": trl,
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
+    "long-link-probe": long_link_probe,
+    "long-link-train": long_link_train,
 }
 
 
