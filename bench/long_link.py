@@ -5,6 +5,8 @@
     sudo .venv/bin/python bench/long_link.py --parts probe --profiles 10mbit/50ms,100mbit/50ms
     sudo .venv/bin/python bench/long_link.py --parts train --train-profile 10mbit/50ms --steps 30
 
+About 10 minutes with the defaults (3 probe profiles, 3 training runs).
+
 "before" is the package as it was at ``--before`` (a git revision of this
 repository, extracted with ``git archive`` into a temporary directory and put
 first on the workers' PYTHONPATH); "after" is this checkout's ``src``.  Both
@@ -137,7 +139,7 @@ def probe_part(args, versions: dict, tmp: str) -> list[dict]:
     return rows
 
 
-_START = re.compile(r"auto: probe ([\d.]+ \S+)")
+_START = re.compile(r"auto: probe (.+?), alpha")
 
 
 def _records(run: str) -> list[dict]:
@@ -194,7 +196,12 @@ def train_part(args, versions: dict, tmp: str) -> list[dict]:
                 row = {"label": label, "version": ver, "round": rnd + 1, "rc": rc,
                        "wall_s": time.time() - t0, "profile": f"{rate}/{delay}"}
                 if rc == 0:
-                    row.update(_summary(_records(run), args.measure_steps, args.interval))
+                    try:
+                        row.update(_summary(_records(run), args.measure_steps, args.interval))
+                    except (OSError, ValueError, KeyError) as e:   # keep the other runs
+                        row.update(rc=f"summary failed: {e!r}")
+                        rows.append(row)
+                        continue
                     log = Path(logs, "node0.log").read_text(errors="replace")
                     m = _START.search(log)
                     row["start_figure"] = m.group(1) if m else None

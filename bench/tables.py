@@ -476,11 +476,13 @@ def long_link_text(d: dict) -> str:
 
 
 def long_link_probe() -> str:
-    return long_link_text(_load("slow-links", "long_link_probe.json"))
+    d = _load("slow-links", "long_link.json")
+    return long_link_text({k: v for k, v in d.items() if k != "train"})
 
 
 def long_link_train() -> str:
-    return long_link_text(_load("slow-links", "long_link_train.json"))
+    d = _load("slow-links", "long_link.json")
+    return long_link_text({k: v for k, v in d.items() if k != "probe"})
 
 
 def _rate_key(prof: str) -> float:
