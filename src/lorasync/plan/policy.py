@@ -21,7 +21,7 @@ the current strategy, calibrated on it while it runs.  A drift of more than
 ``DRIFT`` of the step triggers a probe at the boundary: three 1 KiB
 all-reduces (latency) and one of 256 KiB to 4 MiB (bandwidth; never smaller,
 because a shaper's token bucket lets the first tens of KiB through at line
-rate), timed, the fastest rank's time counting (the others may have waited
+rate; on a long link at least 3x the latency of transfer, :func:`probe_size`), timed, the fastest rank's time counting (the others may have waited
 for it to arrive); a probe that finds another link is repeated at once and
 the faster of the two counts (a rank descheduled during one probe must not
 read as a cut link).  Without a trigger the probe runs every m K-step
