@@ -453,13 +453,13 @@ def long_link_text(d: dict) -> str:
         if out:
             out.append("")
         out += [f"| run ({train[0]['profile'].replace('/', ', ')} one way, {a.get('steps')} steps) | "
-                "start figure | strategies (switch at step) | first sync exposed | "
+                "start figure | auto's decisions (step: strategy, outer sync) | first sync exposed | "
                 f"exposed, steps {first}-{end} | exposed, whole run | samples/s (of the ceiling) |",
                 "|---|---|---|---|---|---|---|"]
         for label in dict.fromkeys(r["label"] for r in train):
             rs = [r for r in train if r["label"] == label]
             for r in rs:
-                seq = ", ".join(f"{to}@{st}" for st, to in r["sequence"]) or "-"
+                seq = "; ".join(_auto_steps(r.get("auto_log", []))) or "-"
                 share = f" ({r['samples_per_s'] / ceil:.0%})" if ceil and label != "ceiling" else ""
                 rnd = f", round {r['round']}" if len(rs) > 1 else ""
                 if label == "ceiling":
@@ -475,6 +475,18 @@ def long_link_text(d: dict) -> str:
     return "\n".join(out)
 
 
+def _auto_steps(log: list[str]) -> list[str]:
+    """``step N: STRATEGY, OUTER SYNC`` of each decision line auto logged."""
+    out = []
+    for line in log:
+        m = re.match(r"auto: step (\d+): (?:keep (\w+)|(\w+) (?:outer sync )?->)", line)
+        if not m:
+            continue
+        sync = re.search(r"; outer sync ([^;]+)$", line)
+        out.append(f"{m.group(1)}: {m.group(2) or m.group(3)}" + (f" {sync.group(1)}" if sync else ""))
+    return out
+
+
 def long_link_probe() -> str:
     d = _load("slow-links", "long_link.json")
     return long_link_text({k: v for k, v in d.items() if k != "train"})
@@ -483,6 +495,10 @@ def long_link_probe() -> str:
 def long_link_train() -> str:
     d = _load("slow-links", "long_link.json")
     return long_link_text({k: v for k, v in d.items() if k != "probe"})
+
+
+def long_link_rounds() -> str:
+    return long_link_text(_load("slow-links", "long_link_rounds.json"))
 
 
 def _rate_key(prof: str) -> float:
@@ -504,6 +520,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "switch-parity": switch_parity,
     "long-link-probe": long_link_probe,
     "long-link-train": long_link_train,
+    "long-link-rounds": long_link_rounds,
 }
 
 

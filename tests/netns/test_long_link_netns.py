@@ -3,8 +3,8 @@
 The figure ``--comm auto`` starts from (``Links.start_probe``: the quick probe,
 and the live one that ``probe=live`` and a failed quick probe use) must be
 within 2x of the link's rate.  Before the probe was sized by its latency the
-quick one read this link at 132 Mbit/s (12.7x; bench/long_link.py keeps both
-figures, docs/slow-links.md).  Needs root; about 30 s.
+quick one read this link anywhere from 0.24x to 10.7x (bench/long_link.py,
+docs/slow-links.md).  Needs root; about 25 s.
 """
 
 from __future__ import annotations
