@@ -327,8 +327,9 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     same dict. ``quick`` (for ``--comm auto``) measures sizes 4x apart up to
     4 MiB, and beyond (up to ``max_bytes``) while the largest is still mostly
     latency, with few repeats in a few seconds (3 s sweep + 3 s pairs at most,
-    less on fast links; a latency-bound size is timed once); the full probe sweeps up to ``max_bytes`` within
-    ``time_budget_s`` (default 60 s sweep + 60 s pairs).
+    less on fast links; a latency-bound size is timed once); the full probe
+    sweeps up to ``max_bytes`` within ``time_budget_s`` (default 60 s sweep +
+    60 s pairs).
     ``pairs`` defaults to on, and in quick mode to on only for up to 8 ranks;
     quick pairs stop once their budget is spent (``pairs_complete`` says whether
     every pair was measured): n(n-1) pairs, each followed by a barrier as
@@ -396,12 +397,14 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
         # a sweep whose messages were all latency cannot read a fast link
         big_rec = max(ar, key=lambda r: r["bytes"])
         small_rec = min(ar, key=lambda r: r["bytes"])
-        bw, capped = credited_bandwidth(m.bandwidth_Bps, big_rec["bytes"] * busbw_factor("all_reduce", ctx.n),
-                                        big_rec["time_s"], small_rec["time_s"])
+        bw, capped = credited_bandwidth(
+            m.bandwidth_Bps, big_rec["bytes"] * busbw_factor("all_reduce", ctx.n),
+            big_rec["time_s"], small_rec["time_s"])
         if capped:
+            big_text = fmt_bytes(big_rec["bytes"], binary=True)
             model.update(bandwidth_Bps=bw, beta_s_per_byte=1.0 / bw,
-                         bandwidth_from=f"largest all-reduce ({fmt_bytes(big_rec['bytes'], binary=True)}), "
-                                        "latency-bound: the fit was not credited")
+                         bandwidth_from=f"the largest all-reduce's rate ({big_text}; the fit "
+                                        "was faster than its messages)")
         # A sweep cut short by the budget (a slow link, quick mode) fits its
         # slope on sizes a shaper's burst still flatters; the pairs went to
         # bigger messages, and a ring is never faster than its slowest link.
