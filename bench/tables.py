@@ -495,6 +495,85 @@ def bytes_to_target(res: dict | None = None) -> str:
     return "\n".join(lines + ["", f"Verdict: {res['verdict']}."])
 
 
+def long_link_text(d: dict) -> str:
+    """bench/long_link.py: auto's start figure on a long, thin link, before and
+    after the probe was sized by latency (probe part, train part: either may be absent)."""
+    from statistics import median
+
+    out = []
+    probe = [r for r in d.get("probe", []) if r.get("rc") == 0]
+    if probe:
+        out += ["| link (one-way delay) | version | real rate | start figure, probe=quick (default) | "
+                "start / real | took | start figure, probe=live | start / real | took |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        keys = list(dict.fromkeys((r["profile"], r["version"]) for r in probe))
+        for prof, ver in keys:
+            rs = [r for r in probe if (r["profile"], r["version"]) == (prof, ver)]
+            cells = []
+            for mode in ("quick", "live"):
+                ratio = [r[mode]["over_real"] for r in rs]
+                spread = f" ({min(ratio):.2f}-{max(ratio):.2f})" if len(rs) > 1 else ""
+                cells.append(f"{median(r[mode]['start_Bps'] for r in rs) * 8e-6:.2f} Mbit/s | "
+                             f"**{median(ratio):.2f}x**{spread} | "
+                             f"{median(r[mode]['start_s'] for r in rs):.1f} s")
+            out.append(f"| {prof.replace('/', ', ')} | {ver}{f' ({len(rs)} rounds)' if len(rs) > 1 else ''} | "
+                       f"{median(r['real_Bps'] for r in rs) * 8e-6:.2f} Mbit/s | " + " | ".join(cells) + " |")
+    train = [r for r in d.get("train", []) if r.get("rc") == 0]
+    if train:
+        ceil = max((r["samples_per_s"] for r in train if r["label"] == "ceiling"), default=None)
+        a = d.get("args", {})
+        first, end = a.get("measure_steps", 4) + 1, a.get("measure_steps", 4) + a.get("interval", 10)
+        if out:
+            out.append("")
+        out += [f"| run ({train[0]['profile'].replace('/', ', ')} one way, {a.get('steps')} steps) | "
+                "start figure | auto's decisions (step: strategy, outer sync) | first sync exposed | "
+                f"exposed, steps {first}-{end} | exposed, whole run | samples/s (of the ceiling) |",
+                "|---|---|---|---|---|---|---|"]
+        for label in dict.fromkeys(r["label"] for r in train):
+            rs = [r for r in train if r["label"] == label]
+            for r in rs:
+                seq = "; ".join(_auto_steps(r.get("auto_log", []))) or "-"
+                share = f" ({r['samples_per_s'] / ceil:.0%})" if ceil and label != "ceiling" else ""
+                rnd = f", round {r['round']}" if len(rs) > 1 else ""
+                if label == "ceiling":
+                    out.append(f"| no sync (the ceiling){rnd} | - | - | - | - | - | "
+                               f"{r['samples_per_s']:.2f} |")
+                    continue
+                out.append(f"| auto, {r['version']}{rnd} | {r.get('start_figure') or '-'} | {seq} | "
+                           f"{r['first_sync_exposed_s']:.2f} s | {r['first_window_exposed_s']:.2f} s | "
+                           f"{r['exposed_share']:.0%} | {r['samples_per_s']:.2f}{share} |")
+    if out:
+        out += ["", f"Host load (1-minute average) {d['load_before'][0]:.1f} before, "
+                f"{d['load_after'][0]:.1f} after; {d.get('date')}."]
+    return "\n".join(out)
+
+
+def _auto_steps(log: list[str]) -> list[str]:
+    """``step N: STRATEGY, OUTER SYNC`` of each decision line auto logged."""
+    out = []
+    for line in log:
+        m = re.match(r"auto: step (\d+): (?:keep (\w+)|(\w+) (?:outer sync )?->)", line)
+        if not m:
+            continue
+        sync = re.search(r"; outer sync ([^;]+)$", line)
+        out.append(f"{m.group(1)}: {m.group(2) or m.group(3)}" + (f" {sync.group(1)}" if sync else ""))
+    return out
+
+
+def long_link_probe() -> str:
+    d = _load("slow-links", "long_link.json")
+    return long_link_text({k: v for k, v in d.items() if k != "train"})
+
+
+def long_link_train() -> str:
+    d = _load("slow-links", "long_link.json")
+    return long_link_text({k: v for k, v in d.items() if k != "probe"})
+
+
+def long_link_rounds() -> str:
+    return long_link_text(_load("slow-links", "long_link_rounds.json"))
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -514,6 +593,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "switch-parity": switch_parity,
     "switch-ceilings": switch_ceilings,
     "bytes-to-target": bytes_to_target,
+    "long-link-probe": long_link_probe,
+    "long-link-train": long_link_train,
+    "long-link-rounds": long_link_rounds,
 }
 
 

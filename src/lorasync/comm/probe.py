@@ -28,7 +28,8 @@ both fitted by :mod:`lorasync.plan.linkfit`:
 
 * :func:`time_link` / :func:`link_model`, on one :class:`~lorasync.comm.wire.Wire`:
   three ``SMALL_PROBE_BYTES`` all-reduces (latency; the fastest counts) and
-  one of ``nbytes`` (bandwidth; never below ``MIN_PROBE_BYTES``); each rank
+  one of ``nbytes`` (bandwidth; never below ``MIN_PROBE_BYTES``; at the
+  start, grown while latency dominates it); each rank
   keeps the fastest rank's times (the others may have waited for it to
   arrive).  Always the backend's own ring, the algorithm the model is
   fitted on.  ``auto`` probes its links with these while it trains (the
@@ -51,8 +52,9 @@ import torch.distributed as dist
 
 from lorasync.errors import ConfigError
 from lorasync.plan.costmodel import allreduce_choice
-from lorasync.plan.linkfit import (MIN_PROBE_BYTES, SMALL_PROBE_BYTES, allreduce_model,
-                                   busbw_factor, fit_alpha_beta)
+from lorasync.plan.linkfit import (MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES,
+                                   allreduce_model, busbw_factor, credited_bandwidth,
+                                   fit_alpha_beta, latency_bound, sweep_step)
 from lorasync.units import fmt_bytes
 
 __all__ = [
@@ -139,12 +141,18 @@ def _plan(est_s: float | None, remaining_s: float, repeats: int, min_reps: int, 
 
 
 def _sweep(ctx: _Ctx, collective: str, sizes: list[int], *, warmup: int, repeats: int, min_reps: int,
-           budget_s: float, rep_target_s: float) -> list[dict]:
+           budget_s: float, rep_target_s: float, grow_past: int | None = None) -> list[dict]:
     """Time one collective at each size until the shared time budget runs out.
 
     Every decision uses timings all-reduced over ranks (``shared_max``), so
     every rank takes the same branch and no rank waits on a collective the
     others skipped.
+
+    ``grow_past`` (the quick probe): sizes above it are timed only while the
+    largest so far is latency-bound (:func:`lorasync.plan.linkfit.latency_bound`:
+    its transfer under 3x the smallest size's time), and a size projected to
+    be mostly latency is timed ``min_reps`` times: on a long, thin link the
+    budget goes to the messages long enough to time the bandwidth.
     """
     records: list[dict] = []
     spent = 0.0  # from shared timings only
@@ -153,11 +161,13 @@ def _sweep(ctx: _Ctx, collective: str, sizes: list[int], *, warmup: int, repeats
         nbytes = size
         if collective == "all_gather":
             nbytes = max(1, size // 4 // ctx.n) * 4 * ctx.n
-        est = None
-        if records:  # projected time of one call: linear in bytes from the last size
-            est = records[-1]["time_s"] * nbytes / records[-1]["bytes"]
-        if not _plan(est, budget_s - spent, repeats, min_reps, len(records)):
+        # projected time of one call: the smallest size's time (latency) plus
+        # the last transfer scaled; past grow_past only while latency-bound
+        step = sweep_step(nbytes, [(r["bytes"], r["time_s"]) for r in records], budget_s - spent,
+                          min_reps=min_reps, grow_past=grow_past)
+        if not step.measure:
             break
+        est, latency_only = step.est_s, step.latency_only
         fn = _collective_fn(ctx, collective, nbytes)
         w = warmup if est is None or est < _WARM_BELOW_S else 0
         ctx.dist.barrier(group=ctx.group)
@@ -173,6 +183,8 @@ def _sweep(ctx: _Ctx, collective: str, sizes: list[int], *, warmup: int, repeats
         # short to time well (as nccl-tests' iters), one call for big sizes
         inner = int(min(100, max(1, rep_target_s // max(warm, 1e-7))))
         reps = max(min_reps, min(repeats, int((budget_s - spent) / max(warm * inner, 1e-9))))
+        if latency_only and grow_past is not None:
+            reps = min_reps
         times = []
         for _ in range(reps):
             ctx.dist.barrier(group=ctx.group)
@@ -312,10 +324,12 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     """Probe the links of ``group`` (default: the world) and return the probe JSON.
 
     Call on every rank of an initialised process group; every rank gets the
-    same dict. ``quick`` (for ``--comm auto``) measures a few sizes up to
-    4 MiB with few repeats in a few seconds (3 s sweep + 3 s pairs at most,
-    less on fast links); the full probe sweeps up to ``max_bytes`` within
-    ``time_budget_s`` (default 60 s sweep + 60 s pairs).
+    same dict. ``quick`` (for ``--comm auto``) measures sizes 4x apart up to
+    4 MiB, and beyond (up to ``max_bytes``) while the largest is still mostly
+    latency, with few repeats in a few seconds (3 s sweep + 3 s pairs at most,
+    less on fast links; a latency-bound size is timed once); the full probe
+    sweeps up to ``max_bytes`` within ``time_budget_s`` (default 60 s sweep +
+    60 s pairs).
     ``pairs`` defaults to on, and in quick mode to on only for up to 8 ranks;
     quick pairs stop once their budget is spent (``pairs_complete`` says whether
     every pair was measured): n(n-1) pairs, each followed by a barrier as
@@ -335,7 +349,10 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     if quick:
         repeats = repeats or 3
         warmup = 1 if warmup is None else warmup
-        sizes = [s for s in (4 << 10, 64 << 10, 1 << 20, 4 << 20) if s <= max_bytes] or [max_bytes]
+        # x4 steps (x16 before): on a long, thin link each step costs about
+        # the latency, and one 16x step projected past the budget
+        sizes = sweep_sizes(max_bytes)
+        grow_past = MAX_PROBE_BYTES
         pair_sizes = sweep_sizes(min(pair_max_bytes or (1 << 20), max_bytes), factor=16)
         budget = 3.0 if time_budget_s is None else time_budget_s / 2
         pairs = ctx.n <= 8 if pairs is None else pairs
@@ -345,6 +362,7 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
         repeats = repeats or 10
         warmup = 2 if warmup is None else warmup
         sizes = sweep_sizes(max_bytes)
+        grow_past = None
         pair_sizes = sweep_sizes(min(pair_max_bytes or DEFAULT_PAIR_MAX_BYTES, max_bytes))
         budget = 60.0 if time_budget_s is None else time_budget_s / 2
         pairs = True if pairs is None else pairs
@@ -358,7 +376,8 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     sweep: list[dict] = []
     for c in collectives:
         sweep += _sweep(ctx, c, sizes, warmup=warmup, repeats=repeats, min_reps=min_reps,
-                        budget_s=budget / len(collectives), rep_target_s=rep_target)
+                        budget_s=budget / len(collectives), rep_target_s=rep_target,
+                        grow_past=grow_past)
     pair_list = (_pairs(ctx, pair_sizes, max(1, min(repeats, 5)), min(min_reps, 5), budget,
                         stop_after_s=budget if quick else None)
                  if pairs and ctx.n > 1 else [])
@@ -374,6 +393,18 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
             "formula": "all_reduce(B) = 2(n-1)*alpha_s + 2(n-1)/n*B*beta_s_per_byte",
             "bandwidth_from": m.bandwidth_from,
         }
+        # never more than 2x the largest message's plain rate (linkfit.credited_bandwidth):
+        # a sweep whose messages were all latency cannot read a fast link
+        big_rec = max(ar, key=lambda r: r["bytes"])
+        small_rec = min(ar, key=lambda r: r["bytes"])
+        bw, capped = credited_bandwidth(
+            m.bandwidth_Bps, big_rec["bytes"] * busbw_factor("all_reduce", ctx.n),
+            big_rec["time_s"], small_rec["time_s"])
+        if capped:
+            big_text = fmt_bytes(big_rec["bytes"], binary=True)
+            model.update(bandwidth_Bps=bw, beta_s_per_byte=1.0 / bw,
+                         bandwidth_from=f"the largest all-reduce's rate ({big_text}; the fit "
+                                        "was faster than its messages)")
         # A sweep cut short by the budget (a slow link, quick mode) fits its
         # slope on sizes a shaper's burst still flatters; the pairs went to
         # bigger messages, and a ring is never faster than its slowest link.
@@ -433,12 +464,37 @@ def time_link(wire, nbytes: int, device: torch.device, count: bool = True
     return -float(out[0]), -float(out[1]), float(out[2])
 
 
-def link_model(wire, nbytes: int, device: torch.device, count: bool = True
-               ) -> tuple[float, float, float]:
-    """(alpha_s per message, bandwidth_Bps, seconds spent) of the wire's group."""
+def _time_large(wire, nbytes: int, device: torch.device, count: bool) -> tuple[float, float]:
+    """(one all-reduce of ``nbytes``: the fastest rank's seconds, seconds spent)."""
+    large = torch.zeros(nbytes // 4, device=device)
+    t0 = time.perf_counter()
+    wire.all_reduce(large, count=count, algo="ring")
+    _sync(device)
+    tl = time.perf_counter() - t0
+    out = torch.tensor([-tl, time.perf_counter() - t0], dtype=torch.float64, device=device)
+    wire.all_reduce(out, op=dist.ReduceOp.MAX, count=count)
+    return -float(out[0]), float(out[1])
+
+
+def link_model(wire, nbytes: int, device: torch.device, count: bool = True,
+               grow: bool = False) -> tuple[float, float, float]:
+    """(alpha_s per message, bandwidth_Bps, seconds spent) of the wire's group.
+
+    ``grow`` (a start probe, which knows nothing of the link yet): while the
+    large all-reduce was mostly latency (:func:`lorasync.plan.linkfit.latency_bound`)
+    time one 4x larger, up to ``MAX_PROBE_BYTES``.  The bandwidth is never
+    credited with more than 2x the large message's plain rate
+    (:func:`lorasync.plan.linkfit.credited_bandwidth`)."""
     ts, tl, spent = time_link(wire, nbytes, device, count)
-    m = allreduce_model([SMALL_PROBE_BYTES, max(nbytes, MIN_PROBE_BYTES)], [ts, tl], wire.size)
-    return m.alpha_s, m.bandwidth_Bps, spent
+    size = max(nbytes, MIN_PROBE_BYTES)
+    while grow and size < MAX_PROBE_BYTES and latency_bound(ts, tl):
+        size = min(MAX_PROBE_BYTES, size * 4)
+        tl, more = _time_large(wire, size, device, count)
+        spent += more
+    m = allreduce_model([SMALL_PROBE_BYTES, size], [ts, tl], wire.size)
+    bw, _ = credited_bandwidth(m.bandwidth_Bps, size * busbw_factor("all_reduce", wire.size),
+                               tl, ts)
+    return m.alpha_s, bw, spent
 
 
 def algo_chooser(wire, device: torch.device) -> Callable[[int], str]:

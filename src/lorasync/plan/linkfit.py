@@ -10,7 +10,14 @@ numbers the cost model takes:
   ``lorasync probe``'s sweep, ``auto``'s two-size live probe and a probe JSON
   without a fitted model (:func:`fit_sweep`) all go through it;
 * :func:`passive_bandwidth`: the link as the syncs a strategy makes anyway
-  saw it, without probe traffic.
+  saw it, without probe traffic;
+* on a long, thin link (tens of ms one way, a few Mbit/s) a message must be
+  several bandwidth-delay products long before its time says anything about
+  bandwidth: :func:`sweep_estimate` and :func:`latency_bound` size the
+  probes by the latency they measured first, and :func:`credited_bandwidth`
+  never credits a fit with more than ``1 / MIN_TRANSFER_SHARE`` times the
+  plain rate of the largest message timed (so a probe whose messages were
+  all latency reads the link as slow, not as fast).
 
 The sizes the live probe times (``SMALL_PROBE_BYTES``, ``MIN_PROBE_BYTES``,
 ``MAX_PROBE_BYTES``) are defined here once: the fit needs both, and the
@@ -29,7 +36,8 @@ from lorasync.plan.costmodel import Net, path_terms
 __all__ = [
     "SMALL_PROBE_BYTES", "MIN_PROBE_BYTES", "MAX_PROBE_BYTES",
     "AlphaBeta", "AllReduceModel", "fit_alpha_beta", "allreduce_model", "busbw_factor",
-    "fit_sweep", "passive_bandwidth",
+    "fit_sweep", "passive_bandwidth", "MIN_TRANSFER_SHARE", "TRANSFER_OVER_LATENCY",
+    "latency_bound", "sweep_estimate", "credited_bandwidth", "SweepStep", "sweep_step",
 ]
 
 #: the latency probe's all-reduce: small enough that bandwidth does not count
@@ -40,6 +48,15 @@ SMALL_PROBE_BYTES = 1024
 MIN_PROBE_BYTES = 256 << 10
 #: the bandwidth probe's largest all-reduce (a fast link needs no more to time well)
 MAX_PROBE_BYTES = 4 << 20
+#: a probe's largest message times bandwidth when its transfer (its time less
+#: the latency the smallest message showed) is at least this many times the
+#: latency: then the latency's jitter and a shaper's burst move the figure by
+#: a few per cent, not by the factor of 10-25 a latency-bound message gave
+TRANSFER_OVER_LATENCY = 3.0
+#: a bandwidth figure is credited with at most 1/this times the largest
+#: message's plain rate (bytes over its whole time, latency included: a lower
+#: bound on the link): half of that message's time may be latency, no more
+MIN_TRANSFER_SHARE = 0.5
 
 
 class AlphaBeta(NamedTuple):
@@ -189,3 +206,94 @@ def passive_bandwidth(transfers: Sequence[tuple[str, float, float]], world_size:
         if nbytes >= MIN_PROBE_BYTES and busy > 0:
             best = max(best, nbytes / busy)
     return best
+
+
+def latency_bound(t_small: float, t_big: float) -> bool:
+    """Whether a message of ``t_big`` seconds is too short to time the
+    bandwidth on a link whose smallest message took ``t_small`` (latency,
+    both times of the same collective): its transfer, ``t_big - t_small``,
+    is under ``TRANSFER_OVER_LATENCY`` times the latency.  A probe grows its
+    messages while this holds (and its budget allows)."""
+    return t_big - t_small < TRANSFER_OVER_LATENCY * t_small
+
+
+def sweep_estimate(nbytes: float, t_small: float, last_bytes: float, last_s: float) -> float:
+    """Projected seconds of one ``nbytes`` collective from the smallest
+    message's time (latency, ``t_small``) and the last one timed
+    (``last_bytes`` in ``last_s``): the latency plus the last transfer scaled
+    to ``nbytes``.
+
+    Scaling the last *time* instead (latency included, what the sweep did
+    before) projects a latency-bound message as if its latency grew with its
+    size: at 10 Mbit/s with 50 ms one way a 64 KiB all-reduce took 0.21 s, of
+    which 0.20 s latency, and 1 MiB was projected at 3.3 s (it takes 1.0 s),
+    beyond the quick probe's budget, so the sweep stopped at sizes a 64 KiB
+    burst lets through at line rate and read the link 12x too fast.  When
+    the last message was itself all latency this under-projects; sizes grow
+    4x at a time, and a time is concave in size (latency + bytes/bandwidth),
+    so a call takes at most 4x the last one: the budget is overrun by at
+    most one call."""
+    if last_bytes <= 0 or last_s <= 0:
+        raise ValueError(f"last_bytes, last_s: need a timed message, got {last_bytes}, {last_s}")
+    base = min(max(t_small, 0.0), last_s)
+    return base + (last_s - base) * nbytes / last_bytes
+
+
+class SweepStep(NamedTuple):
+    """What a sweep does with its next size (:func:`sweep_step`)."""
+
+    #: time it (else the sweep stops here)
+    measure: bool
+    #: projected seconds of one call (None: the first size, nothing to go by)
+    est_s: float | None
+    #: projected to be mostly latency: one call tells as much as several
+    latency_only: bool
+
+
+def sweep_step(nbytes: float, points: Sequence[tuple[float, float]], remaining_s: float, *,
+               min_reps: int = 1, grow_past: float | None = None) -> SweepStep:
+    """Whether a probe's sweep times ``nbytes`` next, given the ``points``
+    (bytes, seconds) it timed so far, smallest first, and ``remaining_s`` of
+    its budget.
+
+    Always the first two sizes (a line needs two points); then a size whose
+    ``min_reps`` calls are projected (:func:`sweep_estimate`) to fit the
+    budget.  ``grow_past`` (the quick probe): sizes above it only while the
+    largest so far is :func:`latency_bound`, so a long, thin link gets
+    messages of several bandwidth-delay products and a short one stops where
+    it always did.
+    """
+    if not points:
+        return SweepStep(True, None, False)
+    t_small = points[0][1]
+    last_bytes, last_s = points[-1]
+    est = sweep_estimate(nbytes, t_small, last_bytes, last_s)
+    if grow_past is not None and nbytes > grow_past and not latency_bound(t_small, last_s):
+        return SweepStep(False, est, False)
+    if len(points) >= 2 and est * min_reps > remaining_s:
+        return SweepStep(False, est, False)
+    return SweepStep(True, est, latency_bound(t_small, est))
+
+
+def credited_bandwidth(fit_Bps: float, big_bus_bytes: float, t_big: float, t_small: float
+                       ) -> tuple[float, bool]:
+    """``(bandwidth, capped)``: the fitted bandwidth, at most the largest
+    message's bytes per second of its transfer, where its transfer is
+    counted as at least ``MIN_TRANSFER_SHARE`` of its time.
+
+    ``big_bus_bytes / t_big`` is a lower bound on the link (all of the time
+    charged to bytes).  Where the largest message was mostly latency
+    (``t_small`` close to ``t_big``) a fit reads the bytes from differences
+    of a few ms between times of hundreds: a shaper's burst or jitter makes
+    that any figure, and one 25x too fast made auto plan an outer sync it
+    expected to hide.  Capped, such a probe reads the link at most
+    ``1/MIN_TRANSFER_SHARE`` times its lower bound: never more than 2x too
+    fast, possibly slower than it is, which the first sync's own timing
+    (:func:`passive_bandwidth`) corrects; a probe sized by the latency
+    (:func:`latency_bound`) is not capped.
+    """
+    if not (t_big > 0 and big_bus_bytes > 0):
+        return fit_Bps, False
+    transfer = max(t_big - max(t_small, 0.0), MIN_TRANSFER_SHARE * t_big)
+    cap = big_bus_bytes / transfer
+    return (cap, True) if fit_Bps > cap else (fit_Bps, False)

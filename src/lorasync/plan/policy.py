@@ -21,7 +21,7 @@ the current strategy, calibrated on it while it runs.  A drift of more than
 ``DRIFT`` of the step triggers a probe at the boundary: three 1 KiB
 all-reduces (latency) and one of 256 KiB to 4 MiB (bandwidth; never smaller,
 because a shaper's token bucket lets the first tens of KiB through at line
-rate), timed, the fastest rank's time counting (the others may have waited
+rate; on a long link at least 3x the latency of transfer, :func:`probe_size`), timed, the fastest rank's time counting (the others may have waited
 for it to arrive); a probe that finds another link is repeated at once and
 the faster of the two counts (a rank descheduled during one probe must not
 read as a cut link).  Without a trigger the probe runs every m K-step
@@ -61,7 +61,8 @@ from lorasync.errors import LorasyncError
 from lorasync.plan.costmodel import (
     Net, Prediction, Workload, collective_time, encode_ns, predict,
 )
-from lorasync.plan.linkfit import MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES
+from lorasync.plan.linkfit import (MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES,
+                                   TRANSFER_OVER_LATENCY, busbw_factor)
 from lorasync.plan.planner import Measurements, choose
 from lorasync.units import fmt_duration, fmt_rate
 
@@ -248,14 +249,23 @@ def start_strategy(candidates: Sequence[str], usable: Sequence[str], start: str 
     return name
 
 
-def probe_size(bandwidth_Bps: float) -> int:
-    """Bytes of the bandwidth probe: a transfer of about ``PROBE_TARGET_S``
-    (long enough for the timer, short enough to run every window), a power
-    of two in [256 KiB, 4 MiB]."""
+def probe_size(bandwidth_Bps: float, alpha_s: float = 0.0, world_size: int = 2) -> int:
+    """Bytes of the bandwidth probe, a power of two in [256 KiB, 4 MiB]: a
+    transfer of about ``PROBE_TARGET_S`` (long enough for the timer, short
+    enough to run every window), and on a link with latency (``alpha_s`` per
+    message of a ring of ``world_size``) at least ``TRANSFER_OVER_LATENCY``
+    times the all-reduce's latency, rounded up: at 10 Mbit/s with 50 ms one
+    way 20 ms of transfer sit under 200 ms of latency, where the fit reads
+    the bandwidth from a few ms of difference."""
     target = bandwidth_Bps * PROBE_TARGET_S
-    if target <= MIN_PROBE_BYTES:
-        return MIN_PROBE_BYTES
-    return int(min(MAX_PROBE_BYTES, 2 ** math.floor(math.log2(target))))
+    size = MIN_PROBE_BYTES if target <= MIN_PROBE_BYTES else 2 ** math.floor(math.log2(target))
+    n = max(2, int(world_size))
+    if alpha_s > 0 and bandwidth_Bps > 0:
+        latency = 2 * (n - 1) * alpha_s
+        need = TRANSFER_OVER_LATENCY * latency * bandwidth_Bps / busbw_factor("all_reduce", n)
+        if need > size:
+            size = 2 ** math.ceil(math.log2(need))
+    return int(min(MAX_PROBE_BYTES, max(MIN_PROBE_BYTES, size)))
 
 
 def probe_cost(net: Net | None) -> float:
@@ -264,8 +274,8 @@ def probe_cost(net: Net | None) -> float:
     if net is None:
         return 0.0
     small = collective_time(catalog.Collective("all_reduce", SMALL_PROBE_BYTES), net)
-    large = collective_time(catalog.Collective("all_reduce", probe_size(net.bandwidth_Bps)),
-                            net)
+    size = probe_size(net.bandwidth_Bps, net.alpha_s, net.world_size)
+    large = collective_time(catalog.Collective("all_reduce", size), net)
     return 3 * small + large
 
 

@@ -275,7 +275,8 @@ class Controller:
         if policy.probe_now(due, initial=initial, start_probed=self.links.start is not None,
                             in_flight=self.sw.child.in_flight):
             # the syncs gave no figure (too small, none in the window): probe
-            size = policy.probe_size(net.bandwidth_Bps if net else 0.0)
+            size = (policy.probe_size(net.bandwidth_Bps, net.alpha_s, net.world_size)
+                    if net else policy.MIN_PROBE_BYTES)
             net, spent = self.links.live(size, self.sw.layout)
             self.next_probe = policy.next_probe_step(step, spent, step_s, interval)
             return net, True, passive
@@ -305,7 +306,8 @@ class Controller:
             return net, False
         changed = policy.link_changed(prev, net, self.s.numel, step_s)
         if changed and probed:
-            again, _ = self.links.live(policy.probe_size(net.bandwidth_Bps), self.sw.layout)
+            again, _ = self.links.live(policy.probe_size(net.bandwidth_Bps, net.alpha_s,
+                                                         net.world_size), self.sw.layout)
             if again.bandwidth_Bps > net.bandwidth_Bps:
                 net = again
             changed = policy.link_changed(prev, net, self.s.numel, step_s)

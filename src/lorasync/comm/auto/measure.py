@@ -118,25 +118,29 @@ class Links:
 
     def start_probe(self, mode: str, layout: str) -> Net | None:
         """The figure auto starts from (``probe`` option: quick, live or none);
-        the quick probe falls back to the live one when it fits no model."""
+        the quick probe falls back to the live one when it fits no model.
+        Nothing is known of the link yet, so both size their messages by the
+        latency they measure (a long, thin link needs messages of several
+        bandwidth-delay products: :func:`lorasync.plan.linkfit.latency_bound`)."""
         if self.wire.size < 2 or mode == "none":
             return None
         if mode == "live":
-            return self.live(MIN_PROBE_BYTES, layout)[0]
+            return self.live(MIN_PROBE_BYTES, layout, grow=True)[0]
         res = run_probe(self.wire.group, quick=True)
         if not res.get("model"):
-            return self.live(MIN_PROBE_BYTES, layout)[0]
+            return self.live(MIN_PROBE_BYTES, layout, grow=True)[0]
         self.probe_intra()
         return self.with_topology(net_from_probe(res, world_size=self.wire.size)[0], layout)
 
-    def live(self, nbytes: int, layout: str) -> tuple[Net, float]:
+    def live(self, nbytes: int, layout: str, grow: bool = False) -> tuple[Net, float]:
         """The live probe: three small all-reduces and one of ``nbytes`` on the
         whole group (:func:`lorasync.comm.probe.link_model`, the fastest rank's
-        times: the rank that entered last waited for nobody), then each
-        node's own group.  Returns the Net and the seconds the probe of the
-        whole group took (the slowest rank's)."""
+        times: the rank that entered last waited for nobody; ``grow``: larger
+        while latency dominates it), then each node's own group.  Returns the
+        Net and the seconds the probe of the whole group took (the slowest
+        rank's)."""
         t_start = time.perf_counter()
-        alpha, bandwidth, spent = link_model(self.wire, nbytes, self.device)
+        alpha, bandwidth, spent = link_model(self.wire, nbytes, self.device, grow=grow)
         self._add_comm(time.perf_counter() - t_start)
         self.probes += 1
         t1 = time.perf_counter()
