@@ -36,8 +36,8 @@ __all__ = ["add_arguments", "run", "format_report"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p, "probe")
     p.add_argument("--quick", action="store_true",
-                   help="sizes 4x apart up to 4 MiB, further on long links while latency dominates, few "
-                        "repeats: a few seconds (what --comm auto uses)")
+                   help="sizes 4x apart up to 4 MiB, further on long links while latency "
+                        "dominates, few repeats: a few seconds (what --comm auto uses)")
     p.add_argument("--max-bytes", default="64MiB", metavar="SIZE",
                    help="largest all-reduce size (default 64MiB; e.g. 4MiB on a slow link)")
     p.add_argument("--pair-max-bytes", default=None, metavar="SIZE",
