@@ -108,6 +108,8 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     speed: "Run | None" = None   # the same run again without evaluations (--speed-run)
+    module: str = "lorasync"     # a peer row: lorasync.bench.peers (its args come first)
+    round: int = 0
 
 
 def fixed_args(key: str) -> tuple[list[str], dict]:
@@ -123,6 +125,24 @@ def fixed_args(key: str) -> tuple[list[str], dict]:
     }
     args, opts = table[key]
     return args + [x for k, v in opts.items() for x in ("--comm-opt", f"{k}={_v(v)}")], opts
+
+
+#: peer rows (docs/peers.md): another system's sync on lorasync's own trainer,
+#: ``localsgd_K``: accelerate's LocalSGD averaging the adapter every K steps
+PEER_PREFIX = "localsgd_"
+
+
+def peer_run(key: str) -> "Run":
+    """The Run of a peer candidate ``localsgd_K`` (lorasync.bench.peers)."""
+    k = int(key[len(PEER_PREFIX):])
+    return Run(key, f"accelerate LocalSGD, every {k} steps",
+               ["--peer", "accelerate_localsgd", "--peer-opt", f"local_sgd_steps={k}", "--"],
+               {"local_sgd_steps": k}, module="lorasync.bench.peers")
+
+
+def is_peer(key: str) -> bool:
+    return key.startswith(PEER_PREFIX) and key[len(PEER_PREFIX):].isdigit() \
+        and int(key[len(PEER_PREFIX):]) >= 1
 
 
 def _v(v) -> str:
@@ -205,11 +225,14 @@ def run_on_cluster(cluster, run: Run, common: list[str], out: str, timeout: floa
     (then its agents are sent SIGTERM: they stop their workers) or it ends."""
     from lorasync.emulate.cluster import launch_on_cluster
 
-    run_dir = os.path.join(out, run.key)
+    name = run.key + (f"-r{run.round}" if run.round else "")
+    run_dir = os.path.join(out, name)
+    argv = (["train", *common, *run.args, "--output-dir", run_dir] if run.module == "lorasync"
+            else [*run.args, *common, "--output-dir", run_dir])
     box: dict = {}
     th = threading.Thread(target=lambda: box.update(rc=launch_on_cluster(
-        cluster, ["train", *common, *run.args, "--output-dir", run_dir], timeout=timeout,
-        log_dir=os.path.join(out, f"{run.key}-logs"))), daemon=True)
+        cluster, argv, timeout=timeout, module=run.module,
+        log_dir=os.path.join(out, f"{name}-logs"))), daemon=True)
     t0 = time.time()
     th.start()
     why = None
@@ -274,7 +297,8 @@ def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceil
     at = eval_at(run.evals, steps_ref)
     comp = sum(s["compute_s"] for s in steady) / len(steady) if steady else None
     enc = sum(s["encode_s"] for s in steady) / len(steady) if steady else None
-    cell = {"key": run.key, "label": run.label, "options": run.options, "status": run.status,
+    cell = {"key": run.key, "round": run.round, "label": run.label, "options": run.options,
+            "status": run.status,
             "steps_run": len(st), "samples_per_s": sps,
             "efficiency": sps / ceiling_sps if sps and ceiling_sps else None,
             "sync_share": (sum(s["comm_s"] for s in steady) / secs) if secs else None,
@@ -328,6 +352,7 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
                  " training alone: samples/s (% of ceiling) | exposed | time to target "
                  "(x ideal) |" if alone else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if alone else "")]
+    multi = any(c.get("round") for c in cells)
     for c in cells:
         if c["key"] == "ceiling":
             continue
@@ -339,7 +364,8 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
                  f"not reached (> {c['ratio_lower_bound']:.2f}x)"
                  if c.get("ratio_lower_bound") is not None else "-")
         lines.append(
-            f"| {c['label']}{'' if c['status'] == 'ok' or c['status'].startswith('stopped') else ' (' + c['status'] + ')'} | "
+            f"| {c['label']}{' #' + str(c['round'] + 1) if multi else ''}"
+            f"{'' if c['status'] == 'ok' or c['status'].startswith('stopped') else ' (' + c['status'] + ')'} | "
             f"{_f(c['samples_per_s'])} ({_f(c['efficiency'], '{:.0%}')}) | "
             f"{_f(c['sync_share'], '{:.0%}')} | {_f(c['encode_share'], '{:.1%}')} | {plan} | "
             f"{_f(c['eval_at_steps'], '{:.4f}')}{q} | {c['reached_step'] or '-'} | "
@@ -351,6 +377,82 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
                 f"{_f(c['speed_time_to_target_s'], '{:.0f} s')}"
                 f"{_f(c['speed_ratio_to_ideal'], ' ({:.2f}x)', '')} |"))
     return "\n".join(lines)
+
+
+ROUND_FIGURES = ("time_to_target_s", "ratio_to_ideal", "efficiency", "sync_share",
+                 "eval_at_steps", "reached_step")
+
+
+def aggregate(cells: list[dict]) -> list[dict]:
+    """One row per candidate over its rounds: per figure the median, the
+    lowest and the highest of the rounds that have it (``n`` of them), and
+    how many rounds reached the target."""
+    import statistics
+
+    rows: dict[str, dict] = {}
+    for c in cells:
+        row = rows.setdefault(c["key"], {"key": c["key"], "label": c["label"],
+                                         "options": c["options"], "rounds": 0, "reached": 0,
+                                         "statuses": []})
+        row["rounds"] += 1
+        row["reached"] += c.get("reached_step") is not None
+        row["statuses"].append(c["status"])
+    for key, row in rows.items():
+        mine = [c for c in cells if c["key"] == key]
+        for fig in ROUND_FIGURES:
+            vals = [c[fig] for c in mine if c.get(fig) is not None]
+            row[fig] = ({"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+                         "n": len(vals)} if vals else None)
+    return list(rows.values())
+
+
+def _spread(fig: dict | None, fmt: str) -> str:
+    if fig is None:
+        return "-"
+    if fig["n"] == 1:
+        return fmt.format(fig["median"])
+    return f"{fmt.format(fig['median'])} ({fmt.format(fig['min'])}-{fmt.format(fig['max'])})"
+
+
+def rounds_table(link: str, rows: list[dict], rounds: int) -> str:
+    lines = [f"\n### {link}: median (range) over {rounds} interleaved rounds\n",
+             "| candidate | reached | time to target | x ideal | % of ceiling | exposed sync |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['reached']}/{r['rounds']} | "
+                     f"{_spread(r['time_to_target_s'], '{:.0f} s')} | "
+                     f"{_spread(r['ratio_to_ideal'], '{:.2f}x')} | "
+                     f"{_spread(r['efficiency'], '{:.0%}')} | "
+                     f"{_spread(r['sync_share'], '{:.0%}')} |")
+    return "\n".join(lines)
+
+
+#: issue 33's target: auto's time to target <= 0.8x the best peer's
+PEER_TTQ_TARGET = 0.8
+
+
+def peer_verdicts(link: str, rows: list[dict]) -> list[str]:
+    """auto against the best peer row: the ratio of their median times to
+    target, and "ahead" only where auto's slowest round beats the peer's
+    fastest (the gap exceeds the spread)."""
+    peers = [r for r in rows if is_peer(r["key"]) and r["time_to_target_s"]
+             and r["reached"] == r["rounds"]]
+    auto = next((r for r in rows if r["key"] == "auto"), None)
+    if not peers or auto is None:
+        return []
+    best = min(peers, key=lambda r: r["time_to_target_s"]["median"])
+    b = best["time_to_target_s"]
+    if not auto["time_to_target_s"] or auto["reached"] < auto["rounds"]:
+        return [f"auto did not reach the target in every round ({auto['reached']}/"
+                f"{auto['rounds']}); best peer: {best['label']}, {b['median']:.0f} s"]
+    t = auto["time_to_target_s"]
+    ratio = t["median"] / b["median"]
+    ahead = ("ahead by more than the spread" if t["max"] < b["min"] else
+             "behind by more than the spread" if t["min"] > b["max"] else
+             "within the spread")
+    return [f"auto vs the best peer ({best['label']}): time to target {t['median']:.0f} s vs "
+            f"{b['median']:.0f} s = {ratio:.2f}x ({ahead}; target <= {PEER_TTQ_TARGET}x: "
+            f"{'met' if ratio <= PEER_TTQ_TARGET else 'NOT met'})"]
 
 
 def verdicts(link: str, cells: list[dict]) -> list[str]:
@@ -398,6 +500,8 @@ def verdicts(link: str, cells: list[dict]) -> list[str]:
 
 def predict_cell(cell: dict, run: Run, net, compute_s: float, a) -> None:
     """The cost model's step time for a lorasync row (not auto, not torch's hook)."""
+    if "--comm" not in run.args:   # a peer row: no cost model of its sync
+        return
     name = run.args[run.args.index("--comm") + 1]
     if name in ("auto", "none", "torch_powersgd") or net is None or not run.steps:
         return
@@ -453,6 +557,10 @@ def main() -> int:
     ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES))
     ap.add_argument("--ceiling-steps", type=int, default=16)
     ap.add_argument("--row-timeout", type=float, default=1800.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the candidates this many times, interleaved (round 1: every "
+                         "candidate, then round 2 ...); each figure is then the median with "
+                         "its range")
     ap.add_argument("--output-dir", default="")
     ap.add_argument("--json", metavar="FILE", help="write the small result JSON here")
     a = ap.parse_args()
@@ -464,10 +572,13 @@ def main() -> int:
     if a.max_steps < a.steps:
         raise SystemExit("--max-steps must be at least --steps")
     keys = [k.strip() for k in a.candidates.split(",") if k.strip()]
-    unknown = set(keys) - set(DEFAULT_CANDIDATES)
+    unknown = {k for k in keys if not is_peer(k)} - set(DEFAULT_CANDIDATES)
     if unknown:
         raise SystemExit(f"--candidates: unknown {', '.join(sorted(unknown))}; use some of "
-                         f"{', '.join(DEFAULT_CANDIDATES)}")
+                         f"{', '.join(DEFAULT_CANDIDATES)}, or a peer: {PEER_PREFIX}K "
+                         "(accelerate's LocalSGD every K steps)")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
     out = os.path.abspath(a.output_dir or os.path.join(
         "bench", "results", "ttq-" + time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
@@ -538,9 +649,16 @@ def main() -> int:
                         continue   # the same as diloco_fp16
                     args = ["--comm", "diloco"] + [x for k, v in opts.items()
                                                    for x in ("--comm-opt", f"{k}={_v(v)}")]
+                elif is_peer(key):
+                    runs.append(peer_run(key))
+                    continue
                 else:
                     args, opts = fixed_args(key)
                 runs.append(Run(key, label_of(key, opts), args, opts))
+            # rounds interleaved: every candidate once, then again
+            runs = [r if not i else Run(r.key, r.label, r.args, r.options, module=r.module,
+                                        round=i)
+                    for i in range(a.rounds) for r in runs]
             for run in runs:
                 budget_s = a.budget * ideal
 
@@ -553,7 +671,8 @@ def main() -> int:
                         return f"budget ({a.budget:g}x the ideal, {budget_s:.0f} s) spent"
                     return None
 
-                log(f"   {run.label} ...")
+                log(f"   {run.label}" + (f" (round {run.round + 1})" if a.rounds > 1 else "")
+                    + " ...")
                 run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
                                a.row_timeout, stop)
                 log(f"   {run.label}: {run.status}, {len(run.steps)} steps "
@@ -585,9 +704,14 @@ def main() -> int:
             cell = summarize(run, target, limit, ideal, ceiling_sps, a.steps)
             predict_cell(cell, run, net, compute, a)
             cells.append(cell)
-        results[link] = {"probe": probe_text, "cells": cells}
+        rows = aggregate(cells) if a.rounds > 1 else None
+        results[link] = {"probe": probe_text, "cells": cells,
+                         **({"rows": rows} if rows else {})}
         md.append(table(link, cells, probe_text) + "\n\n" + "\n".join(
             f"- {x}" for x in verdicts(link, cells)))
+        if rows:
+            md.append(rounds_table(link, rows, a.rounds) + "\n\n" + "\n".join(
+                f"- {x}" for x in peer_verdicts(link, rows)))
         print(md[-1], flush=True)
     head = (f"\nceiling: {ceiling_sps:.2f} samples/s (the faster of {len(ceilings)} no-sync "
             f"runs); no-network ideal: {ref_samples} samples x {1 / ceiling_sps:.3f} s = "
