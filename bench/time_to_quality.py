@@ -132,8 +132,28 @@ def fixed_args(key: str) -> tuple[list[str], dict]:
 PEER_PREFIX = "localsgd_"
 
 
-def peer_run(key: str) -> "Run":
-    """The Run of a peer candidate ``localsgd_K`` (lorasync.bench.peers)."""
+#: torchft's DiLoCo (docs/peers.md: its settings and why): the outer optimizer
+#: of the DiLoCo paper; 8 inner steps per outer sync (torchft's example uses 20
+#: over 10,000 steps: one sync in a 30-step row); Streaming DiLoCo in 2
+#: fragments, each sent one step before it is applied (the example's delay 1)
+TORCHFT = {
+    "torchft_diloco": ("torchft DiLoCo, every 8 steps",
+                       {"sync_every": 8, "fragments": 1, "fragment_sync_delay": 0}),
+    "torchft_streaming": ("torchft Streaming DiLoCo, every 8 steps, 2 fragments, 1 step late",
+                          {"sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}),
+}
+LIGHTHOUSE_PORT = 29510
+
+
+def peer_run(key: str, lighthouse: str = "") -> "Run":
+    """The Run of a peer candidate (lorasync.bench.peers): ``localsgd_K`` or a
+    torchft one (``lighthouse``: the URL of the lighthouse the bench started)."""
+    if key in TORCHFT:
+        label, opts = TORCHFT[key]
+        args = ["--peer", "torchft_diloco", *[x for k, v in {**opts, "lighthouse": lighthouse}
+                                              .items() for x in ("--peer-opt", f"{k}={v}")],
+                "--"]
+        return Run(key, label, args, opts, module="lorasync.bench.peers")
     k = int(key[len(PEER_PREFIX):])
     return Run(key, f"accelerate LocalSGD, every {k} steps",
                ["--peer", "accelerate_localsgd", "--peer-opt", f"local_sgd_steps={k}", "--"],
@@ -141,7 +161,7 @@ def peer_run(key: str) -> "Run":
 
 
 def is_peer(key: str) -> bool:
-    return key.startswith(PEER_PREFIX) and key[len(PEER_PREFIX):].isdigit() \
+    return key in TORCHFT or key.startswith(PEER_PREFIX) and key[len(PEER_PREFIX):].isdigit() \
         and int(key[len(PEER_PREFIX):]) >= 1
 
 
@@ -269,6 +289,25 @@ def run_reference(seed: int, a, out: str) -> Run:
     run.status = "ok" if p.returncode == 0 else f"failed (exit {p.returncode}): " + \
         " ".join(p.stderr.strip().splitlines()[-1:])
     return run
+
+
+def start_lighthouse(cluster, nodes: int, folder: str) -> subprocess.Popen:
+    """torchft's lighthouse (the quorum server of its Manager) on node 0, for
+    the torchft rows: every node's replica must join a quorum."""
+    lh = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    if not os.path.exists(lh):
+        raise SystemExit("time_to_quality: the torchft rows need torchft==0.2.0 in this "
+                         "interpreter's environment (pip install torchft==0.2.0; "
+                         "docs/peers.md)")
+    log = open(os.path.join(folder, "lighthouse.log"), "w")
+    p = subprocess.Popen(cluster.exec_argv(0, [
+        lh, "--min_replicas", str(nodes), "--bind",
+        f"{cluster.nodes[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "1000",
+        "--quorum_tick_ms", "50"]), stdout=log, stderr=subprocess.STDOUT)
+    import atexit
+    atexit.register(lambda: p.poll() is None and p.kill())   # also when the bench fails
+    time.sleep(1.0)
+    return p
 
 
 def common_args(a, ceiling: bool = False, evals: bool = True) -> list[str]:
@@ -650,7 +689,8 @@ def main() -> int:
                     args = ["--comm", "diloco"] + [x for k, v in opts.items()
                                                    for x in ("--comm-opt", f"{k}={_v(v)}")]
                 elif is_peer(key):
-                    runs.append(peer_run(key))
+                    runs.append(peer_run(key, f"http://{cluster.nodes[0].address}:"
+                                              f"{LIGHTHOUSE_PORT}"))
                     continue
                 else:
                     args, opts = fixed_args(key)
@@ -659,6 +699,8 @@ def main() -> int:
             runs = [r if not i else Run(r.key, r.label, r.args, r.options, module=r.module,
                                         round=i)
                     for i in range(a.rounds) for r in runs]
+            lighthouse = start_lighthouse(cluster, a.nodes, pdir) \
+                if any(r.key in TORCHFT for r in runs) else None
             for run in runs:
                 budget_s = a.budget * ideal
 
@@ -688,6 +730,9 @@ def main() -> int:
                                    lambda st, ev: None)
                     log(f"   training alone: {run.speed.status}, {len(run.speed.steps)} steps "
                         f"({run.speed.extra['wall_s']:.0f} s)")
+            if lighthouse is not None:
+                lighthouse.kill()
+                lighthouse.wait()
             if li == len(links) - 1 and len(links) > 0:
                 c = Run("ceiling_end", "no sync (ceiling, again)", fixed_args("ceiling")[0])
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
