@@ -422,6 +422,47 @@ def switch_parity() -> str:
     return "\n".join(lines)
 
 
+def _peer_cells(d: dict) -> tuple[str, list[dict]]:
+    link, res = next(iter(d["links"].items()))
+    return link, res.get("rows") or res["cells"]
+
+
+def _fig(x, fmt: str) -> str:
+    """A figure of one run, or of several rounds: median (lowest-highest)."""
+    if x is None:
+        return "-"
+    if not isinstance(x, dict):
+        return fmt.format(x)
+    if x["n"] == 1:
+        return fmt.format(x["median"])
+    return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
+
+
+def _peers_table(name: str) -> str:
+    """bench/time_to_quality.py with peer rows (docs/peers.md): time to the
+    target loss, its ratio to the no-network ideal and share of the ceiling,
+    per candidate (median and range over the rounds)."""
+    d = _load("slow-links", name)
+    link, rows = _peer_cells(d)
+    a = d["args"]
+    lines = [f"{link}, {a['nodes']} emulated nodes, batch {a['batch_size']} per rank, target = "
+             f"exact all-reduce's eval loss at step {a['steps']} ({d['target']:.4f}), "
+             f"{a.get('rounds', 1)} round(s) interleaved; ideal {d['ideal_s']:.0f} s of "
+             f"training, ceiling {d['ceiling_samples_per_s']:.2f} samples/s", "",
+             "| candidate | reached target | time to target | x ideal | % of ceiling | "
+             "exposed sync | eval loss @ target step |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["key"] == "ceiling":
+            continue
+        reached = (f"{r['reached']}/{r['rounds']}" if "rounds" in r else
+                   "yes" if r.get("reached_step") else "no")
+        lines.append(f"| {r['label']} | {reached} | {_fig(r.get('time_to_target_s'), '{:.0f} s')} | "
+                     f"{_fig(r.get('ratio_to_ideal'), '{:.2f}x')} | "
+                     f"{_fig(r.get('efficiency'), '{:.0%}')} | {_fig(r.get('sync_share'), '{:.0%}')} | "
+                     f"{_fig(r.get('eval_at_steps'), '{:.4f}')} |")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -439,6 +480,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "trl": trl,
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
+    "peers": lambda: _peers_table("peers-10mbit.json"),
+    "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
 }
 
 

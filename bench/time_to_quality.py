@@ -50,6 +50,13 @@ for the probed link and the measured compute
 (:func:`lorasync.plan.planner.hide_sync`), and ``auto``.  Every lorasync
 row also gets the cost model's step time next to the measured one.
 
+Peer rows (docs/peers.md), on the same nodes, data, inner optimizer and
+evaluation, only the sync differs: ``localsgd_K`` (accelerate's LocalSGD
+every K steps) and ``torchft_diloco`` / ``torchft_streaming`` (torchft's
+DiLoCo, the lighthouse started on node 0).  ``--rounds N`` interleaves N
+rounds of the candidates; each figure is then a median with its range, and
+auto is compared with the best peer's time to target (issue 33: <= 0.8x).
+
 Each link prints a table and the targets of issue 17: the best strategy at
 1 Mbit/s at >= 90% of the ceiling's samples/s with the quality rule met;
 time to target <= 1.15x the ideal at 10 Mbit/s and <= 1.3x at 1 Mbit/s;
