@@ -50,3 +50,45 @@ def test_adapter_view_leaves_frozen_weights_alone(records):
         assert {x for r in rec["adapter"] if "step" in r for x in r["frozen"]} == {rank + 1.0}
         # as accelerate documents it (the whole model): the frozen weight is averaged too
         assert [r["frozen"] for r in rec["all"] if "step" in r][2] == [1.5]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchft_streaming_diloco_row(tmp_path):
+    """torchft's Streaming DiLoCo on lorasync's trainer (tiny model, 2 ranks):
+    a fragment (half the adapter, fp32) goes out every 2 steps, and training
+    lowers the eval loss of the replicas' mean."""
+    pytest.importorskip("torchft")
+    lh_bin = Path(sys.executable).parent / "torchft_lighthouse"
+    port = _free_port()
+    lh = subprocess.Popen([str(lh_bin), "--min_replicas", "2", "--bind", f"127.0.0.1:{port}",
+                           "--join_timeout_ms", "1000", "--quorum_tick_ms", "50"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "run"
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "lorasync.bench.peers", "--peer", "torchft_diloco",
+             "--peer-opt", "sync_every=4", "--peer-opt", "fragments=2",
+             "--peer-opt", "fragment_sync_delay=1",
+             "--peer-opt", f"lighthouse=http://127.0.0.1:{port}", "--",
+             "--model", "tiny", "--max-steps", "8", "--eval-interval", "0", "--eval-size", "8",
+             "--eval-mean", "--no-progress", "--ckpt-interval", "0", "--output-dir", str(out)],
+            env=cli_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=150)
+    finally:
+        lh.kill()
+        lh.wait()
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "ranks" / "rank0.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "event" not in r]
+    assert {r["strategy"] for r in steps} == {"torchft_diloco"}
+    sent = [r["wire_bytes"] for r in steps]
+    half = steps[0]["fp32_bytes"] // 2
+    assert sent == [half, 0] * 4, sent   # prepared one step before each of 4 syncs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_after"]["eval_loss"] < summary["eval_before"]["eval_loss"]
