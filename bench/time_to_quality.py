@@ -317,6 +317,22 @@ def start_lighthouse(cluster, nodes: int, folder: str) -> subprocess.Popen:
     return p
 
 
+def target_from(a):
+    """(target, limit, reference samples, [], reference losses) of an earlier
+    invocation, refused unless its task was this one's."""
+    with open(a.target_from) as fh:
+        d = json.load(fh)
+    same = ("model", "batch_size", "steps", "max_steps", "eval_interval", "eval_size",
+            "nodes", "eval_replicas")
+    diff = [k for k in same if d["args"].get(k) != getattr(a, k)]
+    if diff:
+        raise SystemExit(f"--target-from {a.target_from}: another task ("
+                         + ", ".join(f"{k} {d['args'].get(k)} vs {getattr(a, k)}" for k in diff)
+                         + ")")
+    return (d["target"], d["quality_limit"], d["reference_samples_to_target"], [],
+            [r["eval_at_steps"] for r in d["reference"]])
+
+
 def common_args(a, ceiling: bool = False, evals: bool = True) -> list[str]:
     """Every run's ``lorasync train`` flags: the same schedule (``--max-steps``),
     evaluations of the loss only (one generated token: exact-match is not
@@ -603,6 +619,11 @@ def main() -> int:
     ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES))
     ap.add_argument("--ceiling-steps", type=int, default=16)
     ap.add_argument("--row-timeout", type=float, default=1800.0)
+    ap.add_argument("--target-from", metavar="FILE", default="",
+                    help="take the target, quality limit and reference samples from an "
+                         "earlier invocation's --json (the same model, data, batch, steps and "
+                         "schedule: the loopback reference is deterministic) instead of "
+                         "running the reference again")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the candidates this many times, interleaved (round 1: every "
                          "candidate, then round 2 ...); each figure is then the median with "
@@ -634,22 +655,27 @@ def main() -> int:
     t_start = time.time()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
 
-    # 1. the target, over loopback
+    # 1. the target, over loopback (or an earlier invocation's, with the same task)
     refs = []
-    for seed in range(a.seeds):
-        log(f"reference: allreduce seed {seed}, {a.steps} of {a.max_steps} steps ...")
-        refs.append(run_reference(seed, a, out))
-        log(f"   {refs[-1].status} ({refs[-1].extra['wall_s']:.0f} s)")
-    losses = [eval_at(r.evals, a.steps) for r in refs]
-    if losses[0] is None:
-        raise SystemExit(f"reference seed 0 has no eval at step {a.steps}: {refs[0].status}")
-    target = losses[0]
-    limit = max(x for x in losses if x is not None) * 1.05
-    ref_reach = first_reach(refs[0].evals, target)
-    ref_samples = sum(s["samples"] for s in refs[0].steps if s["step"] <= ref_reach["step"])
+    if a.target_from:
+        target, limit, ref_samples, refs, losses = target_from(a)
+        log(f"target from {a.target_from}")
+    else:
+        for seed in range(a.seeds):
+            log(f"reference: allreduce seed {seed}, {a.steps} of {a.max_steps} steps ...")
+            refs.append(run_reference(seed, a, out))
+            log(f"   {refs[-1].status} ({refs[-1].extra['wall_s']:.0f} s)")
+        losses = [eval_at(r.evals, a.steps) for r in refs]
+        if losses[0] is None:
+            raise SystemExit(f"reference seed 0 has no eval at step {a.steps}: "
+                             f"{refs[0].status}")
+        target = losses[0]
+        limit = max(x for x in losses if x is not None) * 1.05
+        ref_reach = first_reach(refs[0].evals, target)
+        ref_samples = sum(s["samples"] for s in refs[0].steps if s["step"] <= ref_reach["step"])
     a.adapter_params = None
-    log(f"target: eval loss {target:.4f} (seed 0 at step {a.steps}; first reached at step "
-        f"{ref_reach['step']}, {ref_samples} samples); quality limit {limit:.4f}")
+    log(f"target: eval loss {target:.4f} (seed 0 at step {a.steps}; {ref_samples} samples to "
+        f"reach it); quality limit {limit:.4f}")
 
     tag = f"ttq{os.getpid() % 100000}"
     links = [x.strip() for x in a.links.split(",") if x.strip()]
@@ -657,7 +683,7 @@ def main() -> int:
     ceilings: list[Run] = []
     md = [f"time to quality: {a.nodes} emulated nodes, {a.model}, batch {a.batch_size} per "
           f"rank, schedule {a.max_steps} steps, target = allreduce's eval loss at step "
-          f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(refs)} seeds "
+          f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(losses)} seeds "
           f"+ 5%), {time.strftime('%Y-%m-%d %H:%M')}"]
     pending = []   # (link, runs, net, probe text)
     for li, link in enumerate(links):
@@ -775,8 +801,10 @@ def main() -> int:
         fh.write(text)
     small = {"args": {k: v for k, v in vars(a).items()},
              "target": target, "quality_limit": limit,
-             "reference": [{"seed": i, "eval_at_steps": x, "status": r.status}
-                           for i, (r, x) in enumerate(zip(refs, losses))],
+             "reference": ([{"seed": i, "eval_at_steps": x, "status": r.status}
+                            for i, (r, x) in enumerate(zip(refs, losses))] if refs else
+                           [{"seed": i, "eval_at_steps": x, "status": f"from {a.target_from}"}
+                            for i, x in enumerate(losses)]),
              "reference_samples_to_target": ref_samples, "ceiling_samples_per_s": ceiling_sps,
              "compute_s_per_step": compute, "ideal_s": ideal, "links": results,
              "wall_min": (time.time() - t_start) / 60}
