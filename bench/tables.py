@@ -449,13 +449,14 @@ def _peers_table(name: str) -> str:
              f"exact all-reduce's eval loss at step {a['steps']} ({d['target']:.4f}), "
              f"{a.get('rounds', 1)} round(s) interleaved; ideal {d['ideal_s']:.0f} s of "
              f"training, ceiling {d['ceiling_samples_per_s']:.2f} samples/s", "",
-             "| candidate | reached target | time to target | x ideal | % of ceiling | "
-             "exposed sync | eval loss @ target step |", "|---|---|---|---|---|---|---|"]
+             "| candidate | reached the target | time to target | x ideal | % of ceiling | "
+             f"exposed sync | eval loss at step {a['steps']} |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["key"] == "ceiling":
             continue
-        reached = (f"{r['reached']}/{r['rounds']}" if "rounds" in r else
-                   "yes" if r.get("reached_step") else "no")
+        reached = (f"{r['reached']}/{r['rounds']} rounds" if "rounds" in r else
+                   f"at step {r['reached_step']}" if r.get("reached_step") else
+                   f"no ({r['steps_run']} steps)")
         lines.append(f"| {r['label']} | {reached} | {_fig(r.get('time_to_target_s'), '{:.0f} s')} | "
                      f"{_fig(r.get('ratio_to_ideal'), '{:.2f}x')} | "
                      f"{_fig(r.get('efficiency'), '{:.0%}')} | {_fig(r.get('sync_share'), '{:.0%}')} | "
