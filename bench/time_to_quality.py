@@ -624,6 +624,11 @@ def main() -> int:
                          "earlier invocation's --json (the same model, data, batch, steps and "
                          "schedule: the loopback reference is deterministic) instead of "
                          "running the reference again")
+    ap.add_argument("--once", default="", metavar="KEYS",
+                    help="candidates run in the first round only (with --rounds)")
+    ap.add_argument("--time-limit", type=float, default=0.0, metavar="S",
+                    help="start no candidate run after S seconds of the bench (0: no limit); "
+                         "the closing ceiling run and the results still follow")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the candidates this many times, interleaved (round 1: every "
                          "candidate, then round 2 ...); each figure is then the median with "
@@ -729,12 +734,20 @@ def main() -> int:
                     args, opts = fixed_args(key)
                 runs.append(Run(key, label_of(key, opts), args, opts))
             # rounds interleaved: every candidate once, then again
+            once = {k.strip() for k in a.once.split(",") if k.strip()}
             runs = [r if not i else Run(r.key, r.label, r.args, r.options, module=r.module,
                                         round=i)
-                    for i in range(a.rounds) for r in runs]
+                    for i in range(a.rounds) for r in runs if not (i and r.key in once)]
             lighthouse = start_lighthouse(cluster, a.nodes, pdir) \
                 if any(r.key in TORCHFT for r in runs) else None
-            for run in runs:
+            skipped = []
+            for run in list(runs):
+                if a.time_limit and time.time() - t_start > a.time_limit:
+                    # what is left is not started: a bench lock is held for a bounded time
+                    log(f"   {run.label}: not run (--time-limit {a.time_limit:g} s passed)")
+                    skipped.append(f"{run.key} round {run.round + 1}")
+                    runs.remove(run)
+                    continue
                 budget_s = a.budget * ideal
 
                 def stop(st, ev, run=run, budget_s=budget_s):
@@ -771,12 +784,12 @@ def main() -> int:
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
                                lambda st, ev: None)
                 ceilings.append(c)
-        pending.append((link, runs, net, probe_text))
+        pending.append((link, runs, net, probe_text, skipped))
     ceiling = max(ceilings, key=lambda r: sps_of(r) or 0)
     ceiling_sps = sps_of(ceiling) or 0.0
     compute = train_time(ceiling.steps[1:]) / max(1, len(ceiling.steps) - 1)
     ideal = ref_samples / ceiling_sps if ceiling_sps else 0.0
-    for link, runs, net, probe_text in pending:
+    for link, runs, net, probe_text, skipped in pending:
         cells = []
         for run in runs:
             cell = summarize(run, target, limit, ideal, ceiling_sps, a.steps)
@@ -784,7 +797,8 @@ def main() -> int:
             cells.append(cell)
         rows = aggregate(cells) if a.rounds > 1 else None
         results[link] = {"probe": probe_text, "cells": cells,
-                         **({"rows": rows} if rows else {})}
+                         **({"rows": rows} if rows else {}),
+                         **({"not_run": skipped} if skipped else {})}
         md.append(table(link, cells, probe_text) + "\n\n" + "\n".join(
             f"- {x}" for x in verdicts(link, cells)))
         if rows:
