@@ -232,11 +232,15 @@ def eval_at(evals: list[dict], step: int) -> float | None:
 
 # ----------------------------------------------------------------------------- running
 
+#: children that stopping a run must leave alone (a torchft lighthouse)
+_KEEP: set[int] = set()
+
+
 def _children() -> list[int]:
     """Processes this one started (the torchrun agents of a run)."""
     me, out = os.getpid(), []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and int(entry) not in _KEEP:
             try:
                 with open(f"/proc/{entry}/stat") as fh:
                     if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
@@ -306,13 +310,12 @@ def start_lighthouse(cluster, nodes: int, folder: str) -> subprocess.Popen:
         raise SystemExit("time_to_quality: the torchft rows need torchft==0.2.0 in this "
                          "interpreter's environment (pip install torchft==0.2.0; "
                          "docs/peers.md)")
-    log = open(os.path.join(folder, "lighthouse.log"), "w")
+    log = open(os.path.join(folder, "lighthouse.log"), "a")
     p = subprocess.Popen(cluster.exec_argv(0, [
         lh, "--min_replicas", str(nodes), "--bind",
         f"{cluster.nodes[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "1000",
         "--quorum_tick_ms", "50"]), stdout=log, stderr=subprocess.STDOUT)
-    import atexit
-    atexit.register(lambda: p.poll() is None and p.kill())   # also when the bench fails
+    _KEEP.add(p.pid)
     time.sleep(1.0)
     return p
 
@@ -738,8 +741,6 @@ def main() -> int:
             runs = [r if not i else Run(r.key, r.label, r.args, r.options, module=r.module,
                                         round=i)
                     for i in range(a.rounds) for r in runs if not (i and r.key in once)]
-            lighthouse = start_lighthouse(cluster, a.nodes, pdir) \
-                if any(r.key in TORCHFT for r in runs) else None
             skipped = []
             for run in list(runs):
                 if a.time_limit and time.time() - t_start > a.time_limit:
@@ -761,8 +762,18 @@ def main() -> int:
 
                 log(f"   {run.label}" + (f" (round {run.round + 1})" if a.rounds > 1 else "")
                     + " ...")
-                run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
-                               a.row_timeout, stop)
+                # a lighthouse of its own for each torchft run (none is left from an
+                # earlier run's replicas)
+                lighthouse = start_lighthouse(cluster, a.nodes, pdir) \
+                    if run.key in TORCHFT else None
+                try:
+                    run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
+                                   a.row_timeout, stop)
+                finally:
+                    if lighthouse is not None:
+                        _KEEP.discard(lighthouse.pid)
+                        lighthouse.kill()
+                        lighthouse.wait()
                 log(f"   {run.label}: {run.status}, {len(run.steps)} steps "
                     f"({run.extra['wall_s']:.0f} s)")
                 reach = first_reach(run.evals, target)
@@ -776,9 +787,6 @@ def main() -> int:
                                    lambda st, ev: None)
                     log(f"   training alone: {run.speed.status}, {len(run.speed.steps)} steps "
                         f"({run.speed.extra['wall_s']:.0f} s)")
-            if lighthouse is not None:
-                lighthouse.kill()
-                lighthouse.wait()
             if li == len(links) - 1 and len(links) > 0:
                 c = Run("ceiling_end", "no sync (ceiling, again)", fixed_args("ceiling")[0])
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
