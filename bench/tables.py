@@ -444,6 +444,7 @@ def _peers_table(name: str) -> str:
     per candidate (median and range over the rounds)."""
     d = _load("slow-links", name)
     link, rows = _peer_cells(d)
+    cells = d["links"][link]["cells"]
     a = d["args"]
     lines = [f"{link}, {a['nodes']} emulated nodes, batch {a['batch_size']} per rank, target = "
              f"exact all-reduce's eval loss at step {a['steps']} ({d['target']:.4f}), "
@@ -454,11 +455,21 @@ def _peers_table(name: str) -> str:
     for r in rows:
         if r["key"] == "ceiling":
             continue
-        reached = (f"{r['reached']}/{r['rounds']} rounds" if "rounds" in r else
+        why = sorted({x.split(":")[0] if x.startswith("failed") else
+                      x.replace("stopped: ", "").split(" (")[0]
+                      for x in r.get("statuses", []) if "reached the target" not in x
+                      and x != "ok"})
+        reached = (f"{r['reached']}/{r['rounds']} rounds" + (f" ({'; '.join(why)})" if why
+                                                             and r["reached"] < r["rounds"]
+                                                             else "") if "rounds" in r else
                    f"at step {r['reached_step']}" if r.get("reached_step") else
                    f"no ({r['steps_run']} steps)")
+        bounds = [c["ratio_lower_bound"] for c in cells if c["key"] == r["key"]
+                  and c.get("ratio_lower_bound")]
+        ratio = _fig(r.get("ratio_to_ideal"), "{:.2f}x") if r.get("ratio_to_ideal") or not bounds \
+            else f"> {min(bounds):.2f}x"
         lines.append(f"| {r['label']} | {reached} | {_fig(r.get('time_to_target_s'), '{:.0f} s')} | "
-                     f"{_fig(r.get('ratio_to_ideal'), '{:.2f}x')} | "
+                     f"{ratio} | "
                      f"{_fig(r.get('efficiency'), '{:.0%}')} | {_fig(r.get('sync_share'), '{:.0%}')} | "
                      f"{_fig(r.get('eval_at_steps'), '{:.4f}')} |")
     return "\n".join(lines)
