@@ -494,6 +494,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "switch-parity": switch_parity,
     "peers": lambda: _peers_table("peers-10mbit.json"),
     "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
+    "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
 }
 
 
