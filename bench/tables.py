@@ -458,7 +458,7 @@ def _peers_table(name: str) -> str:
         why = sorted({x.split(":")[0] if x.startswith("failed") else
                       x.replace("stopped: ", "").split(" (")[0]
                       for x in r.get("statuses", []) if "reached the target" not in x
-                      and x != "ok"})
+                      and x != "ok"}) or [f"not within {a['max_steps']} steps"]
         reached = (f"{r['reached']}/{r['rounds']} rounds" + (f" ({'; '.join(why)})" if why
                                                              and r["reached"] < r["rounds"]
                                                              else "") if "rounds" in r else
