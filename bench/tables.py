@@ -51,6 +51,7 @@ def _mb(x: float) -> str:
 
 # --------------------------------------------------------------------------- renderers
 
+
 def strategies() -> str:
     """Every strategy of the catalog: what it sends, its bytes for the embedded
     default, its options with their defaults."""
@@ -574,6 +575,59 @@ def long_link_rounds() -> str:
     return long_link_text(_load("slow-links", "long_link_rounds.json"))
 
 
+def _peer_cells(d: dict) -> tuple[str, list[dict]]:
+    link, res = next(iter(d["links"].items()))
+    return link, res.get("rows") or res["cells"]
+
+
+def _fig(x, fmt: str) -> str:
+    """A figure of one run, or of several rounds: median (lowest-highest)."""
+    if x is None:
+        return "-"
+    if not isinstance(x, dict):
+        return fmt.format(x)
+    if x["n"] == 1:
+        return fmt.format(x["median"])
+    return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
+
+
+def _peers_table(name: str) -> str:
+    """bench/time_to_quality.py with peer rows (docs/peers.md): time to the
+    target loss, its ratio to the no-network ideal and share of the ceiling,
+    per candidate (median and range over the rounds)."""
+    d = _load("slow-links", name)
+    link, rows = _peer_cells(d)
+    cells = d["links"][link]["cells"]
+    a = d["args"]
+    lines = [f"{link}, {a['nodes']} emulated nodes, batch {a['batch_size']} per rank, target = "
+             f"exact all-reduce's eval loss at step {a['steps']} ({d['target']:.4f}), "
+             f"{a.get('rounds', 1)} round(s) interleaved; ideal {d['ideal_s']:.0f} s of "
+             f"training, ceiling {d['ceiling_samples_per_s']:.2f} samples/s", "",
+             "| candidate | reached the target | time to target | x ideal | % of ceiling | "
+             f"exposed sync | eval loss at step {a['steps']} |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["key"] == "ceiling":
+            continue
+        why = sorted({x.split(":")[0] if x.startswith("failed") else
+                      x.replace("stopped: ", "").split(" (")[0]
+                      for x in r.get("statuses", []) if "reached the target" not in x
+                      and x != "ok"}) or [f"not within {a['max_steps']} steps"]
+        reached = (f"{r['reached']}/{r['rounds']} rounds" + (f" ({'; '.join(why)})" if why
+                                                             and r["reached"] < r["rounds"]
+                                                             else "") if "rounds" in r else
+                   f"at step {r['reached_step']}" if r.get("reached_step") else
+                   f"no ({r['steps_run']} steps)")
+        bounds = [c["ratio_lower_bound"] for c in cells if c["key"] == r["key"]
+                  and c.get("ratio_lower_bound")]
+        ratio = _fig(r.get("ratio_to_ideal"), "{:.2f}x") if r.get("ratio_to_ideal") or not bounds \
+            else f"> {min(bounds):.2f}x"
+        lines.append(f"| {r['label']} | {reached} | {_fig(r.get('time_to_target_s'), '{:.0f} s')} | "
+                     f"{ratio} | "
+                     f"{_fig(r.get('efficiency'), '{:.0%}')} | {_fig(r.get('sync_share'), '{:.0%}')} | "
+                     f"{_fig(r.get('eval_at_steps'), '{:.4f}')} |")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -596,6 +650,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "long-link-probe": long_link_probe,
     "long-link-train": long_link_train,
     "long-link-rounds": long_link_rounds,
+    "peers": lambda: _peers_table("peers-10mbit.json"),
+    "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
+    "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
 }
 
 
@@ -608,6 +665,7 @@ def renderer(name: str) -> Callable[[], str] | None:
 
 
 # --------------------------------------------------------------------------- files
+
 
 def render(text: str, path: Path) -> str:
     def sub(m: re.Match) -> str:

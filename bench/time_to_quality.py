@@ -50,6 +50,13 @@ for the probed link and the measured compute
 (:func:`lorasync.plan.planner.hide_sync`), and ``auto``.  Every lorasync
 row also gets the cost model's step time next to the measured one.
 
+Peer rows (docs/peers.md), on the same nodes, data, inner optimizer and
+evaluation, only the sync differs: ``localsgd_K`` (accelerate's LocalSGD
+every K steps) and ``torchft_diloco`` / ``torchft_streaming`` (torchft's
+DiLoCo, the lighthouse started on node 0).  ``--rounds N`` interleaves N
+rounds of the candidates; each figure is then a median with its range, and
+auto is compared with the best peer's time to target (issue 33: <= 0.8x).
+
 Each link prints a table and the targets of issue 17: the best strategy at
 1 Mbit/s at >= 90% of the ceiling's samples/s with the quality rule met;
 time to target <= 1.15x the ideal at 10 Mbit/s and <= 1.3x at 1 Mbit/s;
@@ -108,6 +115,8 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     speed: "Run | None" = None   # the same run again without evaluations (--speed-run)
+    module: str = "lorasync"     # a peer row: lorasync.bench.peers (its args come first)
+    round: int = 0
 
 
 def fixed_args(key: str) -> tuple[list[str], dict]:
@@ -123,6 +132,44 @@ def fixed_args(key: str) -> tuple[list[str], dict]:
     }
     args, opts = table[key]
     return args + [x for k, v in opts.items() for x in ("--comm-opt", f"{k}={_v(v)}")], opts
+
+
+#: peer rows (docs/peers.md): another system's sync on lorasync's own trainer,
+#: ``localsgd_K``: accelerate's LocalSGD averaging the adapter every K steps
+PEER_PREFIX = "localsgd_"
+
+
+#: torchft's DiLoCo (docs/peers.md: its settings and why): the outer optimizer
+#: of the DiLoCo paper; 8 inner steps per outer sync (torchft's example uses 20
+#: over 10,000 steps: one sync in a 30-step row); Streaming DiLoCo in 2
+#: fragments, each sent one step before it is applied (the example's delay 1)
+TORCHFT = {
+    "torchft_diloco": ("torchft DiLoCo, every 8 steps",
+                       {"sync_every": 8, "fragments": 1, "fragment_sync_delay": 0}),
+    "torchft_streaming": ("torchft Streaming DiLoCo, every 8 steps, 2 fragments, 1 step late",
+                          {"sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}),
+}
+LIGHTHOUSE_PORT = 29510
+
+
+def peer_run(key: str, lighthouse: str = "") -> "Run":
+    """The Run of a peer candidate (lorasync.bench.peers): ``localsgd_K`` or a
+    torchft one (``lighthouse``: the URL of the lighthouse the bench started)."""
+    if key in TORCHFT:
+        label, opts = TORCHFT[key]
+        args = ["--peer", "torchft_diloco", *[x for k, v in {**opts, "lighthouse": lighthouse}
+                                              .items() for x in ("--peer-opt", f"{k}={v}")],
+                "--"]
+        return Run(key, label, args, opts, module="lorasync.bench.peers")
+    k = int(key[len(PEER_PREFIX):])
+    return Run(key, f"accelerate LocalSGD, every {k} steps",
+               ["--peer", "accelerate_localsgd", "--peer-opt", f"local_sgd_steps={k}", "--"],
+               {"local_sgd_steps": k}, module="lorasync.bench.peers")
+
+
+def is_peer(key: str) -> bool:
+    return key in TORCHFT or key.startswith(PEER_PREFIX) and key[len(PEER_PREFIX):].isdigit() \
+        and int(key[len(PEER_PREFIX):]) >= 1
 
 
 def _v(v) -> str:
@@ -185,11 +232,15 @@ def eval_at(evals: list[dict], step: int) -> float | None:
 
 # ----------------------------------------------------------------------------- running
 
+#: children that stopping a run must leave alone (a torchft lighthouse)
+_KEEP: set[int] = set()
+
+
 def _children() -> list[int]:
     """Processes this one started (the torchrun agents of a run)."""
     me, out = os.getpid(), []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and int(entry) not in _KEEP:
             try:
                 with open(f"/proc/{entry}/stat") as fh:
                     if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
@@ -205,11 +256,14 @@ def run_on_cluster(cluster, run: Run, common: list[str], out: str, timeout: floa
     (then its agents are sent SIGTERM: they stop their workers) or it ends."""
     from lorasync.emulate.cluster import launch_on_cluster
 
-    run_dir = os.path.join(out, run.key)
+    name = run.key + (f"-r{run.round}" if run.round else "")
+    run_dir = os.path.join(out, name)
+    argv = (["train", *common, *run.args, "--output-dir", run_dir] if run.module == "lorasync"
+            else [*run.args, *common, "--output-dir", run_dir])
     box: dict = {}
     th = threading.Thread(target=lambda: box.update(rc=launch_on_cluster(
-        cluster, ["train", *common, *run.args, "--output-dir", run_dir], timeout=timeout,
-        log_dir=os.path.join(out, f"{run.key}-logs"))), daemon=True)
+        cluster, argv, timeout=timeout, module=run.module,
+        log_dir=os.path.join(out, f"{name}-logs"))), daemon=True)
     t0 = time.time()
     th.start()
     why = None
@@ -248,6 +302,40 @@ def run_reference(seed: int, a, out: str) -> Run:
     return run
 
 
+def start_lighthouse(cluster, nodes: int, folder: str) -> subprocess.Popen:
+    """torchft's lighthouse (the quorum server of its Manager) on node 0, for
+    the torchft rows: every node's replica must join a quorum."""
+    lh = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    if not os.path.exists(lh):
+        raise SystemExit("time_to_quality: the torchft rows need torchft==0.2.0 in this "
+                         "interpreter's environment (pip install torchft==0.2.0; "
+                         "docs/peers.md)")
+    log = open(os.path.join(folder, "lighthouse.log"), "a")
+    p = subprocess.Popen(cluster.exec_argv(0, [
+        lh, "--min_replicas", str(nodes), "--bind",
+        f"{cluster.nodes[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "1000",
+        "--quorum_tick_ms", "50"]), stdout=log, stderr=subprocess.STDOUT)
+    _KEEP.add(p.pid)
+    time.sleep(1.0)
+    return p
+
+
+def target_from(a):
+    """(target, limit, reference samples, [], reference losses) of an earlier
+    invocation, refused unless its task was this one's."""
+    with open(a.target_from) as fh:
+        d = json.load(fh)
+    same = ("model", "batch_size", "steps", "max_steps", "eval_interval", "eval_size",
+            "nodes", "eval_replicas")
+    diff = [k for k in same if d["args"].get(k) != getattr(a, k)]
+    if diff:
+        raise SystemExit(f"--target-from {a.target_from}: another task ("
+                         + ", ".join(f"{k} {d['args'].get(k)} vs {getattr(a, k)}" for k in diff)
+                         + ")")
+    return (d["target"], d["quality_limit"], d["reference_samples_to_target"], [],
+            [r["eval_at_steps"] for r in d["reference"]])
+
+
 def common_args(a, ceiling: bool = False, evals: bool = True) -> list[str]:
     """Every run's ``lorasync train`` flags: the same schedule (``--max-steps``),
     evaluations of the loss only (one generated token: exact-match is not
@@ -274,7 +362,8 @@ def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceil
     at = eval_at(run.evals, steps_ref)
     comp = sum(s["compute_s"] for s in steady) / len(steady) if steady else None
     enc = sum(s["encode_s"] for s in steady) / len(steady) if steady else None
-    cell = {"key": run.key, "label": run.label, "options": run.options, "status": run.status,
+    cell = {"key": run.key, "round": run.round, "label": run.label, "options": run.options,
+            "status": run.status,
             "steps_run": len(st), "samples_per_s": sps,
             "efficiency": sps / ceiling_sps if sps and ceiling_sps else None,
             "sync_share": (sum(s["comm_s"] for s in steady) / secs) if secs else None,
@@ -328,6 +417,7 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
                  " training alone: samples/s (% of ceiling) | exposed | time to target "
                  "(x ideal) |" if alone else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if alone else "")]
+    multi = any(c.get("round") for c in cells)
     for c in cells:
         if c["key"] == "ceiling":
             continue
@@ -339,7 +429,8 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
                  f"not reached (> {c['ratio_lower_bound']:.2f}x)"
                  if c.get("ratio_lower_bound") is not None else "-")
         lines.append(
-            f"| {c['label']}{'' if c['status'] == 'ok' or c['status'].startswith('stopped') else ' (' + c['status'] + ')'} | "
+            f"| {c['label']}{' #' + str(c['round'] + 1) if multi else ''}"
+            f"{'' if c['status'] == 'ok' or c['status'].startswith('stopped') else ' (' + c['status'] + ')'} | "
             f"{_f(c['samples_per_s'])} ({_f(c['efficiency'], '{:.0%}')}) | "
             f"{_f(c['sync_share'], '{:.0%}')} | {_f(c['encode_share'], '{:.1%}')} | {plan} | "
             f"{_f(c['eval_at_steps'], '{:.4f}')}{q} | {c['reached_step'] or '-'} | "
@@ -351,6 +442,82 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
                 f"{_f(c['speed_time_to_target_s'], '{:.0f} s')}"
                 f"{_f(c['speed_ratio_to_ideal'], ' ({:.2f}x)', '')} |"))
     return "\n".join(lines)
+
+
+ROUND_FIGURES = ("time_to_target_s", "ratio_to_ideal", "efficiency", "sync_share",
+                 "eval_at_steps", "reached_step")
+
+
+def aggregate(cells: list[dict]) -> list[dict]:
+    """One row per candidate over its rounds: per figure the median, the
+    lowest and the highest of the rounds that have it (``n`` of them), and
+    how many rounds reached the target."""
+    import statistics
+
+    rows: dict[str, dict] = {}
+    for c in cells:
+        row = rows.setdefault(c["key"], {"key": c["key"], "label": c["label"],
+                                         "options": c["options"], "rounds": 0, "reached": 0,
+                                         "statuses": []})
+        row["rounds"] += 1
+        row["reached"] += c.get("reached_step") is not None
+        row["statuses"].append(c["status"])
+    for key, row in rows.items():
+        mine = [c for c in cells if c["key"] == key]
+        for fig in ROUND_FIGURES:
+            vals = [c[fig] for c in mine if c.get(fig) is not None]
+            row[fig] = ({"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+                         "n": len(vals)} if vals else None)
+    return list(rows.values())
+
+
+def _spread(fig: dict | None, fmt: str) -> str:
+    if fig is None:
+        return "-"
+    if fig["n"] == 1:
+        return fmt.format(fig["median"])
+    return f"{fmt.format(fig['median'])} ({fmt.format(fig['min'])}-{fmt.format(fig['max'])})"
+
+
+def rounds_table(link: str, rows: list[dict], rounds: int) -> str:
+    lines = [f"\n### {link}: median (range) over {rounds} interleaved rounds\n",
+             "| candidate | reached | time to target | x ideal | % of ceiling | exposed sync |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['reached']}/{r['rounds']} | "
+                     f"{_spread(r['time_to_target_s'], '{:.0f} s')} | "
+                     f"{_spread(r['ratio_to_ideal'], '{:.2f}x')} | "
+                     f"{_spread(r['efficiency'], '{:.0%}')} | "
+                     f"{_spread(r['sync_share'], '{:.0%}')} |")
+    return "\n".join(lines)
+
+
+#: issue 33's target: auto's time to target <= 0.8x the best peer's
+PEER_TTQ_TARGET = 0.8
+
+
+def peer_verdicts(link: str, rows: list[dict]) -> list[str]:
+    """auto against the best peer row: the ratio of their median times to
+    target, and "ahead" only where auto's slowest round beats the peer's
+    fastest (the gap exceeds the spread)."""
+    peers = [r for r in rows if is_peer(r["key"]) and r["time_to_target_s"]
+             and r["reached"] == r["rounds"]]
+    auto = next((r for r in rows if r["key"] == "auto"), None)
+    if not peers or auto is None:
+        return []
+    best = min(peers, key=lambda r: r["time_to_target_s"]["median"])
+    b = best["time_to_target_s"]
+    if not auto["time_to_target_s"] or auto["reached"] < auto["rounds"]:
+        return [f"auto did not reach the target in every round ({auto['reached']}/"
+                f"{auto['rounds']}); best peer: {best['label']}, {b['median']:.0f} s"]
+    t = auto["time_to_target_s"]
+    ratio = t["median"] / b["median"]
+    ahead = ("ahead by more than the spread" if t["max"] < b["min"] else
+             "behind by more than the spread" if t["min"] > b["max"] else
+             "within the spread")
+    return [f"auto vs the best peer ({best['label']}): time to target {t['median']:.0f} s vs "
+            f"{b['median']:.0f} s = {ratio:.2f}x ({ahead}; target <= {PEER_TTQ_TARGET}x: "
+            f"{'met' if ratio <= PEER_TTQ_TARGET else 'NOT met'})"]
 
 
 def verdicts(link: str, cells: list[dict]) -> list[str]:
@@ -398,6 +565,8 @@ def verdicts(link: str, cells: list[dict]) -> list[str]:
 
 def predict_cell(cell: dict, run: Run, net, compute_s: float, a) -> None:
     """The cost model's step time for a lorasync row (not auto, not torch's hook)."""
+    if "--comm" not in run.args:   # a peer row: no cost model of its sync
+        return
     name = run.args[run.args.index("--comm") + 1]
     if name in ("auto", "none", "torch_powersgd") or net is None or not run.steps:
         return
@@ -453,6 +622,20 @@ def main() -> int:
     ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES))
     ap.add_argument("--ceiling-steps", type=int, default=16)
     ap.add_argument("--row-timeout", type=float, default=1800.0)
+    ap.add_argument("--target-from", metavar="FILE", default="",
+                    help="take the target, quality limit and reference samples from an "
+                         "earlier invocation's --json (the same model, data, batch, steps and "
+                         "schedule: the loopback reference is deterministic) instead of "
+                         "running the reference again")
+    ap.add_argument("--once", default="", metavar="KEYS",
+                    help="candidates run in the first round only (with --rounds)")
+    ap.add_argument("--time-limit", type=float, default=0.0, metavar="S",
+                    help="start no candidate run after S seconds of the bench (0: no limit); "
+                         "the closing ceiling run and the results still follow")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the candidates this many times, interleaved (round 1: every "
+                         "candidate, then round 2 ...); each figure is then the median with "
+                         "its range")
     ap.add_argument("--output-dir", default="")
     ap.add_argument("--json", metavar="FILE", help="write the small result JSON here")
     a = ap.parse_args()
@@ -464,10 +647,13 @@ def main() -> int:
     if a.max_steps < a.steps:
         raise SystemExit("--max-steps must be at least --steps")
     keys = [k.strip() for k in a.candidates.split(",") if k.strip()]
-    unknown = set(keys) - set(DEFAULT_CANDIDATES)
+    unknown = {k for k in keys if not is_peer(k)} - set(DEFAULT_CANDIDATES)
     if unknown:
         raise SystemExit(f"--candidates: unknown {', '.join(sorted(unknown))}; use some of "
-                         f"{', '.join(DEFAULT_CANDIDATES)}")
+                         f"{', '.join(DEFAULT_CANDIDATES)}, or a peer: {PEER_PREFIX}K "
+                         "(accelerate's LocalSGD every K steps)")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
     out = os.path.abspath(a.output_dir or os.path.join(
         "bench", "results", "ttq-" + time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
@@ -477,22 +663,27 @@ def main() -> int:
     t_start = time.time()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
 
-    # 1. the target, over loopback
+    # 1. the target, over loopback (or an earlier invocation's, with the same task)
     refs = []
-    for seed in range(a.seeds):
-        log(f"reference: allreduce seed {seed}, {a.steps} of {a.max_steps} steps ...")
-        refs.append(run_reference(seed, a, out))
-        log(f"   {refs[-1].status} ({refs[-1].extra['wall_s']:.0f} s)")
-    losses = [eval_at(r.evals, a.steps) for r in refs]
-    if losses[0] is None:
-        raise SystemExit(f"reference seed 0 has no eval at step {a.steps}: {refs[0].status}")
-    target = losses[0]
-    limit = max(x for x in losses if x is not None) * 1.05
-    ref_reach = first_reach(refs[0].evals, target)
-    ref_samples = sum(s["samples"] for s in refs[0].steps if s["step"] <= ref_reach["step"])
+    if a.target_from:
+        target, limit, ref_samples, refs, losses = target_from(a)
+        log(f"target from {a.target_from}")
+    else:
+        for seed in range(a.seeds):
+            log(f"reference: allreduce seed {seed}, {a.steps} of {a.max_steps} steps ...")
+            refs.append(run_reference(seed, a, out))
+            log(f"   {refs[-1].status} ({refs[-1].extra['wall_s']:.0f} s)")
+        losses = [eval_at(r.evals, a.steps) for r in refs]
+        if losses[0] is None:
+            raise SystemExit(f"reference seed 0 has no eval at step {a.steps}: "
+                             f"{refs[0].status}")
+        target = losses[0]
+        limit = max(x for x in losses if x is not None) * 1.05
+        ref_reach = first_reach(refs[0].evals, target)
+        ref_samples = sum(s["samples"] for s in refs[0].steps if s["step"] <= ref_reach["step"])
     a.adapter_params = None
-    log(f"target: eval loss {target:.4f} (seed 0 at step {a.steps}; first reached at step "
-        f"{ref_reach['step']}, {ref_samples} samples); quality limit {limit:.4f}")
+    log(f"target: eval loss {target:.4f} (seed 0 at step {a.steps}; {ref_samples} samples to "
+        f"reach it); quality limit {limit:.4f}")
 
     tag = f"ttq{os.getpid() % 100000}"
     links = [x.strip() for x in a.links.split(",") if x.strip()]
@@ -500,7 +691,7 @@ def main() -> int:
     ceilings: list[Run] = []
     md = [f"time to quality: {a.nodes} emulated nodes, {a.model}, batch {a.batch_size} per "
           f"rank, schedule {a.max_steps} steps, target = allreduce's eval loss at step "
-          f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(refs)} seeds "
+          f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(losses)} seeds "
           f"+ 5%), {time.strftime('%Y-%m-%d %H:%M')}"]
     pending = []   # (link, runs, net, probe text)
     for li, link in enumerate(links):
@@ -538,10 +729,26 @@ def main() -> int:
                         continue   # the same as diloco_fp16
                     args = ["--comm", "diloco"] + [x for k, v in opts.items()
                                                    for x in ("--comm-opt", f"{k}={_v(v)}")]
+                elif is_peer(key):
+                    runs.append(peer_run(key, f"http://{cluster.nodes[0].address}:"
+                                              f"{LIGHTHOUSE_PORT}"))
+                    continue
                 else:
                     args, opts = fixed_args(key)
                 runs.append(Run(key, label_of(key, opts), args, opts))
-            for run in runs:
+            # rounds interleaved: every candidate once, then again
+            once = {k.strip() for k in a.once.split(",") if k.strip()}
+            runs = [r if not i else Run(r.key, r.label, r.args, r.options, module=r.module,
+                                        round=i)
+                    for i in range(a.rounds) for r in runs if not (i and r.key in once)]
+            skipped = []
+            for run in list(runs):
+                if a.time_limit and time.time() - t_start > a.time_limit:
+                    # what is left is not started: a bench lock is held for a bounded time
+                    log(f"   {run.label}: not run (--time-limit {a.time_limit:g} s passed)")
+                    skipped.append(f"{run.key} round {run.round + 1}")
+                    runs.remove(run)
+                    continue
                 budget_s = a.budget * ideal
 
                 def stop(st, ev, run=run, budget_s=budget_s):
@@ -553,9 +760,20 @@ def main() -> int:
                         return f"budget ({a.budget:g}x the ideal, {budget_s:.0f} s) spent"
                     return None
 
-                log(f"   {run.label} ...")
-                run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
-                               a.row_timeout, stop)
+                log(f"   {run.label}" + (f" (round {run.round + 1})" if a.rounds > 1 else "")
+                    + " ...")
+                # a lighthouse of its own for each torchft run (none is left from an
+                # earlier run's replicas)
+                lighthouse = start_lighthouse(cluster, a.nodes, pdir) \
+                    if run.key in TORCHFT else None
+                try:
+                    run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
+                                   a.row_timeout, stop)
+                finally:
+                    if lighthouse is not None:
+                        _KEEP.discard(lighthouse.pid)
+                        lighthouse.kill()
+                        lighthouse.wait()
                 log(f"   {run.label}: {run.status}, {len(run.steps)} steps "
                     f"({run.extra['wall_s']:.0f} s)")
                 reach = first_reach(run.evals, target)
@@ -574,20 +792,26 @@ def main() -> int:
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
                                lambda st, ev: None)
                 ceilings.append(c)
-        pending.append((link, runs, net, probe_text))
+        pending.append((link, runs, net, probe_text, skipped))
     ceiling = max(ceilings, key=lambda r: sps_of(r) or 0)
     ceiling_sps = sps_of(ceiling) or 0.0
     compute = train_time(ceiling.steps[1:]) / max(1, len(ceiling.steps) - 1)
     ideal = ref_samples / ceiling_sps if ceiling_sps else 0.0
-    for link, runs, net, probe_text in pending:
+    for link, runs, net, probe_text, skipped in pending:
         cells = []
         for run in runs:
             cell = summarize(run, target, limit, ideal, ceiling_sps, a.steps)
             predict_cell(cell, run, net, compute, a)
             cells.append(cell)
-        results[link] = {"probe": probe_text, "cells": cells}
+        rows = aggregate(cells) if a.rounds > 1 else None
+        results[link] = {"probe": probe_text, "cells": cells,
+                         **({"rows": rows} if rows else {}),
+                         **({"not_run": skipped} if skipped else {})}
         md.append(table(link, cells, probe_text) + "\n\n" + "\n".join(
             f"- {x}" for x in verdicts(link, cells)))
+        if rows:
+            md.append(rounds_table(link, rows, a.rounds) + "\n\n" + "\n".join(
+                f"- {x}" for x in peer_verdicts(link, rows)))
         print(md[-1], flush=True)
     head = (f"\nceiling: {ceiling_sps:.2f} samples/s (the faster of {len(ceilings)} no-sync "
             f"runs); no-network ideal: {ref_samples} samples x {1 / ceiling_sps:.3f} s = "
@@ -599,8 +823,10 @@ def main() -> int:
         fh.write(text)
     small = {"args": {k: v for k, v in vars(a).items()},
              "target": target, "quality_limit": limit,
-             "reference": [{"seed": i, "eval_at_steps": x, "status": r.status}
-                           for i, (r, x) in enumerate(zip(refs, losses))],
+             "reference": ([{"seed": i, "eval_at_steps": x, "status": r.status}
+                            for i, (r, x) in enumerate(zip(refs, losses))] if refs else
+                           [{"seed": i, "eval_at_steps": x, "status": f"from {a.target_from}"}
+                            for i, x in enumerate(losses)]),
              "reference_samples_to_target": ref_samples, "ceiling_samples_per_s": ceiling_sps,
              "compute_s_per_step": compute, "ideal_s": ideal, "links": results,
              "wall_min": (time.time() - t_start) / 60}

@@ -255,7 +255,9 @@ def prepare_run_dir(cfg: Config, resume: bool) -> None:
     write_run_config(cfg, os.path.join(out, "config.yaml"))
 
 
-def train_worker(cfg: Config, resume: bool = False) -> int:
+def train_worker(cfg: Config, resume: bool = False, trainer_cls=None) -> int:
+    """One rank's run; ``trainer_cls``: a :class:`Trainer` subclass in its place
+    (a bench's peer row: lorasync's run with another system's sync)."""
     import torch
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
@@ -323,8 +325,8 @@ def train_worker(cfg: Config, resume: bool = False) -> int:
         # every rank's first beat is in the store before anyone watches
         dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
         guard.done()
-        trainer = Trainer(cfg, resume, env, device, backend, log, watchdog=watchdog,
-                          spawned=spawned)
+        trainer = (trainer_cls or Trainer)(cfg, resume, env, device, backend, log,
+                                           watchdog=watchdog, spawned=spawned)
         trainer.setup()
         return trainer.run()
     except LorasyncError as exc:

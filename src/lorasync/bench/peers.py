@@ -1,0 +1,418 @@
+"""Peers as rows: another system's sync on lorasync's own training run.
+
+A bench row for a system a user on a slow link would pick instead of
+lorasync must differ from lorasync's rows in the sync alone: the same model
+and adapter, the same data in the same order, the same inner optimizer
+(AdamW, the same learning-rate schedule), the same evaluation and the same
+per-step records (so bench/time_to_quality.py reads it like any other row).
+This module is that worker.  It is lorasync's trainer (train/loop.py) with
+``--comm none`` (no gradient sync at all) and the peer's own object doing the
+parameter averaging after each optimizer step::
+
+    torchrun ... -m lorasync.bench.peers --peer accelerate_localsgd \\
+        --peer-opt local_sgd_steps=16 -- <lorasync train flags>
+
+Peers:
+
+* ``accelerate_localsgd``: ``accelerate.local_sgd.LocalSGD`` (the helper a
+  Trainer / accelerate user has at hand): every ``local_sgd_steps`` steps it
+  waits for every rank and replaces each parameter by its all-reduced mean
+  (one all-reduce per tensor, fp32).  As documented it is handed the model
+  and averages *every* parameter, frozen base weights included (540 MB a
+  sync for SmolLM2-135M); ``params=adapter`` (the default here) hands it a
+  view of the trainable parameters only, the best a LoRA user can do with
+  it; ``params=all`` is the documented call.
+
+* ``torchft_diloco``: ``torchft.local_sgd.DiLoCo`` (DiLoCo, and Streaming
+  DiLoCo with ``fragments`` > 1 and ``fragment_sync_delay``): each rank a
+  replica group of one under a torchft Manager, the quorum from a
+  ``torchft_lighthouse`` the bench starts (``lighthouse=http://HOST:PORT``).
+
+DeepSpeed's 1-bit Adam is not a row: docs/peers.md says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["PEERS", "parse_peer_options", "AccelerateLocalSGD", "TorchftDiLoCo", "main"]
+
+#: peer -> its options and their defaults
+PEERS: dict[str, dict] = {
+    "accelerate_localsgd": {"local_sgd_steps": 16, "params": "adapter"},
+    # the DiLoCo paper's outer optimizer (SGD, Nesterov, lr 0.7, momentum 0.9);
+    # torchft's example runs sync 20 steps, fragment_sync_delay 1 (Streaming
+    # DiLoCo); lighthouse: the URL of a torchft_lighthouse the bench started
+    "torchft_diloco": {"sync_every": 8, "fragments": 1, "fragment_sync_delay": 0,
+                       "outer_lr": 0.7, "outer_momentum": 0.9, "lighthouse": "",
+                       "timeout_s": 120.0},
+}
+
+
+def parse_peer_options(peer: str, items: list[str]) -> dict:
+    """``KEY=VALUE`` items over the peer's defaults; ValueError naming the
+    option, the value and the fix."""
+    if peer not in PEERS:
+        raise ValueError(f"--peer: unknown {peer!r}; use one of {', '.join(PEERS)}")
+    opts = dict(PEERS[peer])
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in opts:
+            raise ValueError(f"--peer-opt: {item!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(opts)} ({peer})")
+        opts[key] = type(opts[key])(value)
+    if peer == "accelerate_localsgd":
+        if opts["local_sgd_steps"] < 1:
+            raise ValueError(f"--peer-opt local_sgd_steps={opts['local_sgd_steps']}: give a "
+                             "whole number of steps >= 1")
+        if opts["params"] not in ("adapter", "all"):
+            raise ValueError(f"--peer-opt params={opts['params']}: use adapter (the trainable "
+                             "parameters) or all (every parameter, as accelerate documents it)")
+    if peer == "torchft_diloco":
+        f, every, delay = opts["fragments"], opts["sync_every"], opts["fragment_sync_delay"]
+        if f < 1 or every < f or every % f:
+            raise ValueError(f"--peer-opt sync_every={every} fragments={f}: torchft needs "
+                             "sync_every a multiple of fragments (>= 1)")
+        if not 0 <= delay < every // f:
+            raise ValueError(f"--peer-opt fragment_sync_delay={delay}: torchft needs it "
+                             f"below sync_every / fragments = {every // f}")
+        if not opts["lighthouse"]:
+            raise ValueError("--peer-opt lighthouse=: give the URL of a running "
+                             "torchft_lighthouse (http://HOST:PORT)")
+    return opts
+
+
+class _Trainable:
+    """What LocalSGD is handed with ``params=adapter``: the DDP model's
+    ``no_sync`` and its trainable parameters (the same Parameter objects:
+    LocalSGD's ``param.data = mean`` lands in the model)."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+        self._params = [p for p in ddp.module.parameters() if p.requires_grad]
+
+    def parameters(self):
+        return iter(self._params)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+
+class AccelerateLocalSGD:
+    """accelerate's LocalSGD in the place of a lorasync strategy.
+
+    ``inner`` is the trainer's ``none`` strategy (it counts the steps and
+    keeps the records' fields); LocalSGD is entered once (it holds DDP's
+    ``no_sync`` for the whole run, as its docs show) and stepped after every
+    optimizer step.  The time of a step's ``LocalSGD.step()`` is exposed sync
+    (``comm_s``: it blocks on a barrier and the all-reduces), and its bytes are
+    the payload it hands to all-reduce (fp32, every averaged tensor)."""
+
+    name = strategy = "accelerate_localsgd"
+    in_flight = in_flight_next_step = grads_hold_momentum = False
+
+    def __init__(self, inner, ddp, *, local_sgd_steps: int, params: str = "adapter"):
+        from accelerate import Accelerator
+        from accelerate.local_sgd import LocalSGD
+
+        self.inner = inner
+        self.accelerator = Accelerator(cpu=next(ddp.module.parameters()).device.type == "cpu")
+        target = ddp if params == "all" else _Trainable(ddp)
+        self.local = LocalSGD(accelerator=self.accelerator, model=target,
+                              local_sgd_steps=local_sgd_steps)
+        self.local.__enter__()
+        self.sync_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+        self.adapter_fp32 = sum(p.numel() for p in ddp.module.parameters()
+                                if p.requires_grad) * 4
+        self._comm_s = 0.0
+        self._wire = self._fp32 = self._syncs = 0
+        self._dirty = False
+
+    # the trainer stamps and reads this on the strategy it holds
+    @property
+    def last_ready_time(self):
+        return self.inner.last_ready_time
+
+    @last_ready_time.setter
+    def last_ready_time(self, value):
+        self.inner.last_ready_time = value
+
+    @property
+    def replicas_may_differ(self) -> bool:
+        return self._dirty
+
+    def after_step(self) -> None:
+        self.inner.after_step()
+        t0 = time.perf_counter()
+        self.local.step()
+        self._fp32 += self.adapter_fp32   # what fp32 all-reduce would have sent this step
+        if self.local.num_steps % self.local.local_sgd_steps == 0:
+            self._comm_s += time.perf_counter() - t0
+            self._wire += self.sync_bytes
+            self._syncs += 1
+            self._dirty = False
+        else:
+            self._dirty = True
+
+    def settle(self) -> None:
+        """Nothing is ever in flight: LocalSGD averages synchronously."""
+
+    def finish(self) -> None:
+        """LocalSGD's exit: one last average, and DDP's no_sync left."""
+        if self.local.enabled:
+            t0 = time.perf_counter()
+            self.local.__exit__(None, None, None)
+            self._comm_s += time.perf_counter() - t0
+            self._wire += self.sync_bytes
+            self._syncs += 1
+        self._dirty = False
+
+    def stats(self) -> dict:
+        s = dict(self.inner.stats())
+        s.update(strategy=self.name, wire_bytes=s["wire_bytes"] + self._wire,
+                 inter_bytes=s["inter_bytes"] + self._wire, fp32_bytes=self._fp32,
+                 comm_s=s["comm_s"] + self._comm_s, syncs=self._syncs)
+        return s
+
+    def state_dict(self) -> dict:
+        return {**self.inner.state_dict(), "peer": self.name, "num_steps": self.local.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+        self.local.num_steps = int(state.get("num_steps", 0))
+
+
+def _fragments(params: list, n: int) -> list:
+    """``n`` modules holding consecutive runs of ``params`` (the same Parameter
+    objects, about the same element count each): torchft's DiLoCo syncs every
+    parameter of a fragment module, so a fragment holds adapter tensors only
+    (a PEFT module would bring its frozen base weights along)."""
+    import torch
+
+    total, per = sum(p.numel() for p in params), []
+    bounds = [total * (i + 1) / n for i in range(n)]
+    acc, cur = 0, []
+    for p in params:
+        cur.append(p)
+        acc += p.numel()
+        if len(per) < n - 1 and acc >= bounds[len(per)]:
+            per.append(cur)
+            cur = []
+    per.append(cur)
+    mods = []
+    for chunk in per:
+        m = torch.nn.Module()
+        for i, p in enumerate(chunk):
+            m.register_parameter(f"p{i}", p)
+        mods.append(m)
+    return mods
+
+
+class TorchftDiLoCo:
+    """torchft's DiLoCo / Streaming DiLoCo in the place of a lorasync strategy.
+
+    Each rank is a torchft replica group of one (its own Manager, its own
+    store on this node's address, the bench's lighthouse for the quorum);
+    ``torchft.local_sgd.DiLoCo`` hooks the trainer's AdamW (inner optimizer)
+    and, every ``sync_every`` steps per fragment, all-reduces the
+    pseudo-gradients through the Manager (fp32) and steps the outer SGD.  Its
+    hook runs inside ``optimizer.step()``: the time of that hook is this
+    step's exposed sync (``comm_s``), and an evaluation first waits for an
+    all-reduce in flight (``settle``), as lorasync's streamed rows do."""
+
+    name = strategy = "torchft_diloco"
+    grads_hold_momentum = in_flight_next_step = False
+
+    def __init__(self, inner, ddp, opt, *, sync_every: int, fragments: int,
+                 fragment_sync_delay: int, outer_lr: float, outer_momentum: float,
+                 lighthouse: str, timeout_s: float):
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.http_transport import HTTPTransport
+        from torchft.local_sgd import DiLoCo
+
+        from lorasync.launch.stores import store_address
+
+        self.inner, self.opt = inner, opt
+        addr = store_address()
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.params = params
+        self.mods = _fragments(params, fragments)
+        outer = [torch.optim.SGD(m.parameters(), lr=outer_lr, momentum=outer_momentum,
+                                 nesterov=True) for m in self.mods]
+
+        class Transport(HTTPTransport):
+            # its checkpoint server on this node's address (the host name
+            # resolves to loopback on emulated nodes); only a healing peer uses it
+            def address(self) -> str:
+                return f"http://{addr}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        tmo = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=tmo), min_replica_size=dist.get_world_size(),
+            load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
+            replica_id=f"lorasync_peer{dist.get_rank()}", store_addr=addr,
+            store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+            hostname=addr, timeout=tmo, quorum_timeout=tmo, connect_timeout=tmo,
+            init_sync=False, checkpoint_transport=Transport(timeout=tmo, num_chunks=0))
+        self._wire = self._fp32 = self._syncs = 0
+        self._comm_s = 0.0
+        self._t0: float | None = None
+        self.adapter_fp32 = sum(p.numel() for p in params) * 4
+        allreduce = self.manager.allreduce
+
+        def counted(tensor, *args, **kwargs):   # what DiLoCo hands to the wire
+            self._wire += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted
+        # the time of DiLoCo's post-step hook: one hook before it, one after
+        self._hooks = [opt.register_step_post_hook(self._before)]
+        self.diloco = DiLoCo(self.manager, self.mods, opt, outer, sync_every=sync_every,
+                             fragment_sync_delay=fragment_sync_delay, pin_memory=False)
+        self.diloco.__enter__()
+        self._hooks.append(opt.register_step_post_hook(self._after))
+        self._dirty = False
+
+    def _state(self):
+        return {"adapter": [p.detach().clone() for p in self.params],
+                "opt": self.opt.state_dict()}
+
+    def _load(self, sd) -> None:
+        import torch
+        with torch.no_grad():
+            for p, v in zip(self.params, sd["adapter"]):
+                p.copy_(v)
+        self.opt.load_state_dict(sd["opt"])
+
+    def _before(self, *_):
+        self._t0 = time.perf_counter()
+
+    def _after(self, *_):
+        if self._t0 is not None:
+            self._comm_s += time.perf_counter() - self._t0
+            self._t0 = None
+
+    @property
+    def last_ready_time(self):
+        return self.inner.last_ready_time
+
+    @last_ready_time.setter
+    def last_ready_time(self, value):
+        self.inner.last_ready_time = value
+
+    @property
+    def replicas_may_differ(self) -> bool:
+        return self._dirty
+
+    @property
+    def in_flight(self) -> bool:
+        return any(getattr(f, "_allreduce_work", None) for f in self.diloco._fragments)
+
+    def after_step(self) -> None:
+        self.inner.after_step()   # DiLoCo ran inside optimizer.step()
+        self._fp32 += self.adapter_fp32
+        self._dirty = True
+
+    def settle(self) -> None:
+        """An evaluation first waits for an all-reduce in flight (not applied)."""
+        t0 = time.perf_counter()
+        self.diloco._wait()
+        self._comm_s += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """The replicas' mean (as lorasync's own periodic rows end), then torchft
+        is shut down."""
+        import torch
+        import torch.distributed as dist
+
+        self.diloco._wait()
+        self.diloco.__exit__(None, None, None)
+        for h in self._hooks:
+            h.remove()
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            off = 0
+            for p in self.params:
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        self._dirty = False
+        self.manager.shutdown(wait=False)
+
+    def stats(self) -> dict:
+        s = dict(self.inner.stats())
+        s.update(strategy=self.name, wire_bytes=s["wire_bytes"] + self._wire,
+                 inter_bytes=s["inter_bytes"] + self._wire, fp32_bytes=self._fp32,
+                 comm_s=s["comm_s"] + self._comm_s, syncs=self.manager.current_step())
+        return s
+
+    def state_dict(self) -> dict:
+        return {**self.inner.state_dict(), "peer": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def _trainer_cls(peer: str, opts: dict):
+    from lorasync.train.loop import Trainer
+
+    class PeerTrainer(Trainer):
+        def setup(self) -> None:
+            super().setup()
+            if peer == "accelerate_localsgd":
+                self.sync = AccelerateLocalSGD(self.sync, self.ddp, **opts)
+            elif peer == "torchft_diloco":
+                self.sync = TorchftDiLoCo(self.sync, self.ddp, self.opt, **opts)
+
+    return PeerTrainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A torchrun worker: ``--peer NAME [--peer-opt K=V ...] [--] TRAIN FLAGS``."""
+    from lorasync.errors import ConfigError, LorasyncError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m lorasync.bench.peers",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--peer", required=True, choices=sorted(PEERS))
+    ap.add_argument("--peer-opt", action="append", default=[], metavar="KEY=VALUE")
+    own, rest = ap.parse_known_args(argv)
+    rest = [x for x in rest if x != "--"]
+    from lorasync.train.cli import _resolve, add_arguments
+
+    tp = argparse.ArgumentParser(prog="python -m lorasync.bench.peers ... --")
+    add_arguments(tp)
+    targs = tp.parse_args(rest)
+    if getattr(targs, "comm__strategy", None) is None:
+        targs.comm__strategy = "none"
+    try:
+        opts = parse_peer_options(own.peer, own.peer_opt)
+        cfg = _resolve(targs)
+        if cfg.comm.strategy != "none":
+            raise ConfigError("comm.strategy", cfg.comm.strategy,
+                              "a peer row syncs with the peer's own code: drop --comm (it "
+                              "runs lorasync's trainer with --comm none)")
+        if not cfg.run.output_dir:
+            raise ConfigError("--output-dir", "", "give every node the same --output-dir")
+        from lorasync.launch import in_worker
+        if not in_worker():
+            raise ConfigError("--peer", own.peer, "start it under torchrun (bench/"
+                              "time_to_quality.py does, on the emulated nodes)")
+    except (ValueError, LorasyncError) as exc:
+        print(f"lorasync.bench.peers: {exc}", file=sys.stderr)
+        return 2
+    from lorasync.train.loop import train_worker
+
+    return train_worker(cfg, trainer_cls=_trainer_cls(own.peer, opts))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
