@@ -53,6 +53,8 @@ KINDS = ("wireguard", "ssh", "auto")
 #: UDP probes to the hub (one every PROBE_WAIT_S) before ``auto`` calls UDP blocked
 PROBE_TRIES = 3
 PROBE_WAIT_S = 0.5
+#: how long a node's `tunnel up` waits for the hub's WireGuard handshake
+HUB_TIMEOUT_S = 20.0
 
 
 def ifname(cluster: str, index: int) -> str:
@@ -276,7 +278,7 @@ def _start_tunnel(cluster, i: int, d: Path) -> subprocess.Popen:
     n = cluster.nodes[i]
     argv = cluster.exec_argv(i, [sys.executable, "-m", "lorasync", "tunnel", "up", "--config",
                                  str(d / f"{n.name}.tunnel.json"), "--cluster", cluster.spec.name,
-                                 "--quiet"])
+                                 "--hub-timeout", str(HUB_TIMEOUT_S), "--quiet"])
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
