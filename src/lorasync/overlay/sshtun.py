@@ -55,6 +55,7 @@ from pathlib import Path
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
 from lorasync.hostops import TUNNELS_DIR, pid_alive
+from lorasync.overlay import linktest
 
 __all__ = [
     "BACKOFF",
@@ -438,8 +439,6 @@ class Supervisor:
         return str(next(self.cfg.network.hosts()))
 
     def _serve_linktest(self) -> None:
-        from lorasync.overlay.tunnel import _handle_quietly
-
         srv = socket.socket()
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind((self.cfg.address, self.cfg.linktest_port))
@@ -456,8 +455,6 @@ class Supervisor:
         threading.Thread(target=loop, daemon=True, name="linktest").start()
 
     def _save_state(self) -> None:
-        from lorasync.overlay.tunnel import _my_netns
-
         cfg = self.cfg
         state = {"transport": "ssh", "role": cfg.role, "ifname": cfg.name, "device": cfg.ifname,
                  "devices": self.devices, "node": cfg.node, "config": str(cfg.path),
@@ -518,6 +515,28 @@ class Supervisor:
             (TUNNELS_DIR / f"{self.cfg.name}.json").unlink()
 
 
+def _handle_quietly(c: socket.socket) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        linktest.handle(c, 1.0, 1 << 30)
+
+
+def _my_netns() -> str | None:
+    proc = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+def _measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
+    """RTT and rate to a peer's link-test server through the tunnel (as ``tunnel status``'s)."""
+    argv = [sys.executable, "-m", "lorasync.overlay.linktest", "measure", address, str(port),
+            str(seconds), "--send-window"]
+    proc = subprocess.run((["ip", "netns", "exec", netns] if netns else []) + argv,
+                          capture_output=True, text=True, timeout=seconds + 40)
+    if proc.returncode != 0:
+        return {"measure_error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    r = json.loads(proc.stdout)
+    return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
+
+
 def _tail(path: Path) -> str:
     with contextlib.suppress(OSError):
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -576,8 +595,6 @@ def down_one(st: dict) -> list[str]:
 
 def status_one(st: dict, measure: bool, seconds: float) -> dict:
     """``tunnel status`` of an SSH transport: what it carries, its ssh's health, and why."""
-    from lorasync.overlay.tunnel import _measure_peer
-
     alive = pid_alive(st.get("pid"))
     ssh_alive = pid_alive(st.get("ssh_pid"))
     error = None if ssh_alive else ("sshd" if st.get("is_hub") else "ssh") + " not running (restarting)"
