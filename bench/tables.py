@@ -422,6 +422,26 @@ def switch_parity() -> str:
     return "\n".join(lines)
 
 
+def connectivity() -> str:
+    """bench/connectivity.py: the overlay's transports at 100 Mbit/s (throughput
+    as a share of the direct link) and a 20 s outage on each."""
+    tp, og = _load("connectivity", "throughput.json"), _load("connectivity", "outage.json")
+    lines = ["| transport | MTU | TCP goodput | share of direct | all-reduce bus bandwidth "
+             "(16 MiB) | share of direct |", "|---|---|---|---|---|---|"]
+    for r in tp["rows"]:
+        bw = f"{r['busbw_Bps'] * 8 / 1e6:.1f} Mbit/s" if "busbw_Bps" in r else "-"
+        share = f"{r['busbw_share']:.2f}" if "busbw_share" in r else "-"
+        lines.append(f"| {r['kind']} | {r['mtu']} | {r['tcp_rate_bps'] / 1e6:.1f} Mbit/s | "
+                     f"{r['tcp_share']:.2f} | {bw} | {share} |")
+    lines += ["", f"| transport | outage | the same TCP connection carried on | data flowed "
+              "again after the outage |", "|---|---|---|---|"]
+    for r in og["rows"]:
+        back = "never" if r["resumed_after_s"] is None else f"{r['resumed_after_s']:.1f} s"
+        lines.append(f"| {r['kind']} | {r['outage_s']:.1f} s | "
+                     f"{'yes' if r['same_connection'] else 'no (' + str(r['error']) + ')'} | {back} |")
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -439,6 +459,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "trl": trl,
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
+    "connectivity": connectivity,
 }
 
 
