@@ -99,3 +99,5 @@ def test_emulation_specs():
     mixed = layout(3, [], "10.215.0.0/24", "c", {1: "ssh", 0: "wireguard"})
     assert [a for a, _ in plain] == [a for a, _ in mixed]
     assert mixed[1][1] == "tun101" and mixed[0][1] == plain[0][1] and mixed[2][1] == plain[2][1]
+    # overlay=ssh: the hub keeps its own interface (a stand-in holding its address)
+    assert layout(2, [], "10.215.0.0/24", "c", {0: "ssh", 1: "ssh"})[0][1] == plain[0][1]

@@ -82,7 +82,8 @@ def layout(nodes: int, nat: list[int], subnet: str, cluster: str,
     h = hub_index(nodes, nat)
     order = [h] + [i for i in range(nodes) if i != h]
     pos = {i: k for k, i in enumerate(order)}
-    ssh = {int(k) for k, v in (transports or {}).items() if v == "ssh"}
+    # the hub serves the SSH nodes; its own interface is its tunnel's (or the stand-in's)
+    ssh = {int(k) for k, v in (transports or {}).items() if v == "ssh"} - {h}
     return [(str(hosts[pos[i]]), f"tun{tun_number(i)}" if i in ssh else ifname(cluster, i))
             for i in range(nodes)]
 
