@@ -19,8 +19,18 @@ outage      a TCP stream node1 -> node0 through the transport; after 5 s
             let through again.  Recorded: whether the same connection carried
             on, and how long after the outage ended its data flowed again.
 
-Results: ``throughput.json`` and ``outage.json`` in --out (default
-bench/results/connectivity-DATE), and a table on stdout.
+matrix      issue 32's connectivity matrix: 3 nodes (node0 open, the hub;
+            node1 and node2 as the cell says), ``overlay=auto``, the tiny model
+            trains --matrix-steps steps with ``lorasync train`` on the
+            cluster; recorded: each node's transport and why, the run's exit
+            code and samples/s.  Negative control per cell, on the same
+            cluster: what the condition forbids really fails (a connection into
+            a node behind NAT; UDP from a node without UDP; a full-size
+            packet with DF set to a node behind the black hole); the open cell
+            has none.
+
+Results: ``throughput.json``, ``outage.json`` and ``matrix.json`` in --out
+(default bench/results/connectivity-DATE), and a table on stdout.
 """
 
 from __future__ import annotations
@@ -203,6 +213,102 @@ def _ssh_events(c) -> list[str]:
     return []
 
 
+#: (cell, --emulate keys for node1 and node2) of issue 32's matrix
+CELLS = [
+    ("open / open", ""),
+    ("NAT / open", "nat=node1"),
+    ("NAT / NAT", "nat=node1+node2"),
+    ("symmetric NAT / symmetric NAT", "symmetric_nat=node1+node2"),
+    ("NAT + UDP blocked / open", "nat=node1,block_udp=node1"),
+    ("NAT + UDP blocked / NAT + UDP blocked", "nat=node1+node2,block_udp=node1+node2"),
+    ("MTU black hole / open", "mtu_blackhole=node1"),
+]
+
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close(); print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+_LISTEN = """
+import socket, sys, time
+s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print("ready", flush=True); time.sleep(30)
+"""
+
+
+def _negative(c, keys: str) -> dict:
+    """What the cell's condition forbids, tried on the underlay; {} for the open cell."""
+    from lorasync.emulate import overlay as cov
+    from lorasync.netdiag.pmtu import find_path_mtu
+
+    spec = c.spec
+    if spec.block_udp:
+        got = cov.probe(c, 0, list(spec.block_udp))
+        return {"check": "UDP to the hub's port from " + "+".join(f"node{i}" for i in spec.block_udp),
+                "failed": all(not udp for udp, _ in got.values()),
+                "seen": {f"node{i}": {"udp": u, "tcp": t} for i, (u, t) in got.items()}}
+    if spec.nat:
+        i = spec.nat[0]
+        n = c.nodes[i]
+        lst = subprocess.Popen(c.exec_argv(i, [sys.executable, "-c", _LISTEN, n.address, "29666"]),
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            lst.stdout.readline()
+            seen = subprocess.run(c.exec_argv(0, [sys.executable, "-c", _CONNECT, n.outside, "29666"]),
+                                  capture_output=True, text=True, timeout=30).stdout.strip()
+        finally:
+            lst.kill()
+            lst.communicate()
+        return {"check": f"node0 connects to {n.name} behind NAT ({n.outside}:29666, a listener there)",
+                "failed": seen != "connected", "seen": seen}
+    if spec.mtu_blackhole:
+        i = spec.mtu_blackhole[0]
+        code = ("import json, sys; from lorasync.netdiag.pmtu import find_path_mtu; "
+                "r = find_path_mtu(sys.argv[1], tries=2); print(json.dumps([r.path_mtu, r.error]))")
+        out = subprocess.run(c.exec_argv(0, [sys.executable, "-c", code, c.nodes[i].address]),
+                             capture_output=True, text=True, timeout=120).stdout.strip()
+        mtu, err = json.loads(out) if out else (None, "no output")
+        return {"check": f"a 1500-byte DF packet node0 -> node{i}", "failed": bool(mtu and mtu < 1500),
+                "seen": f"path MTU {mtu}" + (f" ({err})" if err else "")}
+    return {}
+
+
+def part_matrix(args, out: str) -> dict:
+    rows = []
+    for k, (cell, keys) in enumerate(CELLS):
+        spec = f"nodes=3,rate={args.matrix_rate},overlay=auto,name={TAG}m{k}" + (f",{keys}" if keys else "")
+        _log(f"== matrix {cell}: {spec}")
+        d = os.path.join(out, f"matrix-{k}")
+        row = {"cell": cell, "emulate": spec}
+        t0 = time.monotonic()
+        try:
+            with emulated(parse_emulate(spec)) as c:
+                row["up_s"] = time.monotonic() - t0
+                row["transports"] = {c.nodes[i].name: v for i, v in sorted(c.overlay_choice.items())}
+                row["negative"] = _negative(c, keys)
+                rc = launch_on_cluster(c, ["train", "--model", "tiny", "--batch-size", "2",
+                                           "--eval-size", "0", "--max-steps", str(args.matrix_steps),
+                                           "--no-progress", "--ckpt-interval", "0",
+                                           "--output-dir", os.path.join(d, "run")],
+                                       timeout=args.row_timeout, log_dir=os.path.join(d, "logs"))
+                row["rc"] = rc
+                summ = os.path.join(d, "run", "summary.json")
+                if rc == 0 and os.path.exists(summ):
+                    with open(summ) as f:
+                        sm = json.load(f)
+                    row.update(steps=sm["steps"], samples_per_s=sm["samples_per_s"],
+                               world_size=sm["world_size"])
+        except Exception as exc:  # a cell that does not come up is a result, not the end
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        row["trained"] = row.get("rc") == 0 and row.get("world_size") == 3
+        rows.append(row)
+        _log(f"   {row}")
+    return {"rows": rows, "command": "lorasync train --model tiny (on the cluster, launch_on_cluster)",
+            "trained": sum(r["trained"] for r in rows), "cells": len(rows)}
+
+
 def table(res: dict) -> str:
     lines = []
     if "throughput" in res:
@@ -219,6 +325,15 @@ def table(res: dict) -> str:
             back = "never" if r["resumed_after_s"] is None else f"{r['resumed_after_s']:.1f} s"
             lines.append(f"| {r['kind']} | {r['outage_s']:.1f} s | "
                          f"{'yes' if r['same_connection'] else 'no: ' + str(r['error'])} | {back} |")
+    if "matrix" in res:
+        lines += ["", "| node1 / node2 | transports (node1, node2) | trains | negative control |",
+                  "|---|---|---|---|"]
+        for r in res["matrix"]["rows"]:
+            tr = ", ".join(r.get("transports", {}).get(f"node{i}", {}).get("transport", "?")
+                           for i in (1, 2))
+            neg = r.get("negative") or {}
+            nc = "-" if not neg else f"{neg['check']}: {'fails' if neg['failed'] else 'PASSES'}"
+            lines.append(f"| {r['cell']} | {tr} | {'yes' if r['trained'] else 'NO'} | {nc} |")
     return "\n".join(lines)
 
 
@@ -230,13 +345,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--outage", type=float, default=20.0, help="seconds without any packet")
     ap.add_argument("--row-timeout", type=float, default=240.0)
+    ap.add_argument("--matrix-rate", default="100mbit")
+    ap.add_argument("--matrix-steps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join("bench", "results",
                                                   f"connectivity-{time.strftime('%Y%m%d-%H%M%S')}"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {}
     for part in args.parts.split(","):
-        fn = {"throughput": part_throughput, "outage": part_outage}[part]
+        fn = {"throughput": part_throughput, "outage": part_outage, "matrix": part_matrix}[part]
         t0 = time.time()
         res[part] = dict(fn(args, args.out), part=part, rate=args.rate, seconds=time.time() - t0,
                          load=os.getloadavg(), argv=sys.argv[1:])

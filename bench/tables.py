@@ -442,6 +442,25 @@ def connectivity() -> str:
     return "\n".join(lines)
 
 
+def connectivity_matrix() -> str:
+    """bench/connectivity.py --parts matrix: issue 32's cells with overlay=auto,
+    the transport each node got, whether the tiny model trained, and each
+    cell's negative control."""
+    m = _load("connectivity", "matrix.json")
+    lines = ["| node1 / node2 | node1 joins over | node2 joins over | trains (3 ranks) | "
+             "negative control (without the overlay) |", "|---|---|---|---|---|"]
+    for r in m["rows"]:
+        tr = [r.get("transports", {}).get(f"node{i}", {}).get("transport", "-") for i in (1, 2)]
+        neg = r.get("negative") or {}
+        nc = "none (nothing is forbidden)" if not neg else \
+            f"{neg['check']}: {'fails, as it must' if neg['failed'] else 'PASSES (the condition is not real)'}"
+        ok = f"yes, {r['samples_per_s']:.1f} samples/s" if r["trained"] else \
+            f"NO ({r.get('error') or 'exit ' + str(r.get('rc'))})"
+        lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {ok} | {nc} |")
+    lines += ["", f"{m['trained']} of {m['cells']} cells trained."]
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -460,6 +479,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
     "connectivity": connectivity,
+    "connectivity-matrix": connectivity_matrix,
 }
 
 
