@@ -19,7 +19,7 @@ def test_sshd_listens_on_one_address_with_tun_forwarding_and_keys_only(tmp_path)
     assert "ListenAddress 10.213.0.1:22" in lines
     assert {"PermitTunnel point-to-point", "PasswordAuthentication no", "UsePAM no",
             "PermitRootLogin forced-commands-only", "AllowTcpForwarding no"} <= lines
-    assert f"AuthorizedKeysFile {tmp_path / 'ak'}" in lines and "ClientAliveInterval 3" in text
+    assert f"AuthorizedKeysFile {tmp_path / 'ak'}" in lines and "ClientAliveInterval 10" in text
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0", "::", "", "hub.example"])
@@ -40,7 +40,7 @@ def test_ssh_checks_the_host_key_keeps_alive_and_exits_when_the_tunnel_fails():
                            known_hosts="/s/known_hosts", local_tun=101, remote_tun=101)
     opts = {argv[i + 1] for i, a in enumerate(argv) if a == "-o"}
     assert {"StrictHostKeyChecking=yes", "BatchMode=yes", "ExitOnForwardFailure=yes",
-            "ServerAliveInterval=3", "ServerAliveCountMax=3", "IdentitiesOnly=yes",
+            "ServerAliveInterval=10", "ServerAliveCountMax=3", "IdentitiesOnly=yes",
             "UserKnownHostsFile=/s/known_hosts", "Tunnel=point-to-point"} <= opts
     assert argv[:3] == ["ssh", "-F", "/dev/null"] and "-w" in argv and argv[-1] == "root@10.213.0.1"
     assert "101:101" in argv and "-J" not in argv

@@ -82,9 +82,15 @@ SSHD = "/usr/sbin/sshd"
 BACKOFF = (0.5, 8.0)
 #: a connection that lived this long is restarted at once when it drops (autossh's gate time)
 GATE_S = 10.0
-#: keepalives: an unanswered connection is given up after interval x count seconds
-ALIVE_INTERVAL_S = 3
+#: keepalives: an unanswered connection is given up after interval x count seconds (30 s):
+#: an outage shorter than that is ridden out by TCP under the tunnel, as on a direct link
+#: (a 20 s outage with 3 s x 3 made ssh reconnect, and data flowed again 16.6 s after it
+#: instead of 7 s); a killed ssh is seen at once (its process exits, the hub gets a FIN)
+ALIVE_INTERVAL_S = 10
 ALIVE_COUNT = 3
+#: what ssh says when the hub still holds this node's tun device for an older connection
+#: (until sshd's ClientAlive check drops it): retried at the shortest delay, not backed off
+BUSY = "Tunnel forwarding failed"
 #: TUN device numbers: node I of the overlay plan uses tun(TUN_BASE + I) on both ends
 TUN_BASE = 100
 #: the SSH path's MTU: ssh and sshd read a tun packet into a 16 KiB buffer (CHAN_RBUF in
@@ -337,6 +343,7 @@ class Supervisor:
         self.since = time.time()
         self._stop = threading.Event()
         self._server: socket.socket | None = None
+        self._log_offset = 0
 
     def event(self, msg: str) -> None:
         line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {self.cfg.name} {msg}"
@@ -406,6 +413,7 @@ class Supervisor:
                 authorized_keys=f["authorized_keys"], pid_file=f["pid"]))
             Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)   # sshd's privilege separation
         log = open(self.proc_log_path, "ab")
+        self._log_offset = log.tell()
         try:
             self.proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, close_fds=True)
@@ -419,7 +427,7 @@ class Supervisor:
         t0 = time.monotonic()
         while True:
             if self.proc is not None and self.proc.poll() is not None and self.cfg.role == "node":
-                tail = _tail(self.proc_log_path)
+                tail = _tail(self.proc_log_path, self._log_offset)
                 raise EnvironmentProblem(f"ssh to the hub {self.cfg.server}:{self.cfg.port} exited "
                                          f"(code {self.proc.returncode}): {tail or 'no message'}")
             try:
@@ -477,11 +485,14 @@ class Supervisor:
             now = time.monotonic()
             if restart_at is None:
                 lived = now - self.started_at
-                self.failures = 0 if lived >= GATE_S else self.failures + 1
+                said = _tail(self.proc_log_path, self._log_offset)
+                busy = BUSY in said and self.cfg.role == "node"
+                self.failures = 0 if lived >= GATE_S or busy else self.failures + 1
                 delay = next_delay(lived, self.failures)
                 code = self.proc.returncode if self.proc is not None else None
-                self.event(f"{what} exited (code {code}) after {lived:.1f} s: {_tail(self.proc_log_path) or 'no message'}; "
-                           f"starting it again in {delay:g} s")
+                self.event(f"{what} exited (code {code}) after {lived:.1f} s: {said or 'no message'}"
+                           + ("; the hub still holds the tun device for the previous connection"
+                              if busy else "") + f"; starting it again in {delay:g} s")
                 restart_at = now + delay
             if now >= restart_at:
                 restart_at = None
@@ -537,9 +548,13 @@ def _measure_peer(address: str, port: int, seconds: float, netns: str | None) ->
     return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
 
 
-def _tail(path: Path) -> str:
+def _tail(path: Path, offset: int = 0) -> str:
+    """The last line written to ``path`` after ``offset`` (what this run of ssh said)."""
     with contextlib.suppress(OSError):
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip()]
         return lines[-1].strip() if lines else ""
     return ""
 
