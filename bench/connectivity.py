@@ -241,7 +241,6 @@ s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print("ready", flush=
 def _negative(c, keys: str) -> dict:
     """What the cell's condition forbids, tried on the underlay; {} for the open cell."""
     from lorasync.emulate import overlay as cov
-    from lorasync.netdiag.pmtu import find_path_mtu
 
     spec = c.spec
     if spec.block_udp:

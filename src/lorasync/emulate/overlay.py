@@ -34,10 +34,8 @@ import ipaddress
 import json
 import select
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from lorasync.errors import ConfigError, EnvironmentProblem
