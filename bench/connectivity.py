@@ -244,8 +244,9 @@ def _negative(c, keys: str) -> dict:
 
     spec = c.spec
     if spec.block_udp:
-        got = cov.probe(c, 0, list(spec.block_udp))
-        return {"check": "UDP to the hub's port from " + "+".join(f"node{i}" for i in spec.block_udp),
+        # ports of their own: the overlay's WireGuard and sshd hold the usual ones
+        got = cov.probe(c, 0, list(spec.block_udp), udp_port=51999, tcp_port=29667)
+        return {"check": "UDP to the hub from " + "+".join(f"node{i}" for i in spec.block_udp),
                 "failed": all(not udp for udp, _ in got.values()),
                 "seen": {f"node{i}": {"udp": u, "tcp": t} for i, (u, t) in got.items()}}
     if spec.nat:
@@ -286,13 +287,13 @@ def part_matrix(args, out: str) -> dict:
             with emulated(parse_emulate(spec)) as c:
                 row["up_s"] = time.monotonic() - t0
                 row["transports"] = {c.nodes[i].name: v for i, v in sorted(c.overlay_choice.items())}
-                row["negative"] = _negative(c, keys)
                 rc = launch_on_cluster(c, ["train", "--model", "tiny", "--batch-size", "2",
                                            "--eval-size", "0", "--max-steps", str(args.matrix_steps),
                                            "--no-progress", "--ckpt-interval", "0",
                                            "--output-dir", os.path.join(d, "run")],
                                        timeout=args.row_timeout, log_dir=os.path.join(d, "logs"))
                 row["rc"] = rc
+                row["negative"] = _negative(c, keys)
                 summ = os.path.join(d, "run", "summary.json")
                 if rc == 0 and os.path.exists(summ):
                     with open(summ) as f:

@@ -221,20 +221,22 @@ print(json.dumps([udp, tcp]))
 """
 
 
-def probe(cluster, h: int, nodes: list[int]) -> dict[int, tuple[bool, bool]]:
+def probe(cluster, h: int, nodes: list[int], udp_port: int = OVERLAY_PORT,
+          tcp_port: int = SSH_PORT) -> dict[int, tuple[bool, bool]]:
     """From each of ``nodes``, in its namespace: does UDP to the hub's WireGuard
     port come back, does TCP to its SSH port connect?  A stand-in server in
-    the hub's namespace answers both (nothing of the overlay runs yet)."""
+    the hub's namespace answers both (nothing of the overlay runs yet; on a
+    cluster whose overlay runs, give other ports)."""
     hub = cluster.nodes[h]
     srv = subprocess.Popen(cluster.exec_argv(h, [sys.executable, "-c", _PROBE_SERVER, hub.outside,
-                                                 str(OVERLAY_PORT), str(SSH_PORT)]),
+                                                 str(udp_port), str(tcp_port)]),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([srv.stdout], [], [], 15.0)
         if not ready or srv.stdout.readline().strip() != "ready":
             raise EnvironmentProblem(f"overlay=auto: the probe server in {hub.netns} did not start")
         clients = {i: subprocess.Popen(cluster.exec_argv(i, [
-            sys.executable, "-c", _PROBE_CLIENT, hub.outside, str(OVERLAY_PORT), str(SSH_PORT),
+            sys.executable, "-c", _PROBE_CLIENT, hub.outside, str(udp_port), str(tcp_port),
             str(PROBE_TRIES), str(PROBE_WAIT_S)]), stdout=subprocess.PIPE, text=True) for i in nodes}
         out = {}
         for i, p in clients.items():
