@@ -454,7 +454,7 @@ def connectivity_matrix() -> str:
         neg = r.get("negative") or {}
         nc = "none (nothing is forbidden)" if not neg else \
             f"{neg['check']}: {'fails, as it must' if neg['failed'] else 'PASSES (the condition is not real)'}"
-        ok = f"yes, {r['samples_per_s']:.1f} samples/s" if r["trained"] else \
+        ok = f"yes ({r['steps']} steps)" if r["trained"] else \
             f"NO ({r.get('error') or 'exit ' + str(r.get('rc'))})"
         lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {ok} | {nc} |")
     lines += ["", f"{m['trained']} of {m['cells']} cells trained."]
