@@ -628,6 +628,45 @@ def _peers_table(name: str) -> str:
     return "\n".join(lines)
 
 
+def connectivity() -> str:
+    """bench/connectivity.py: the overlay's transports at 100 Mbit/s (throughput
+    as a share of the direct link) and a 20 s outage on each."""
+    tp, og = _load("connectivity", "throughput.json"), _load("connectivity", "outage.json")
+    lines = ["| transport | MTU | TCP goodput | share of direct | all-reduce bus bandwidth "
+             "(16 MiB) | share of direct |", "|---|---|---|---|---|---|"]
+    for r in tp["rows"]:
+        bw = f"{r['busbw_Bps'] * 8 / 1e6:.1f} Mbit/s" if "busbw_Bps" in r else "-"
+        share = f"{r['busbw_share']:.2f}" if "busbw_share" in r else "-"
+        lines.append(f"| {r['kind']} | {r['mtu']} | {r['tcp_rate_bps'] / 1e6:.1f} Mbit/s | "
+                     f"{r['tcp_share']:.2f} | {bw} | {share} |")
+    lines += ["", f"| transport | outage | the same TCP connection carried on | data flowed "
+              "again after the outage |", "|---|---|---|---|"]
+    for r in og["rows"]:
+        back = "never" if r["resumed_after_s"] is None else f"{r['resumed_after_s']:.1f} s"
+        lines.append(f"| {r['kind']} | {r['outage_s']:.1f} s | "
+                     f"{'yes' if r['same_connection'] else 'no (' + str(r['error']) + ')'} | {back} |")
+    return "\n".join(lines)
+
+
+def connectivity_matrix() -> str:
+    """bench/connectivity.py --parts matrix: issue 32's cells with overlay=auto,
+    the transport each node got, whether the tiny model trained, and each
+    cell's negative control."""
+    m = _load("connectivity", "matrix.json")
+    lines = ["| node1 / node2 | node1 joins over | node2 joins over | trains (3 ranks) | "
+             "negative control (without the overlay) |", "|---|---|---|---|---|"]
+    for r in m["rows"]:
+        tr = [r.get("transports", {}).get(f"node{i}", {}).get("transport", "-") for i in (1, 2)]
+        neg = r.get("negative") or {}
+        nc = "none (nothing is forbidden)" if not neg else \
+            f"{neg['check']}: {'fails, as it must' if neg['failed'] else 'PASSES (the condition is not real)'}"
+        ok = f"yes ({r['steps']} steps)" if r["trained"] else \
+            f"NO ({r.get('error') or 'exit ' + str(r.get('rc'))})"
+        lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {ok} | {nc} |")
+    lines += ["", f"{m['trained']} of {m['cells']} cells trained."]
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -653,6 +692,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers": lambda: _peers_table("peers-10mbit.json"),
     "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
     "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
+    "connectivity": connectivity,
+    "connectivity-matrix": connectivity_matrix,
 }
 
 

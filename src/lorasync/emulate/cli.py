@@ -61,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       ("mtu-blackhole", "behind a path MTU black hole (MTU 1400, no ICMP back)")):
         up.add_argument(f"--{key}", action="append", default=[], metavar="NODE",
                         help=f"put NODE {what} (repeatable, or node1,node2)")
-    up.add_argument("--overlay", default=None, choices=["wireguard", "none"],
-                    help="run a WireGuard overlay on every node (needs wireguard-go and wg)")
+    up.add_argument("--overlay", default=None, choices=["wireguard", "ssh", "auto", "none"],
+                    help="run an overlay on every node: wireguard (needs wireguard-go and wg), ssh "
+                    "(SSH tun forwarding over TCP to the hub; needs openssh-server), auto (per "
+                    "node what works: WireGuard where UDP reaches the hub, else SSH)")
     up.add_argument("--measure", action="store_true", help="measure node0 -> node1 after bringing it up")
 
     down = sub.add_parser("down", help="remove the cluster (and leftovers of a crashed run)")
@@ -221,6 +223,9 @@ def _print_status(st: dict) -> None:
         ov = st["overlay"]
         print(f"  overlay: {ov['kind']} {ov['subnet']}, hub {ov['hub']}: " + ", ".join(
             f"{o['node']} {o['address']} ({o['ifname']})" for o in ov["nodes"]))
+        for o in ov["nodes"]:
+            if o.get("transport"):
+                print(f"    {o['node']:6} {o['transport']:9} {o.get('reason', '')}")
         down = [t["node"] for t in ov["tunnels"] if not t["supervisor_alive"]]
         if down:
             print(f"  overlay: tunnel supervisor NOT RUNNING on {', '.join(down)}")

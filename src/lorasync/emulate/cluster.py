@@ -153,7 +153,8 @@ class ClusterSpec:
     nat: list = dataclasses.field(default_factory=list)
     """Nodes behind NAT (indices): they can connect out, nothing can connect in."""
     overlay: str | None = None
-    """``"wireguard"``: every node on a WireGuard overlay; None: none."""
+    """``"wireguard"``: every node on a WireGuard overlay; ``"ssh"``: every node
+    reaches the hub over SSH (TCP); ``"auto"``: per node, what works; None: none."""
     overlay_subnet: str = "10.215.0.0/24"
     """The overlay's addresses (with ``overlay``)."""
     nat_subnet: str = "10.214.0.0/16"
@@ -218,10 +219,11 @@ class ClusterSpec:
             if self.overlay not in KINDS:
                 raise ConfigError("overlay", self.overlay, f"use one of: {', '.join(KINDS)} (or none)")
             hub_index(self.nodes, self.nat)  # a hub outside NAT exists
-            if self.block_udp:
+            if self.block_udp and self.overlay == "wireguard":
                 raise ConfigError("block_udp", _nodes_text(self.block_udp),
                                   "WireGuard runs over UDP, so those nodes cannot join a wireguard "
-                                  "overlay: drop overlay=wireguard, or drop block_udp")
+                                  "overlay: use overlay=auto (SSH over TCP for them), or drop "
+                                  "block_udp")
         nets = {"subnet": net}
         for key in ("overlay_subnet", "nat_subnet"):
             try:
@@ -534,7 +536,7 @@ class Cluster:
     """A running emulated cluster (see the module docstring for the topology)."""
 
     def __init__(self, spec: ClusterSpec, forwarder_pid: int | None = None, created: float | None = None,
-                 node_rates: list | None = None):
+                 node_rates: list | None = None, overlay_choice: dict | None = None):
         self.spec = spec
         self.node_rates: list[int | None] = list(node_rates or [spec.rate_bps] * spec.nodes)
         """Current rate of each node's link (``set_rate`` changes them), bits/s or None."""
@@ -544,11 +546,14 @@ class Cluster:
         hosts = list(net.hosts())
         self.hub_netns = f"{PREFIX}-{spec.name}-hub"
         self.hub_address = str(hosts[-1])
+        self.overlay_choice: dict[int, dict] = {int(k): v for k, v in (overlay_choice or {}).items()}
+        """Each node's overlay transport and why ({index: {transport, reason}}), once built."""
         overlay = None
         if spec.overlay:
             from lorasync.emulate.overlay import layout
 
-            overlay = layout(spec.nodes, spec.nat, spec.overlay_subnet, spec.name)
+            overlay = layout(spec.nodes, spec.nat, spec.overlay_subnet, spec.name,
+                             {i: c["transport"] for i, c in self.overlay_choice.items()})
         self.nodes: list[Node] = []
         for i in range(spec.nodes):
             nat = i in spec.nat
@@ -594,7 +599,8 @@ class Cluster:
             raise ConfigError("name", name, "no cluster of this name is up: run "
                               f"`lorasync cluster up --name {name} --nodes N ...`") from None
         spec = ClusterSpec(**state["spec"])
-        cluster = cls(spec, state.get("forwarder_pid"), state.get("created"), state.get("node_rates"))
+        cluster = cls(spec, state.get("forwarder_pid"), state.get("created"), state.get("node_rates"),
+                      state.get("overlay_choice"))
         missing = [n.netns for n in cluster.nodes if not os.path.exists(f"/run/netns/{n.netns}")]
         if missing:
             raise EnvironmentProblem(f"cluster {name!r} is broken (namespace {missing[0]} is gone): "
@@ -608,7 +614,8 @@ class Cluster:
     def _save(self) -> None:
         CLUSTERS_DIR.mkdir(parents=True, exist_ok=True)
         state = {"spec": self.spec.to_dict(), "forwarder_pid": self.forwarder_pid, "created": self.created,
-                 "node_rates": self.node_rates, "hub_netns": self.hub_netns, "nodes": [dataclasses.asdict(n) for n in self.nodes]}
+                 "node_rates": self.node_rates, "hub_netns": self.hub_netns,
+                 "overlay_choice": self.overlay_choice, "nodes": [dataclasses.asdict(n) for n in self.nodes]}
         tmp = CLUSTERS_DIR / f".{self.spec.name}.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(CLUSTERS_DIR / f"{self.spec.name}.json")
@@ -621,10 +628,14 @@ class Cluster:
         if (spec.block_udp or spec.mtu_blackhole) and not shutil.which("nft"):
             raise EnvironmentProblem("block_udp and mtu_blackhole need nftables in the hub: "
                                      "apt-get install -y nftables")
-        if spec.overlay:
+        if spec.overlay in ("wireguard", "auto"):
             from lorasync.overlay import wireguard
 
             wireguard.require_tools()  # before anything is built: the install command, fast
+        if spec.overlay == "ssh":
+            from lorasync.overlay import sshtun
+
+            sshtun.require_tools(server=True)
         _run(["ip", "netns", "add", hub])
         for n in self.nodes:
             _run(["ip", "netns", "add", n.netns])
@@ -670,7 +681,10 @@ class Cluster:
         if spec.overlay:
             from lorasync.emulate import overlay as cluster_overlay
 
-            cluster_overlay.build(self)
+            self.overlay_choice = cluster_overlay.build(self)
+            addrs = cluster_overlay.layout(spec.nodes, spec.nat, spec.overlay_subnet, spec.name,
+                                           {i: c["transport"] for i, c in self.overlay_choice.items()})
+            self.nodes = [dataclasses.replace(n, overlay_ifname=addrs[n.index][1]) for n in self.nodes]
 
     def _build_conditions(self) -> None:
         """block_udp and mtu_blackhole, in the hub (see :mod:`lorasync.emulate.nat`).
@@ -951,7 +965,8 @@ class Cluster:
             out["overlay"] = {"kind": self.spec.overlay, "subnet": self.spec.overlay_subnet,
                               "hub": self.overlay_hub.name,
                               "nodes": [{"node": n.name, "address": n.overlay_address,
-                                         "ifname": n.overlay_ifname} for n in self.nodes],
+                                         "ifname": n.overlay_ifname,
+                                         **self.overlay_choice.get(n.index, {})} for n in self.nodes],
                               "tunnels": tunnel.status(cluster=self.spec.name, measure=False)}
         pair = self.measured_pair() if len(self.nodes) >= 2 else None
         if measure and pair:

@@ -247,9 +247,16 @@ def format_status(sts: list[dict]) -> str:
     for t in sts:
         where = f" in netns {t['netns']}" if t.get("netns") else ""
         health = "supervised" if t["supervisor_alive"] else "SUPERVISOR NOT RUNNING"
+        ssh = t.get("transport") == "ssh"
+        carrier = (f"SSH {'server' if t['is_hub'] else 'to'} {t.get('server')}" if ssh
+                   else f"UDP {t['listen_port']}")
+        daemon = ("sshd" if t["is_hub"] else "ssh") if ssh else "wireguard-go"
         lines.append(f"tunnel {t['ifname']}{where}: {t['node']} {t['address']}/{t['prefixlen']}, mtu "
-                     f"{t['mtu']}, UDP {t['listen_port']}, {'hub' if t['is_hub'] else 'hub ' + t['hub']}; "
-                     f"{health} (pid {t['supervisor_pid']}, wireguard-go restarts {t['restarts']})")
+                     f"{t['mtu']}, {carrier}, {'hub' if t['is_hub'] else 'hub ' + t['hub']}; "
+                     f"{health} (pid {t['supervisor_pid']}, {daemon} restarts {t['restarts']})")
+        if t.get("transport"):
+            lines.append(f"  transport: {'SSH over TCP' if ssh else 'WireGuard over UDP'}"
+                         + (f": {t['reason']}" if t.get("reason") else ""))
         if t.get("error"):
             lines.append(f"  error: {t['error']}")
         lines.append(f"  {'peer':12} {'address':12} {'route':14} {'endpoint':22} {'handshake':11} "
@@ -262,6 +269,10 @@ def format_status(sts: list[dict]) -> str:
             lines.append(f"  {p['name']:12} {p['address']:12} {p['route']:14} "
                          f"{(p['endpoint'] or '-'):22} {hs:11} {fmt_bytes(p['rx_bytes']) if p['rx_bytes'] is not None else '-':>9} "
                          f"{fmt_bytes(p['tx_bytes']) if p['tx_bytes'] is not None else '-':>9} {rtt:>9} {rate:>13}")
+        for p in t["peers"]:   # how each node joins the overlay, where one was chosen for it
+            if p.get("transport") and p["transport"] != "wireguard" or p.get("reason"):
+                lines.append(f"  {p['name']} joins over {p.get('transport', 'wireguard')}"
+                             + (f": {p['reason']}" if p.get("reason") else ""))
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError
-from lorasync.overlay import wireguard as wg
+from lorasync.overlay import sshtun, wireguard as wg
 from lorasync.overlay.tunnel import (DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_STALE_S,
                                      DEFAULT_SUBNET, CONFIG_VERSION, NODE_NAME_RE, join_endpoint,
                                      split_endpoint)
@@ -58,6 +58,7 @@ PLAN_KIND = "lorasync-overlay-plan"
 PUBLIC_KIND = "lorasync-overlay-public-key"
 #: the files init, join and assemble write, by the name of the node they are for
 _OURS = ("plan.json", "*.plan.json", "*.pub.json", "*.tunnel.json")
+TRANSPORTS = ("wireguard", "ssh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +69,18 @@ class NodeSpec:
     endpoint: str | None = None
     """HOST:PORT every node can reach it on; None: behind NAT (connects out only)."""
     listen_port: int = DEFAULT_PORT
+    transport: str = "wireguard"
+    """``"wireguard"`` (UDP), or ``"ssh"``: the node reaches the hub over SSH's
+    tun forwarding (:mod:`lorasync.overlay.sshtun`) and every other node through it."""
+    reason: str = ""
+    """Why this transport (``overlay=auto`` records what it tried); shown by ``tunnel status``."""
 
     def __post_init__(self):
         if not NODE_NAME_RE.fullmatch(self.name):
             raise ConfigError("node", self.name, "use 1-32 letters, digits, '.', '_' or '-', "
                               "starting with a letter or digit")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError("transport", self.transport, f"use one of: {', '.join(TRANSPORTS)}")
 
 
 def parse_node_spec(text: str, default_port: int = DEFAULT_PORT) -> NodeSpec:
@@ -86,7 +94,10 @@ def parse_node_spec(text: str, default_port: int = DEFAULT_PORT) -> NodeSpec:
 
 
 def _direct(a: dict, b: dict) -> bool:
-    """A pair is direct when one of the two can be reached by the other."""
+    """A pair is direct when one of the two can be reached by the other over
+    WireGuard (a node on the SSH path reaches every other node through the hub)."""
+    if a.get("transport", "wireguard") != "wireguard" or b.get("transport", "wireguard") != "wireguard":
+        return False
     return bool(a["endpoint"] or b["endpoint"])
 
 
@@ -148,11 +159,17 @@ def plan_overlay(nodes: Sequence[NodeSpec], hub: str, *, subnet: str = DEFAULT_S
         "stale_s": int(stale_s),
         # two inits with the same arguments are still two plans: their files must not mix
         "nonce": nonce or secrets.token_hex(8),
-        "nodes": [{"name": n.name, "address": addr[n.name], "endpoint": n.endpoint,
-                   "listen_port": n.listen_port,
-                   "ifname": ifname(i) if callable(ifname) else ifname}
+        "nodes": [dict({"name": n.name, "address": addr[n.name], "endpoint": n.endpoint,
+                        "listen_port": n.listen_port,
+                        "ifname": ifname(i) if callable(ifname) else ifname},
+                       # only when set: plans of WireGuard alone keep their layout
+                       **({"transport": n.transport, "reason": n.reason}
+                          if n.transport != "wireguard" or n.reason else {}))
                   for i, n in enumerate(nodes)],
     }
+    if nodes[h].transport != "wireguard":
+        raise ConfigError("hub", hub, "the hub serves every transport: it cannot itself be on the "
+                          "SSH path")
     plan["plan_id"] = plan_id(plan)
     return plan
 
@@ -344,16 +361,27 @@ def node_config(plan: dict, name: str, public_keys: dict[str, str], key_file: st
         # the hub relays when two of its peers cannot reach each other
         "relay": a is hubn and any(not _direct(x, y) for x in nodes for y in nodes if x is not y),
         "peers": peers, "routes": routes(plan, name),
+        # the hub forwards between WireGuard and its SSH nodes' tun devices
+        "ssh_ifnames": [f"tun{sshtun.tun_number(i)}" for i, n in enumerate(nodes)
+                        if n.get("transport") == "ssh"] if a is hubn else [],
         "nodes": [{"name": n["name"], "address": n["address"], "endpoint": n["endpoint"],
-                   "public_key": public_keys[n["name"]]} for n in nodes],
+                   "public_key": public_keys[n["name"]],
+                   "transport": n.get("transport", "wireguard"), "reason": n.get("reason", "")}
+                  for n in nodes],
     }
 
 
 def routes(plan: dict, name: str) -> dict[str, str]:
     """How ``name`` reaches every other node: ``"direct"`` or ``"via HUB"``."""
     a = next(n for n in plan["nodes"] if n["name"] == name)
-    return {c["name"]: ("direct" if _direct(a, c) else f"via {plan['hub']}")
-            for c in plan["nodes"] if c is not a}
+
+    def how(c: dict) -> str:
+        if _direct(a, c):
+            return "direct"
+        if a["name"] == plan["hub"] and c.get("transport") == "ssh":
+            return "ssh"
+        return f"via {plan['hub']}"
+    return {c["name"]: how(c) for c in plan["nodes"] if c is not a}
 
 
 def enroll_locally(out_dir: str | Path, nodes: Sequence[NodeSpec], hub: str, *,

@@ -132,6 +132,8 @@ class TunnelConfig:
     keepalive_s: int = DEFAULT_KEEPALIVE
     stale_s: int = DEFAULT_STALE_S
     relay: bool = False
+    ssh_ifnames: list = dataclasses.field(default_factory=list)
+    """The hub's tun devices of nodes on the SSH path: relayed packets may use them too."""
     public_key: str = ""
     """This node's, from its ``tunnel join``: ``up`` checks the key file against it."""
     plan_id: str = ""
@@ -230,6 +232,7 @@ def load_config(path: str | Path) -> TunnelConfig:
         endpoint=raw.get("endpoint"), mtu=raw.get("mtu"),
         keepalive_s=raw.get("keepalive_s") or DEFAULT_KEEPALIVE,
         stale_s=raw.get("stale_s") or DEFAULT_STALE_S, relay=bool(raw.get("relay")),
+        ssh_ifnames=list(raw.get("ssh_ifnames") or []),
         public_key=raw["public_key"], plan_id=raw["plan_id"])
 
 
@@ -308,6 +311,8 @@ def _check_fields(raw: dict) -> None:
                         "seconds between 1 and 3600 (25 is usual)"),
         "stale_s": (lambda v: v is None or _int_in(1, 86400)(v), "seconds between 1 and 86400"),
         "relay": (lambda v: v is None or isinstance(v, bool), "true or false"),
+        "ssh_ifnames": (lambda v: v is None or (isinstance(v, list) and all(
+            isinstance(x, str) and _IFNAME_RE.fullmatch(x) for x in v)), "a list of interface names"),
         "public_key": (_is_key, "this node's public key, as `tunnel join` printed it"),
         "plan_id": (lambda v: isinstance(v, str) and v != "" and "\0" not in v,
                     "the plan's id, as `tunnel init` wrote it"),
@@ -339,8 +344,8 @@ def _check_fields(raw: dict) -> None:
           + ("" if raw["node"] == raw["hub"] else "not ") + "the hub")
     for name, route in (raw.get("routes") or {}).items():
         _need(f"routes[{name!r}]", route,
-              name in names and route in ("direct", f"via {raw['hub']}"),
-              f"give direct or via {raw['hub']} for a node of the overlay")
+              name in names and route in ("direct", f"via {raw['hub']}", "ssh"),
+              f"give direct, via {raw['hub']} or ssh for a node of the overlay")
     # the underlay: the real addresses packets to the peers travel on
     underlay = {split_endpoint(ep)[0] for ep in [raw.get("endpoint")]
                 + [n.get("endpoint") for n in raw["nodes"]]
@@ -616,7 +621,7 @@ class Supervisor:
                   if not ipaddress.IPv4Network(ip, strict=False).subnet_of(cfg.network)]
         wg.configure(cfg.ifname, key_file=cfg.private_key_file, listen_port=cfg.listen_port,
                      peers=cfg.peer_configs(), address=cfg.address, prefixlen=cfg.prefixlen,
-                     mtu=self.mtu, routes=routes, relay=cfg.relay)
+                     mtu=self.mtu, routes=routes, relay=cfg.relay, relay_also=cfg.ssh_ifnames)
         self.since = time.time()
 
     def _serve_linktest(self) -> None:
@@ -912,6 +917,10 @@ def down(ifname: str | None = None, *, cluster: str | None = None) -> list[str]:
 def down_one(st: dict) -> list[str]:
     """Stop the tunnel ``st`` describes (its supervisor, its wireguard-go) and
     remove what it left; what was removed, one line each."""
+    if st.get("transport") == "ssh":
+        from lorasync.overlay import sshtun
+
+        return sshtun.down_one(st)
     ifname, netns = st["ifname"], st.get("netns")
     removed = []
     # a stale state file (a crashed supervisor) may name PIDs the system has since
@@ -1020,6 +1029,10 @@ def status(ifname: str | None = None, *, measure: bool = True, seconds: float = 
 
 
 def _status_one(st: dict, measure: bool, seconds: float) -> dict:
+    if st.get("transport") == "ssh":
+        from lorasync.overlay import sshtun
+
+        return sshtun.status_one(st, measure, seconds)
     cfg = load_config(st["config"])
     netns = st.get("netns")
     alive = pid_alive(st.get("pid"))
@@ -1040,6 +1053,7 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
             (p for p in cfg.peers if p["name"] == n["name"]), None)
         ps = by_key.get(via["public_key"]) if via else None
         row = {"name": n["name"], "address": n["address"], "route": route,
+               "transport": n.get("transport", "wireguard"), "reason": n.get("reason", ""),
                "relayed": route != "direct", "endpoint": ps.endpoint if ps else None,
                "handshake_age_s": ps.handshake_age(now) if ps else None,
                "rx_bytes": ps.rx_bytes if ps else None, "tx_bytes": ps.tx_bytes if ps else None,
@@ -1047,7 +1061,11 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
         if measure and dev is not None:
             row.update(_measure_peer(n["address"], cfg.listen_port, seconds, netns))
         peers.append(row)
-    return {"ifname": cfg.ifname, "node": cfg.node, "address": cfg.address, "prefixlen": cfg.prefixlen,
+    mine = next((n for n in cfg.nodes if n.get("name") == cfg.node), {})
+    return {"ifname": cfg.ifname, "transport": "wireguard",
+            "reason": mine.get("reason") or ("relays for the nodes that cannot reach each other"
+                                             if cfg.relay else ""),
+            "node": cfg.node, "address": cfg.address, "prefixlen": cfg.prefixlen,
             "mtu": st.get("mtu"), "listen_port": cfg.listen_port, "hub": cfg.hub, "is_hub": cfg.is_hub,
             "netns": netns, "cluster": st.get("cluster"), "supervisor_pid": st.get("pid"),
             "supervisor_alive": alive, "wg_pid": st.get("wg_pid"), "restarts": st.get("restarts", 0),

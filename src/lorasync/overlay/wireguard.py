@@ -319,7 +319,7 @@ def peer_args(p: PeerConfig) -> list[str]:
 
 def configure(ifname: str, *, key_file: str | Path, listen_port: int, peers: Sequence[PeerConfig],
               address: str, prefixlen: int, mtu: int, routes: Sequence[str] = (),
-              relay: bool = False) -> None:
+              relay: bool = False, relay_also: Sequence[str] = ()) -> None:
     """Key, port and peers with ``wg set``; address, MTU and routes with ``ip``;
     with ``relay``, forwarding between peers (this node is the hub)."""
     args = ["set", ifname, "listen-port", str(listen_port), "private-key", str(key_file)]
@@ -334,7 +334,7 @@ def configure(ifname: str, *, key_file: str | Path, listen_port: int, peers: Seq
         # forwarding for packets that arrive on the overlay only (not host-wide), and
         # an nft table so that they can leave on the overlay only
         Path(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding").write_text("1\n")
-        _nft(relay_ruleset(ifname))
+        _nft(relay_ruleset(ifname, relay_also))
 
 
 def set_peer(ifname: str, peer: PeerConfig) -> None:
@@ -352,19 +352,22 @@ def nft_table_name(ifname: str) -> str:
     return "lsync_" + ifname.replace("-", "_").replace(".", "_")
 
 
-def relay_ruleset(ifname: str) -> str:
+def relay_ruleset(ifname: str, also: Sequence[str] = ()) -> str:
     """nft table for the hub: relayed packets stay on the overlay.
 
     Forwarding is enabled for ``ifname`` alone; this table drops what would be
     routed from the overlay to another interface or the other way, so the
     overlay's peers do not reach the hub's other networks through it.
+    ``also``: the overlay's other interfaces here (the tun devices of nodes on
+    the SSH path), between which and ``ifname`` packets may pass.
     """
     t = nft_table_name(ifname)
+    ours = f'{{ {", ".join(chr(34) + n + chr(34) for n in [ifname, *also])} }}' if also else f'"{ifname}"'
     return (f"table inet {t} {{\n"
             f"  chain forward {{\n"
             f"    type filter hook forward priority filter; policy accept;\n"
-            f"    iifname \"{ifname}\" oifname != \"{ifname}\" drop\n"
-            f"    oifname \"{ifname}\" iifname != \"{ifname}\" drop\n"
+            f"    iifname \"{ifname}\" oifname != {ours} drop\n"
+            f"    oifname \"{ifname}\" iifname != {ours} drop\n"
             f"  }}\n"
             f"}}\n")
 

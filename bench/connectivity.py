@@ -1,0 +1,367 @@
+"""The overlay's transports side by side: SSH over TCP, WireGuard over UDP, and
+the direct link (root only).
+
+    sudo .venv/bin/python bench/connectivity.py --out bench/reference/connectivity
+    sudo .venv/bin/python bench/connectivity.py --parts outage --out DIR
+
+Two parts, each on 2 emulated nodes at 100 Mbit/s (htb on both ends), node1
+joining node0 (the hub) three ways in turn: ``direct`` (no overlay: the
+nodes' own addresses), ``wireguard`` (``overlay=wireguard``) and ``ssh``
+(``overlay=ssh``: SSH tun forwarding over TCP):
+
+throughput  TCP goodput node1 -> node0 (the link test of ``cluster status``,
+            median of --repeats runs of 3 s) and gloo's all-reduce bus
+            bandwidth at 16 MiB (``lorasync probe``), each as a share of the
+            direct link's.  Target (issue 32): the TCP path >= 0.7 of direct.
+outage      a TCP stream node1 -> node0 through the transport; after 5 s
+            every packet to and from node1 is dropped at the hub's router for
+            20 s (an nft rule: the cable pulled, no error comes back), then
+            let through again.  Recorded: whether the same connection carried
+            on, and how long after the outage ended its data flowed again.
+
+matrix      issue 32's connectivity matrix: 3 nodes (node0 open, the hub;
+            node1 and node2 as the cell says), ``overlay=auto``, the tiny model
+            trains --matrix-steps steps with ``lorasync train`` on the
+            cluster; recorded: each node's transport and why, the run's exit
+            code and samples/s.  Negative control per cell, on the same
+            cluster: what the condition forbids really fails (a connection into
+            a node behind NAT; UDP from a node without UDP; a full-size
+            packet with DF set to a node behind the black hole); the open cell
+            has none.
+
+Results: ``throughput.json``, ``outage.json`` and ``matrix.json`` in --out
+(default bench/results/connectivity-DATE), and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
+
+TAG = f"cnb{os.getpid() % 10000}"
+KINDS = ("direct", "wireguard", "ssh")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _spec(kind: str, rate: str) -> str:
+    return f"nodes=2,rate={rate},name={TAG}" + ("" if kind == "direct" else f",overlay={kind}")
+
+
+def _busbw(cluster, out: str, timeout: float) -> dict:
+    path = os.path.join(out, "probe.json")
+    rc = launch_on_cluster(cluster, ["probe", "--max-bytes", "16M", "--time-budget", "60",
+                                     "--no-pairs", "--output", path], timeout=timeout,
+                           log_dir=os.path.join(out, "logs"))
+    if rc != 0 or not os.path.exists(path):
+        return {"error": f"probe exit {rc} (see {out}/logs)"}
+    with open(path) as f:
+        p = json.load(f)
+    top = max((r for r in p["sweep"] if r["collective"] == "all_reduce"), key=lambda r: r["bytes"])
+    return {"busbw_Bps": top["busbw_Bps"], "busbw_bytes": top["bytes"],
+            "alpha_s": p["model"].get("alpha_s")}
+
+
+def part_throughput(args, out: str) -> dict:
+    rows = []
+    for kind in args.kinds.split(","):
+        _log(f"== throughput {kind} at {args.rate}")
+        d = os.path.join(out, f"throughput-{kind}")
+        os.makedirs(d, exist_ok=True)
+        with emulated(parse_emulate(_spec(kind, args.rate))) as c:
+            over = kind != "direct"
+            tcp = [c.measure(1, 0, seconds=3.0, overlay=over) for _ in range(args.repeats)]
+            mtu = None
+            if over:
+                mtu = next(t["mtu"] for t in c.status(measure=False)["overlay"]["tunnels"]
+                           if t["node"] == "node1")
+            row = {"kind": kind, "rate": args.rate, "mtu": mtu or c.spec.link_mtu,
+                   "tcp_rate_bps": statistics.median(m.rate_bps for m in tcp),
+                   "tcp_rate_bps_all": [m.rate_bps for m in tcp],
+                   "tcp_rtt_s": statistics.median(m.rtt_s for m in tcp),
+                   **_busbw(c, d, args.row_timeout)}
+        rows.append(row)
+        _log(f"   {row}")
+    base = rows[0]
+    for r in rows:
+        r["share_of"] = base["kind"]
+        r["tcp_share"] = r["tcp_rate_bps"] / base["tcp_rate_bps"]
+        if "busbw_Bps" in r and "busbw_Bps" in base:
+            r["busbw_share"] = r["busbw_Bps"] / base["busbw_Bps"]
+    return {"rows": rows, "target_tcp_share": 0.7}
+
+
+# a TCP stream whose receiver notes when data stops and starts again
+_SINK = """
+import json, socket, sys, time
+addr, port, outage_end_file, tail = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((addr, port)); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(1.0)
+got, last, gaps, end = 0, time.monotonic(), [], None
+while True:
+    try:
+        b = c.recv(1 << 16)
+    except socket.timeout:
+        b = None
+    except OSError as e:
+        print(json.dumps({"bytes": got, "gaps": gaps, "error": f"{type(e).__name__}: {e}"})); break
+    now = time.monotonic()
+    if b == b"":
+        print(json.dumps({"bytes": got, "gaps": gaps, "error": "closed by the sender"})); break
+    if b:
+        if now - last > 0.5:
+            gaps.append([last, now])
+        got += len(b); last = now
+    if end is None:
+        try:
+            end = float(open(outage_end_file).read())
+        except (OSError, ValueError):
+            pass
+    if end is not None and (last > end + tail or now > end + 120):
+        print(json.dumps({"bytes": got, "gaps": gaps, "error": None})); break
+"""
+
+_SOURCE = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+s.settimeout(None)
+buf = b"x" * (1 << 16)
+try:
+    while True:
+        s.sendall(buf); time.sleep(0.002)
+except OSError as e:
+    print(f"{type(e).__name__}: {e}", flush=True)
+"""
+
+_CUT = """table inet lsync_outage {
+  chain forward {
+    type filter hook forward priority -10; policy accept;
+    iifname "p1" drop
+    oifname "p1" drop
+  }
+}
+"""
+
+
+def _outage_one(c, kind: str, out: str, seconds: float) -> dict:
+    over = kind != "direct"
+    dst = c.nodes[0]
+    addr = dst.overlay_address if over else dst.address
+    port = 29555
+    end_file = os.path.join(out, f"outage-end-{kind}")
+    if os.path.exists(end_file):
+        os.unlink(end_file)
+    sink = subprocess.Popen(c.exec_argv(0, [sys.executable, "-c", _SINK, addr, str(port), end_file, "3"]),
+                            stdout=subprocess.PIPE, text=True)
+    assert sink.stdout.readline().strip() == "ready"
+    src = subprocess.Popen(c.exec_argv(1, [sys.executable, "-c", _SOURCE, addr, str(port)]),
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(5)
+        subprocess.run(["ip", "netns", "exec", c.hub_netns, "nft", "-f", "-"], input=_CUT, text=True,
+                       check=True)
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        subprocess.run(["ip", "netns", "exec", c.hub_netns, "nft", "delete", "table", "inet",
+                        "lsync_outage"], check=True)
+        t1 = time.monotonic()
+        with open(end_file, "w") as f:
+            f.write(repr(t1))
+        res = json.loads(sink.communicate(timeout=200)[0])
+    finally:
+        for p in (src, sink):
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    after = [g for g in res["gaps"] if g[1] > t1]
+    resumed = after[0][1] if after else None
+    return {"kind": kind, "outage_s": t1 - t0, "same_connection": res["error"] is None,
+            "error": res["error"], "resumed_after_s": None if resumed is None else resumed - t1,
+            "gaps": [[a - t0, b - t0] for a, b in res["gaps"]], "bytes": res["bytes"]}
+
+
+def part_outage(args, out: str) -> dict:
+    rows = []
+    for kind in args.kinds.split(","):
+        _log(f"== outage {args.outage:g} s on {kind} at {args.rate}")
+        with emulated(parse_emulate(_spec(kind, args.rate))) as c:
+            row = _outage_one(c, kind, out, args.outage)
+            if kind == "ssh":
+                row["ssh_log"] = _ssh_events(c)
+        rows.append(row)
+        _log(f"   {row}")
+    return {"rows": rows}
+
+
+def _ssh_events(c) -> list[str]:
+    from lorasync.overlay import tunnel
+
+    for st in tunnel.states():
+        if st.get("cluster") == c.spec.name and st.get("transport") == "ssh" and not st.get("is_hub"):
+            with open(st["log"]) as f:
+                return [ln.strip() for ln in f if "exited" in ln or "again" in ln]
+    return []
+
+
+#: (cell, --emulate keys for node1 and node2) of issue 32's matrix
+CELLS = [
+    ("open / open", ""),
+    ("NAT / open", "nat=node1"),
+    ("NAT / NAT", "nat=node1+node2"),
+    ("symmetric NAT / symmetric NAT", "symmetric_nat=node1+node2"),
+    ("NAT + UDP blocked / open", "nat=node1,block_udp=node1"),
+    ("NAT + UDP blocked / NAT + UDP blocked", "nat=node1+node2,block_udp=node1+node2"),
+    ("MTU black hole / open", "mtu_blackhole=node1"),
+]
+
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close(); print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+_LISTEN = """
+import socket, sys, time
+s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print("ready", flush=True); time.sleep(30)
+"""
+
+
+def _negative(c, keys: str) -> dict:
+    """What the cell's condition forbids, tried on the underlay; {} for the open cell."""
+    from lorasync.emulate import overlay as cov
+
+    spec = c.spec
+    if spec.block_udp:
+        # ports of their own: the overlay's WireGuard and sshd hold the usual ones
+        got = cov.probe(c, 0, list(spec.block_udp), udp_port=51999, tcp_port=29667)
+        return {"check": "UDP to the hub from " + "+".join(f"node{i}" for i in spec.block_udp),
+                "failed": all(not udp for udp, _ in got.values()),
+                "seen": {f"node{i}": {"udp": u, "tcp": t} for i, (u, t) in got.items()}}
+    if spec.nat:
+        i = spec.nat[0]
+        n = c.nodes[i]
+        lst = subprocess.Popen(c.exec_argv(i, [sys.executable, "-c", _LISTEN, n.address, "29666"]),
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            lst.stdout.readline()
+            seen = subprocess.run(c.exec_argv(0, [sys.executable, "-c", _CONNECT, n.outside, "29666"]),
+                                  capture_output=True, text=True, timeout=30).stdout.strip()
+        finally:
+            lst.kill()
+            lst.communicate()
+        return {"check": f"node0 connects to {n.name} behind NAT ({n.outside}:29666, a listener there)",
+                "failed": seen != "connected", "seen": seen}
+    if spec.mtu_blackhole:
+        i = spec.mtu_blackhole[0]
+        code = ("import json, sys; from lorasync.netdiag.pmtu import find_path_mtu; "
+                "r = find_path_mtu(sys.argv[1], tries=2); print(json.dumps([r.path_mtu, r.error]))")
+        out = subprocess.run(c.exec_argv(0, [sys.executable, "-c", code, c.nodes[i].address]),
+                             capture_output=True, text=True, timeout=120).stdout.strip()
+        mtu, err = json.loads(out) if out else (None, "no output")
+        return {"check": f"a 1500-byte DF packet node0 -> node{i}", "failed": bool(mtu and mtu < 1500),
+                "seen": f"path MTU {mtu}" + (f" ({err})" if err else "")}
+    return {}
+
+
+def part_matrix(args, out: str) -> dict:
+    rows = []
+    for k, (cell, keys) in enumerate(CELLS):
+        spec = f"nodes=3,rate={args.matrix_rate},overlay=auto,name={TAG}m{k}" + (f",{keys}" if keys else "")
+        _log(f"== matrix {cell}: {spec}")
+        d = os.path.join(out, f"matrix-{k}")
+        row = {"cell": cell, "emulate": spec}
+        t0 = time.monotonic()
+        try:
+            with emulated(parse_emulate(spec)) as c:
+                row["up_s"] = time.monotonic() - t0
+                row["transports"] = {c.nodes[i].name: v for i, v in sorted(c.overlay_choice.items())}
+                rc = launch_on_cluster(c, ["train", "--model", "tiny", "--batch-size", "2",
+                                           "--eval-size", "0", "--max-steps", str(args.matrix_steps),
+                                           "--no-progress", "--ckpt-interval", "0",
+                                           "--output-dir", os.path.join(d, "run")],
+                                       timeout=args.row_timeout, log_dir=os.path.join(d, "logs"))
+                row["rc"] = rc
+                row["negative"] = _negative(c, keys)
+                summ = os.path.join(d, "run", "summary.json")
+                if rc == 0 and os.path.exists(summ):
+                    with open(summ) as f:
+                        sm = json.load(f)
+                    row.update(steps=sm["steps"], samples_per_s=sm["samples_per_s"],
+                               world_size=sm["world_size"])
+        except Exception as exc:  # a cell that does not come up is a result, not the end
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        row["trained"] = row.get("rc") == 0 and row.get("world_size") == 3
+        rows.append(row)
+        _log(f"   {row}")
+    return {"rows": rows, "command": "lorasync train --model tiny (on the cluster, launch_on_cluster)",
+            "trained": sum(r["trained"] for r in rows), "cells": len(rows)}
+
+
+def table(res: dict) -> str:
+    lines = []
+    if "throughput" in res:
+        lines += ["| transport | MTU | TCP goodput | share of direct | all-reduce busbw (16 MiB) | share of direct |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["throughput"]["rows"]:
+            bw = f"{r['busbw_Bps'] * 8 / 1e6:.1f} Mbit/s" if "busbw_Bps" in r else r.get("error", "-")
+            lines.append(f"| {r['kind']} | {r['mtu']} | {r['tcp_rate_bps'] / 1e6:.1f} Mbit/s | "
+                         f"{r['tcp_share']:.2f} | {bw} | {r.get('busbw_share', float('nan')):.2f} |")
+    if "outage" in res:
+        lines += ["", "| transport | outage | same TCP connection after it | data again after the outage |",
+                  "|---|---|---|---|"]
+        for r in res["outage"]["rows"]:
+            back = "never" if r["resumed_after_s"] is None else f"{r['resumed_after_s']:.1f} s"
+            lines.append(f"| {r['kind']} | {r['outage_s']:.1f} s | "
+                         f"{'yes' if r['same_connection'] else 'no: ' + str(r['error'])} | {back} |")
+    if "matrix" in res:
+        lines += ["", "| node1 / node2 | transports (node1, node2) | trains | negative control |",
+                  "|---|---|---|---|"]
+        for r in res["matrix"]["rows"]:
+            tr = ", ".join(r.get("transports", {}).get(f"node{i}", {}).get("transport", "?")
+                           for i in (1, 2))
+            neg = r.get("negative") or {}
+            nc = "-" if not neg else f"{neg['check']}: {'fails' if neg['failed'] else 'PASSES'}"
+            lines.append(f"| {r['cell']} | {tr} | {'yes' if r['trained'] else 'NO'} | {nc} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="throughput,outage")
+    ap.add_argument("--rate", default="100mbit")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="direct first: the shares are of its figures")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--outage", type=float, default=20.0, help="seconds without any packet")
+    ap.add_argument("--row-timeout", type=float, default=240.0)
+    ap.add_argument("--matrix-rate", default="100mbit")
+    ap.add_argument("--matrix-steps", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join("bench", "results",
+                                                  f"connectivity-{time.strftime('%Y%m%d-%H%M%S')}"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    res = {}
+    for part in args.parts.split(","):
+        fn = {"throughput": part_throughput, "outage": part_outage, "matrix": part_matrix}[part]
+        t0 = time.time()
+        res[part] = dict(fn(args, args.out), part=part, rate=args.rate, seconds=time.time() - t0,
+                         load=os.getloadavg(), argv=sys.argv[1:])
+        with open(os.path.join(args.out, f"{part}.json"), "w") as f:
+            json.dump(res[part], f, indent=1)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

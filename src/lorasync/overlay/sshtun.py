@@ -1,0 +1,688 @@
+"""The overlay's TCP path: layer 3 over SSH's tun forwarding (``ssh -w``).
+
+Where UDP cannot reach the hub (networks that let only TCP out), a node joins
+the overlay through an SSH connection to the hub instead of WireGuard:
+OpenSSH's tun forwarding (``ssh -w N:M``, sshd ``PermitTunnel
+point-to-point``) carries IP packets between a TUN device on the node and one
+on the hub, so gloo's full mesh runs over it unchanged (an ``ssh -L`` port
+forward carries one port, not the mesh).  The hub routes between its SSH
+nodes and its WireGuard peers, as it relays between peers behind NAT.
+
+This module owns:
+
+* the files: an ed25519 client key made per overlay, the hub's own host key
+  (``StrictHostKeyChecking yes`` against a known_hosts file the overlay wrote:
+  no trust-on-first-use prompt), ``authorized_keys`` (the key may open one
+  tun device, nothing else: ``restrict``, ``tunnel="N"``, a forced command)
+  and the sshd config (:func:`sshd_config`: it listens on the hub's one
+  address, never a wildcard);
+* the supervisor (:class:`Supervisor`), one per node, run in the background
+  as ``python -m lorasync.overlay.sshtun supervise CONFIG``: on the hub it
+  runs ``sshd -D`` with the TUN devices of its SSH nodes; on a node it runs
+  ``ssh -N -w`` (keepalives: ``ServerAliveInterval``/``CountMax``) and
+  starts it again when it exits, after a backoff as autossh does (a
+  connection that lived past the gate time is restarted at once, one that
+  died young waits 0.5, 1, 2 ... s, at most :data:`BACKOFF` [1]).
+
+The TUN devices are persistent (``ip tuntap add``) and made by the
+supervisor, not by ssh: ssh and sshd attach to them by name (``tunN``).
+When the SSH connection drops, the device, its address and its routes stay;
+packets sent meanwhile are lost and TCP (gloo's connections) retransmits
+them once the supervisor's new ssh has attached again.  A drop costs a slower
+step, not a broken connection.
+
+State: ``/run/lorasync/tunnels/NAME.json`` (as the WireGuard tunnels': ``tunnel
+status`` and ``tunnel down`` read it), events in ``NAME.log``, ssh's and
+sshd's own output in ``NAME.ssh.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
+from lorasync.hostops import TUNNELS_DIR, pid_alive
+from lorasync.overlay import linktest
+
+__all__ = [
+    "BACKOFF",
+    "GATE_S",
+    "KIND",
+    "SSHD",
+    "Supervisor",
+    "authorized_keys_line",
+    "down_one",
+    "known_hosts_line",
+    "make_keypair",
+    "next_delay",
+    "require_tools",
+    "ssh_argv",
+    "sshd_config",
+    "status_one",
+    "tun_number",
+]
+
+KIND = "lorasync-ssh-transport"
+#: Debian's openssh-server installs it here (and it must be started by its absolute path)
+SSHD = "/usr/sbin/sshd"
+#: seconds before starting ssh again after it died young, doubled per failure up to [1]
+BACKOFF = (0.5, 8.0)
+#: a connection that lived this long is restarted at once when it drops (autossh's gate time)
+GATE_S = 10.0
+#: keepalives: an unanswered connection is given up after interval x count seconds (30 s):
+#: an outage shorter than that is ridden out by TCP under the tunnel, as on a direct link
+#: (a 20 s outage with 3 s x 3 made ssh reconnect, and data flowed again 16.6 s after it
+#: instead of 7 s); a killed ssh is seen at once (its process exits, the hub gets a FIN)
+ALIVE_INTERVAL_S = 10
+ALIVE_COUNT = 3
+#: what ssh says when the hub still holds this node's tun device for an older connection
+#: (until sshd's ClientAlive check drops it): retried at the shortest delay, not backed off
+BUSY = "Tunnel forwarding failed"
+#: TUN device numbers: node I of the overlay plan uses tun(TUN_BASE + I) on both ends
+TUN_BASE = 100
+#: the SSH path's MTU: ssh and sshd read a tun packet into a 16 KiB buffer (CHAN_RBUF in
+#: OpenSSH's channels.c) and pay per packet, not per byte: large packets, few of them
+DEFAULT_MTU = 16000
+
+
+def tun_number(index: int) -> int:
+    return TUN_BASE + int(index)
+
+
+def require_tools(server: bool) -> None:
+    """EnvironmentProblem naming the Debian package when ssh (or sshd) is missing."""
+    if not shutil.which("ssh") or not shutil.which("ssh-keygen"):
+        raise EnvironmentProblem("'ssh' not found: the overlay's TCP path runs over SSH; install "
+                                 "it: apt-get install -y openssh-client")
+    if server and not os.access(SSHD, os.X_OK):
+        raise EnvironmentProblem(f"{SSHD} not found: the hub serves the overlay's TCP path with "
+                                 "sshd; install it: apt-get install -y openssh-server (lorasync "
+                                 "starts its own sshd; the system's ssh service is not needed)")
+
+
+def _is_wildcard(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_unspecified
+    except ValueError:
+        return True   # a name, or nothing: sshd would resolve or widen it
+
+
+# ---------------------------------------------------------------- files (pure)
+
+def sshd_config(*, listen: str, port: int, host_key: str | Path, authorized_keys: str | Path,
+                pid_file: str | Path, alive_interval_s: int = ALIVE_INTERVAL_S,
+                alive_count: int = ALIVE_COUNT) -> str:
+    """The hub's sshd configuration: public-key login as root (needed to
+    attach TUN devices) only with the overlay's key, tun forwarding only,
+    listening on ``listen`` alone."""
+    if _is_wildcard(listen):
+        raise ConfigError("ssh listen address", listen, "give the hub's own IP address: lorasync "
+                          "never listens on a wildcard address")
+    if not 1 <= int(port) <= 65535:
+        raise ConfigError("ssh port", port, "give a TCP port between 1 and 65535")
+    host = f"[{listen}]" if ":" in listen else listen
+    return "\n".join([
+        f"ListenAddress {host}:{int(port)}",
+        f"HostKey {host_key}",
+        f"PidFile {pid_file}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "AllowUsers root",
+        # root: attaching a TUN device needs CAP_NET_ADMIN; the key's forced command
+        # (authorized_keys) is all a login can run
+        "PermitRootLogin forced-commands-only",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "HostbasedAuthentication no",
+        "UsePAM no",
+        "PermitTunnel point-to-point",
+        "AllowTcpForwarding no",
+        "AllowStreamLocalForwarding no",
+        "AllowAgentForwarding no",
+        "X11Forwarding no",
+        "PermitTTY no",
+        "PermitUserEnvironment no",
+        "PrintMotd no",
+        "StrictModes yes",
+        # a dead client is dropped, so its tun device is free for its next connection
+        f"ClientAliveInterval {int(alive_interval_s)}",
+        f"ClientAliveCountMax {int(alive_count)}",
+        "TCPKeepAlive yes",
+        "LogLevel VERBOSE",
+        "",
+    ])
+
+
+def authorized_keys_line(public_key: str, tun: int) -> str:
+    """The overlay key may open tun device ``tun`` on the hub and nothing else."""
+    key = " ".join(public_key.split()[:2])
+    return f'restrict,tunnel="{int(tun)}",command="/bin/false" {key} lorasync-overlay-tun{int(tun)}\n'
+
+
+def known_hosts_line(host: str, port: int, host_public_key: str) -> str:
+    name = host if int(port) == 22 else f"[{host}]:{int(port)}"
+    return f"{name} {' '.join(host_public_key.split()[:2])}\n"
+
+
+def ssh_argv(*, server: str, port: int, key_file: str | Path, known_hosts: str | Path,
+             local_tun: int, remote_tun: int, alive_interval_s: int = ALIVE_INTERVAL_S,
+             alive_count: int = ALIVE_COUNT, connect_timeout_s: int = 5,
+             proxy_jump: str | None = None) -> list[str]:
+    """``ssh -N -w LOCAL:REMOTE`` with the overlay's key and known_hosts, no
+    user configuration, no prompt, keepalives on, and an exit (for the
+    supervisor to reconnect) whenever the tunnel cannot be opened."""
+    argv = ["ssh", "-F", "/dev/null", "-N", "-T", "-w", f"{int(local_tun)}:{int(remote_tun)}",
+            "-o", "Tunnel=point-to-point", "-i", str(key_file), "-o", "IdentitiesOnly=yes",
+            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no", "-o", "BatchMode=yes",
+            "-o", "ExitOnForwardFailure=yes", "-o", f"ServerAliveInterval={int(alive_interval_s)}",
+            "-o", f"ServerAliveCountMax={int(alive_count)}", "-o", "TCPKeepAlive=yes",
+            "-o", f"ConnectTimeout={int(connect_timeout_s)}", "-o", "ControlMaster=no",
+            "-o", "ControlPath=none", "-o", "LogLevel=ERROR"]
+    if proxy_jump:
+        argv += ["-J", proxy_jump]
+    return argv + ["-p", str(int(port)), f"root@{server}"]
+
+
+def next_delay(lived_s: float, failures: int) -> float:
+    """autossh's rule: a connection that lived past :data:`GATE_S` is started
+    again at once (after :data:`BACKOFF` [0]); one that died young waits
+    longer each time it happens in a row."""
+    if lived_s >= GATE_S:
+        return BACKOFF[0]
+    return min(BACKOFF[1], BACKOFF[0] * 2 ** max(0, failures - 1))
+
+
+def make_keypair(path: str | Path, comment: str) -> str:
+    """ed25519 key pair at ``path`` (0600) and ``path.pub``; returns the public key line."""
+    p = Path(path)
+    if not p.exists():
+        proc = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment,
+                               "-f", str(p)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise EnvironmentProblem(f"ssh-keygen failed: {proc.stderr.strip() or proc.returncode}")
+    os.chmod(p, 0o600)
+    return Path(f"{p}.pub").read_text().strip()
+
+
+# ---------------------------------------------------------------- devices
+
+def _ip(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        err = proc.stderr.strip().splitlines()
+        raise EnvironmentProblem(f"`ip {' '.join(args)}` failed: {err[-1] if err else proc.returncode}")
+    return proc
+
+
+def _make_tun(name: str, mtu: int) -> None:
+    # persistent: it outlives the ssh that attaches to it (module docstring)
+    _ip(["tuntap", "add", "dev", name, "mode", "tun"])
+    _ip(["link", "set", name, "mtu", str(mtu), "up"])
+    # forward between this device and the overlay's others (on the hub); per device only
+    Path(f"/proc/sys/net/ipv4/conf/{name}/forwarding").write_text("1\n")
+
+
+def _del_link(name: str) -> bool:
+    return _ip(["link", "del", name], check=False).returncode == 0
+
+
+# ---------------------------------------------------------------- config
+
+@dataclasses.dataclass
+class SSHConfig:
+    """One node's SSH transport (``NODE.ssh.json``, written with the overlay)."""
+
+    path: Path
+    role: str                 # "hub" | "node"
+    name: str                 # unique on the host: the state file's name
+    node: str
+    hub: str
+    address: str
+    subnet: str
+    server: str               # the hub's address the nodes connect to (and sshd listens on)
+    port: int
+    state_dir: Path
+    mtu: int = DEFAULT_MTU
+    tun: int | None = None    # node: its device number (the same on the hub)
+    clients: list = dataclasses.field(default_factory=list)  # hub: [{name, address, tun}]
+    dummy: str | None = None  # hub without WireGuard: an interface (veth) for its overlay address
+    linktest_port: int = 51820
+    reason: str = ""
+    proxy_jump: str | None = None
+
+    def __post_init__(self):
+        if self.role not in ("hub", "node"):
+            raise ConfigError("role", self.role, "hub or node")
+        if self.role == "node" and self.tun is None:
+            raise ConfigError("tun", None, "a node needs its tun device number")
+        self.network = ipaddress.IPv4Network(self.subnet)
+
+    @property
+    def ifname(self) -> str:
+        """The device gloo uses on this node."""
+        return f"tun{self.tun}" if self.role == "node" else (self.dummy or self.name)
+
+    def files(self) -> dict[str, Path]:
+        d = self.state_dir
+        return {"key": d / f"{self.node}.key", "host_key": d / "host_key",
+                "known_hosts": d / "known_hosts", "authorized_keys": d / "authorized_keys",
+                "sshd_config": d / "sshd_config", "pid": d / "sshd.pid"}
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(kind=KIND, path=None, state_dir=str(self.state_dir))
+        return d
+
+
+def load_config(path: str | Path) -> SSHConfig:
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--config", str(path), f"not a readable SSH transport config ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("kind") != KIND:
+        raise ConfigError("--config", str(path), "not an SSH transport config of the overlay")
+    raw = {k: v for k, v in raw.items() if k not in ("kind", "path")}
+    return SSHConfig(path=p.resolve(), **dict(raw, state_dir=Path(raw["state_dir"])))
+
+
+def write_config(cfg: SSHConfig, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def prepare(state_dir: Path, *, server: str, port: int, clients: list[dict]) -> None:
+    """The overlay's SSH files in ``state_dir`` (0700): a key per SSH node
+    (``NODE.key``: sshd tells the nodes apart by key, and each key may open
+    only its node's tun device), the hub's host key, known_hosts and
+    authorized_keys (one line per SSH node)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    host_pub = make_keypair(state_dir / "host_key", "lorasync-overlay-hub")
+    (state_dir / "known_hosts").write_text(known_hosts_line(server, port, host_pub))
+    lines = [authorized_keys_line(make_keypair(state_dir / f"{c['name']}.key",
+                                               f"lorasync-overlay-{c['name']}"), c["tun"])
+             for c in clients]
+    ak = state_dir / "authorized_keys"
+    ak.write_text("".join(lines))
+    os.chmod(ak, 0o600)
+
+
+# ---------------------------------------------------------------- supervision
+
+class Supervisor:
+    """Keeps one node's SSH transport up (see the module docstring)."""
+
+    def __init__(self, cfg: SSHConfig, cluster: str | None = None, log=None, interval: float = 0.2):
+        self.cfg = cfg
+        self.cluster = cluster
+        self.interval = interval
+        self.log_path = TUNNELS_DIR / f"{cfg.name}.log"
+        self.proc_log_path = TUNNELS_DIR / f"{cfg.name}.ssh.log"
+        self._log = log
+        self.proc: subprocess.Popen | None = None
+        self.devices: list[str] = []
+        self.restarts = 0
+        self.failures = 0
+        self.started_at = 0.0
+        self.since = time.time()
+        self._stop = threading.Event()
+        self._server: socket.socket | None = None
+        self._log_offset = 0
+
+    def event(self, msg: str) -> None:
+        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {self.cfg.name} {msg}"
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+        if self._log is not None:
+            print(line, file=self._log, flush=True)
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        TUNNELS_DIR.mkdir(parents=True, exist_ok=True)
+        try:
+            self._devices()
+            # `tunnel status` measures RTT and rate against it (on a hub with WireGuard,
+            # its tunnel serves it)
+            if self.cfg.role == "node" or self.cfg.dummy:
+                self._serve_linktest()
+            self._spawn()
+        except BaseException:
+            self.stop()
+            raise
+        self._save_state()
+        what = (f"sshd on {self.cfg.server}:{self.cfg.port} for "
+                + (", ".join(f"{c['name']} (tun{c['tun']})" for c in self.cfg.clients) or "no node")
+                if self.cfg.role == "hub" else
+                f"ssh -w {self.cfg.tun}:{self.cfg.tun} to {self.cfg.server}:{self.cfg.port}")
+        self.event(f"up: {self.cfg.node} {self.cfg.address} over SSH ({what}), mtu {self.cfg.mtu}"
+                   + (f"; {self.cfg.reason}" if self.cfg.reason else ""))
+
+    def _devices(self) -> None:
+        cfg = self.cfg
+        if cfg.role == "node":
+            dev = f"tun{cfg.tun}"
+            _make_tun(dev, cfg.mtu)
+            self.devices.append(dev)
+            # the whole overlay is behind the hub
+            _ip(["addr", "add", f"{cfg.address}/{cfg.network.prefixlen}", "dev", dev])
+            return
+        if cfg.dummy:
+            # no WireGuard interface holds the hub's address (gloo binds to it): a veth
+            # pair with both ends here does (this kernel has no dummy links)
+            _ip(["link", "add", cfg.dummy, "type", "veth", "peer", "name", f"{cfg.dummy}p"])
+            self.devices.append(cfg.dummy)
+            _ip(["addr", "add", f"{cfg.address}/32", "dev", cfg.dummy])
+            for dev in (cfg.dummy, f"{cfg.dummy}p"):
+                _ip(["link", "set", dev, "up"])
+        for c in cfg.clients:
+            dev = f"tun{c['tun']}"
+            _make_tun(dev, cfg.mtu)
+            self.devices.append(dev)
+            _ip(["addr", "add", f"{cfg.address}/32", "peer", f"{c['address']}/32", "dev", dev])
+
+    def _argv(self) -> list[str]:
+        f = self.cfg.files()
+        if self.cfg.role == "hub":
+            return [SSHD, "-D", "-e", "-f", str(f["sshd_config"])]
+        return ssh_argv(server=self.cfg.server, port=self.cfg.port, key_file=f["key"],
+                        known_hosts=f["known_hosts"], local_tun=self.cfg.tun,
+                        remote_tun=self.cfg.tun, proxy_jump=self.cfg.proxy_jump)
+
+    def _spawn(self) -> None:
+        if self.cfg.role == "hub":
+            f = self.cfg.files()
+            f["sshd_config"].write_text(sshd_config(
+                listen=self.cfg.server, port=self.cfg.port, host_key=f["host_key"],
+                authorized_keys=f["authorized_keys"], pid_file=f["pid"]))
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)   # sshd's privilege separation
+        log = open(self.proc_log_path, "ab")
+        self._log_offset = log.tell()
+        try:
+            self.proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=log, close_fds=True)
+        finally:
+            log.close()
+        self.started_at = time.monotonic()
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until a TCP connection through the tunnel reaches the hub's
+        link-test port (ssh connected, both devices attached)."""
+        t0 = time.monotonic()
+        while True:
+            if self.proc is not None and self.proc.poll() is not None and self.cfg.role == "node":
+                tail = _tail(self.proc_log_path, self._log_offset)
+                raise EnvironmentProblem(f"ssh to the hub {self.cfg.server}:{self.cfg.port} exited "
+                                         f"(code {self.proc.returncode}): {tail or 'no message'}")
+            try:
+                with socket.create_connection((self._hub_address(), self.cfg.linktest_port),
+                                              timeout=1):
+                    return time.monotonic() - t0
+            except OSError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                raise EnvironmentProblem(
+                    f"no connection through the SSH tunnel to the hub {self.cfg.hub} within "
+                    f"{timeout:g} s: check that TCP port {self.cfg.port} on {self.cfg.server} is "
+                    f"open to this node and that the hub's sshd runs (log {self.proc_log_path})")
+            time.sleep(0.2)
+
+    def _hub_address(self) -> str:
+        return str(next(self.cfg.network.hosts()))
+
+    def _serve_linktest(self) -> None:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((self.cfg.address, self.cfg.linktest_port))
+        srv.listen(16)
+        self._server = srv
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    c, _ = srv.accept()
+                except OSError:
+                    return
+                threading.Thread(target=_handle_quietly, args=(c,), daemon=True).start()
+        threading.Thread(target=loop, daemon=True, name="linktest").start()
+
+    def _save_state(self) -> None:
+        cfg = self.cfg
+        state = {"transport": "ssh", "role": cfg.role, "ifname": cfg.name, "device": cfg.ifname,
+                 "devices": self.devices, "node": cfg.node, "config": str(cfg.path),
+                 "pid": os.getpid(), "ssh_pid": self.proc.pid if self.proc else None,
+                 "netns": _my_netns(), "cluster": self.cluster, "started": self.since,
+                 "address": cfg.address, "prefixlen": cfg.network.prefixlen, "mtu": cfg.mtu,
+                 "hub": cfg.hub, "is_hub": cfg.role == "hub", "server": f"{cfg.server}:{cfg.port}",
+                 "reason": cfg.reason, "restarts": self.restarts, "log": str(self.log_path)}
+        tmp = TUNNELS_DIR / f".{cfg.name}.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(TUNNELS_DIR / f"{cfg.name}.json")
+
+    def run(self) -> None:
+        """Supervise until :meth:`request_stop`: start ssh (sshd) again when it exits."""
+        what = "sshd" if self.cfg.role == "hub" else "ssh"
+        restart_at = None
+        while not self._stop.wait(self.interval):
+            if self.proc is not None and self.proc.poll() is None:
+                continue
+            now = time.monotonic()
+            if restart_at is None:
+                lived = now - self.started_at
+                said = _tail(self.proc_log_path, self._log_offset)
+                busy = BUSY in said and self.cfg.role == "node"
+                self.failures = 0 if lived >= GATE_S or busy else self.failures + 1
+                delay = next_delay(lived, self.failures)
+                code = self.proc.returncode if self.proc is not None else None
+                self.event(f"{what} exited (code {code}) after {lived:.1f} s: {said or 'no message'}"
+                           + ("; the hub still holds the tun device for the previous connection"
+                              if busy else "") + f"; starting it again in {delay:g} s")
+                restart_at = now + delay
+            if now >= restart_at:
+                restart_at = None
+                try:
+                    self._spawn()
+                except (OSError, LorasyncError) as exc:
+                    self.event(f"could not start {what}: {exc}")
+                    continue
+                self.restarts += 1
+                self._save_state()
+                self.event(f"{what} started again (pid {self.proc.pid}, restart {self.restarts})")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for dev in self.devices:
+            _del_link(dev)
+        with contextlib.suppress(FileNotFoundError):
+            (TUNNELS_DIR / f"{self.cfg.name}.json").unlink()
+
+
+def _handle_quietly(c: socket.socket) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        linktest.handle(c, 1.0, 1 << 30)
+
+
+def _my_netns() -> str | None:
+    proc = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+def _measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
+    """RTT and rate to a peer's link-test server through the tunnel (as ``tunnel status``'s)."""
+    argv = [sys.executable, "-m", "lorasync.overlay.linktest", "measure", address, str(port),
+            str(seconds), "--send-window"]
+    proc = subprocess.run((["ip", "netns", "exec", netns] if netns else []) + argv,
+                          capture_output=True, text=True, timeout=seconds + 40)
+    if proc.returncode != 0:
+        return {"measure_error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    r = json.loads(proc.stdout)
+    return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
+
+
+def _tail(path: Path, offset: int = 0) -> str:
+    """The last line written to ``path`` after ``offset`` (what this run of ssh said)."""
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else ""
+    return ""
+
+
+# ---------------------------------------------------------------- status / down
+
+def _argv_of(pid: int) -> list[str]:
+    try:
+        return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _is_ours(pid: int | None, what: str, config: str) -> bool:
+    args = _argv_of(pid) if pid_alive(pid) else []
+    if what == "supervisor":
+        return "lorasync.overlay.sshtun" in args and "supervise" in args
+    if not args or os.path.basename(args[0]) not in ("ssh", "sshd"):
+        return False
+    return any(a.endswith("/sshd_config") or a.endswith(".key") for a in args)
+
+
+def down_one(st: dict) -> list[str]:
+    """Stop the SSH transport ``st`` describes and remove its devices and state."""
+    removed = []
+    pid = st.get("pid")
+    if _is_ours(pid, "supervisor", st.get("config", "")):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 8
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if pid_alive(pid) and _is_ours(pid, "supervisor", st.get("config", "")):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        removed.append(f"supervisor {pid}")
+    spid = st.get("ssh_pid")
+    if _is_ours(spid, "ssh", st.get("config", "")):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(spid, signal.SIGTERM)
+        removed.append(f"ssh {spid}")
+    netns = st.get("netns")
+    if netns and Path(f"/run/netns/{netns}").exists():
+        for dev in st.get("devices") or []:
+            if subprocess.run(["ip", "-n", netns, "link", "del", dev], capture_output=True).returncode == 0:
+                removed.append(f"interface {dev} in {netns}")
+    path = TUNNELS_DIR / f"{st['ifname']}.json"
+    if path.exists():
+        path.unlink()
+        removed.append(f"state {path}")
+    return removed
+
+
+def status_one(st: dict, measure: bool, seconds: float) -> dict:
+    """``tunnel status`` of an SSH transport: what it carries, its ssh's health, and why."""
+    alive = pid_alive(st.get("pid"))
+    ssh_alive = pid_alive(st.get("ssh_pid"))
+    error = None if ssh_alive else ("sshd" if st.get("is_hub") else "ssh") + " not running (restarting)"
+    peers = []
+    try:
+        cfg = load_config(st["config"])
+        targets = cfg.clients if cfg.role == "hub" else [{"name": cfg.hub, "address": str(next(cfg.network.hosts()))}]
+    except LorasyncError as exc:
+        cfg, targets, error = None, [], str(exc)
+    for t in targets:
+        row = {"name": t["name"], "address": t["address"], "route": "ssh", "relayed": False,
+               "endpoint": st.get("server"), "handshake_age_s": None, "rx_bytes": None,
+               "tx_bytes": None, "is_hub": cfg is not None and t["name"] == cfg.hub}
+        if measure and cfg is not None:
+            row.update(_measure_peer(t["address"], cfg.linktest_port, seconds, st.get("netns")))
+        peers.append(row)
+    return {"ifname": st.get("device") or st["ifname"], "state": st["ifname"], "transport": "ssh",
+            "reason": st.get("reason", ""), "node": st.get("node"), "address": st.get("address"),
+            "prefixlen": st.get("prefixlen"), "mtu": st.get("mtu"), "listen_port": None,
+            "server": st.get("server"), "hub": st.get("hub"), "is_hub": st.get("is_hub"),
+            "netns": st.get("netns"), "cluster": st.get("cluster"), "supervisor_pid": st.get("pid"),
+            "supervisor_alive": alive, "ssh_pid": st.get("ssh_pid"), "wg_pid": None,
+            "restarts": st.get("restarts", 0), "started": st.get("started"), "log": st.get("log"),
+            "error": error, "peers": peers}
+
+
+# ---------------------------------------------------------------- the background process
+
+def supervise_main(argv: list[str] | None = None) -> int:
+    """``python -m lorasync.overlay.sshtun supervise CONFIG [--cluster NAME]``:
+    prints ``ready`` once traffic passes (or ``error: MESSAGE``), then keeps
+    the transport up until SIGTERM and removes what it made."""
+    p = argparse.ArgumentParser(prog="python -m lorasync.overlay.sshtun")
+    p.add_argument("command", choices=["supervise"])
+    p.add_argument("config")
+    p.add_argument("--cluster", default=None)
+    p.add_argument("--ready-timeout", type=float, default=20.0)
+    args = p.parse_args(argv)
+    stop = {"sig": None}
+    sup: list[Supervisor] = []
+
+    def _term(signum, frame):
+        stop["sig"] = signum
+        for s in sup:
+            s.request_stop()
+
+    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
+    try:
+        cfg = load_config(args.config)
+        s = Supervisor(cfg, cluster=args.cluster)
+        sup.append(s)
+        s.start()
+        if cfg.role == "node":
+            took = s.wait_ready(args.ready_timeout)
+            s.event(f"traffic passes to the hub {cfg.hub} after {took:.2f} s")
+    except LorasyncError as exc:
+        for s in sup:
+            s.stop()
+        print(f"error: {exc}", flush=True)
+        return 2
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    try:
+        if stop["sig"] is None:
+            s.run()
+    finally:
+        s.event(f"down (signal {stop['sig']})" if stop["sig"] else "down")
+        s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise_main())
