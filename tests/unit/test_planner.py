@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -586,3 +587,35 @@ def test_tune_periodic_takes_the_2_bit_sparse_variant_only_where_the_others_fall
     opts, p, i = tune_periodic(thin, wl(), "diloco", sparse)
     assert (i, opts["delta_dtype"], opts["delta_topk"]) == (4, "int2", 0.01)
     assert p.samples_per_s > p4.samples_per_s * 1.05
+
+
+def test_nodes_on_the_tcp_path_are_relayed_by_the_hub_and_priced(capsys):
+    """A node on the overlay's SSH path reaches every other node through the
+    hub: on 3 nodes the leg node1 -> node2 loads the hub's link too (half the
+    rate), and the rate is scaled by what the SSH path kept of the direct link
+    (bench/reference/connectivity/throughput.json).  On 2 nodes nothing is
+    relayed (every leg ends at the hub); node 0 cannot be the TCP node."""
+    from lorasync.plan.cli import TCP_PATH_SHARE
+
+    assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)["net"]["bandwidth_Bps"]
+    assert main(["plan", "--nodes", "3", "--rate", "100mbit", "--tcp-nodes", "1", "--json"]) == 0
+    tcp = json.loads(capsys.readouterr().out)
+    assert tcp["net"]["bandwidth_Bps"] == pytest.approx(direct / 2 * TCP_PATH_SHARE)
+    assert any("TCP path" in n for n in tcp["input_notes"])
+    assert main(["plan", "--nodes", "2", "--rate", "100mbit", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)["net"]["bandwidth_Bps"]
+    assert main(["plan", "--nodes", "2", "--rate", "100mbit", "--tcp-nodes", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["net"]["bandwidth_Bps"] == \
+        pytest.approx(two * TCP_PATH_SHARE)
+    assert main(["plan", "--nodes", "2", "--rate", "100mbit", "--tcp-nodes", "2"]) == 2
+    assert "--tcp-nodes" in capsys.readouterr().err
+
+
+def test_the_measured_tcp_share_is_the_committed_one():
+    from lorasync.plan.cli import TCP_PATH_SHARE
+
+    ref = json.loads((Path(__file__).resolve().parents[2] / "bench" / "reference"
+                      / "connectivity" / "throughput.json").read_text())
+    ssh = next(r for r in ref["rows"] if r["kind"] == "ssh")
+    assert TCP_PATH_SHARE == pytest.approx(ssh["busbw_share"], abs=0.005)

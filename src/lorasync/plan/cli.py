@@ -56,15 +56,29 @@ _DEFAULT_INTRA_RATE = "200gbit"
 _DEFAULT_INTRA_ALPHA = "10us"
 
 
-def _nat_link_load(nodes: int, behind_nat: int) -> int:
+#: what the overlay's SSH path (TCP) kept of the direct link at 100 Mbit/s: the
+#: gloo all-reduce bus bandwidth, 0.99 (bench/reference/connectivity/throughput.json,
+#: docs/connectivity.md); WireGuard over UDP kept 0.85 there, which what-if rates
+#: do not model either (a probe through the overlay measures both)
+TCP_PATH_SHARE = 0.99
+
+
+def _nat_link_load(nodes: int, behind_nat: int, tcp_nodes: int = 0) -> int:
     """Ring legs on the busiest link when the last ``behind_nat`` of ``nodes``
-    are behind NAT: two of them cannot connect, so their leg goes through
-    node 0 (the overlay's hub)."""
+    are behind NAT (two of them cannot connect) and the last ``tcp_nodes``
+    reach the overlay over TCP (SSH to the hub: every leg of theirs that does
+    not end at the hub goes through it).  Relayed legs go through node 0."""
     if not 0 <= behind_nat < nodes:
         raise ConfigError("--behind-nat", behind_nat, f"use 0 .. {nodes - 1} (node 0 is the hub)")
+    if not 0 <= tcp_nodes < nodes:
+        raise ConfigError("--tcp-nodes", tcp_nodes, f"use 0 .. {nodes - 1} (node 0 is the hub)")
     nat = set(range(nodes - behind_nat, nodes))
-    relayed = {(a, (a + 1) % nodes): 0 for a in range(nodes)
-               if a in nat and (a + 1) % nodes in nat and nodes > 1}
+    tcp = set(range(nodes - tcp_nodes, nodes))
+    relayed = {}
+    for a in range(nodes if nodes > 1 else 0):
+        b = (a + 1) % nodes
+        if 0 not in (a, b) and ((a in nat and b in nat) or a in tcp or b in tcp):
+            relayed[(a, b)] = 0
     return ring_link_load(list(range(nodes)), relayed)
 
 
@@ -106,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--behind-nat", type=int, default=0, metavar="K",
                    help="what-if: the last K nodes sit behind NAT and reach each other through "
                         "the overlay's hub (node 0), which carries their ring legs too")
+    g.add_argument("--tcp-nodes", type=int, default=0, metavar="K",
+                   help="what-if: the last K nodes reach the overlay over TCP (SSH to the hub, "
+                        "UDP blocked): their ring legs go through node 0, at "
+                        f"{TCP_PATH_SHARE:g} of the rate (measured)")
 
     g = p.add_argument_group("model and adapter")
     g.add_argument("--model", default="smollm2-135m", metavar="NAME|DIR",
@@ -270,6 +288,9 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
         raise ConfigError("--link-efficiency", args.link_efficiency, "use a fraction in (0, 1]")
 
     # network
+    if args.probe and (args.behind_nat or args.tcp_nodes):
+        notes.append("--behind-nat/--tcp-nodes ignored: a probe run through the overlay has "
+                     "measured the relay and the TCP path already")
     if args.probe:
         try:
             net, link = net_from_probe(_read_json(args.probe, "--probe"), world_size=ranks,
@@ -288,10 +309,18 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
             rtt = parse_duration(_DEFAULT_RTT)
             notes.append(f"RTT not given: assumed {_DEFAULT_RTT} (give --rtt)")
         machines = args.nodes if args.nodes is not None else 2
-        load = _nat_link_load(machines, args.behind_nat)
+        load = _nat_link_load(machines, args.behind_nat, args.tcp_nodes)
         if load > 1:
-            notes.append(f"{args.behind_nat} node(s) behind NAT relay through node 0: its link "
-                         f"carries {load} ring legs, so the ring runs at 1/{load} of the rate")
+            who = " and ".join(x for x in (
+                f"{args.behind_nat} node(s) behind NAT" if args.behind_nat else "",
+                f"{args.tcp_nodes} node(s) on the TCP path" if args.tcp_nodes else "") if x)
+            notes.append(f"{who} relay through node 0: its link carries {load} ring legs, so "
+                         f"the ring runs at 1/{load} of the rate")
+        if args.tcp_nodes:
+            rate *= TCP_PATH_SHARE
+            notes.append(f"{args.tcp_nodes} node(s) on the overlay's TCP path (SSH): rate x "
+                         f"{TCP_PATH_SHARE:g}, what that path kept of the direct link in "
+                         "bench/reference/connectivity/throughput.json")
         nodes = ranks if ranks is not None else 2 * g
         net = what_if_net(nodes, rate, rtt, efficiency=args.link_efficiency,
                           lanes=lanes_of(args.backend),
