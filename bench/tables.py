@@ -639,7 +639,7 @@ def connectivity() -> str:
         share = f"{r['busbw_share']:.2f}" if "busbw_share" in r else "-"
         lines.append(f"| {r['kind']} | {r['mtu']} | {r['tcp_rate_bps'] / 1e6:.1f} Mbit/s | "
                      f"{r['tcp_share']:.2f} | {bw} | {share} |")
-    lines += ["", f"| transport | outage | the same TCP connection carried on | data flowed "
+    lines += ["", "| transport | outage | the same TCP connection carried on | data flowed "
               "again after the outage |", "|---|---|---|---|"]
     for r in og["rows"]:
         back = "never" if r["resumed_after_s"] is None else f"{r['resumed_after_s']:.1f} s"

@@ -183,6 +183,69 @@ def measure(addr: str, port: int, window: float, pings: int = PINGS,
     return res
 
 
+def serve_in_background(address: str, port: int, stop, *, freebind: bool = False) -> socket.socket:
+    """A link-test server on ``address:port`` in a daemon thread, one thread per
+    connection, until ``stop`` (a threading.Event) is set or the socket closed:
+    what ``tunnel status --measure`` talks to on every overlay node.
+    ``freebind``: bind before the address exists (it goes away while a
+    transport restarts; the socket must outlive that)."""
+    import threading
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if freebind:
+        srv.setsockopt(socket.SOL_IP, getattr(socket, "IP_FREEBIND", 15), 1)
+    srv.bind((address, port))
+    srv.listen(16)
+
+    def quietly(c: socket.socket) -> None:
+        try:
+            handle(c, 1.0, 1 << 30)
+        except (OSError, ValueError):
+            pass
+
+    def loop():
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=quietly, args=(c,), daemon=True).start()
+    threading.Thread(target=loop, daemon=True, name="linktest").start()
+    return srv
+
+
+def current_netns() -> str | None:
+    """Name of the network namespace this process is in (``ip netns identify``)."""
+    import os
+    import subprocess
+
+    proc = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True,
+                          text=True)
+    return proc.stdout.strip() or None
+
+
+def measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
+    """RTT and rate to a peer's link-test server through the overlay (from inside
+    ``netns`` when given), as ``tunnel status --measure`` reports them."""
+    import subprocess
+
+    if netns:
+        proc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m",
+                               "lorasync.overlay.linktest", "measure", address, str(port),
+                               str(seconds), "--send-window"],
+                              capture_output=True, text=True, timeout=seconds + 40)
+        if proc.returncode != 0:
+            return {"measure_error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        r = json.loads(proc.stdout)
+    else:
+        try:
+            r = measure(address, port, seconds, send_window=True, connect_timeout=5)
+        except (OSError, ValueError) as exc:
+            return {"measure_error": f"{type(exc).__name__}: {exc}"}
+    return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = ("usage: python -m lorasync.overlay.linktest serve ADDR WINDOW MAX_BYTES | "

@@ -447,27 +447,15 @@ class Supervisor:
         return str(next(self.cfg.network.hosts()))
 
     def _serve_linktest(self) -> None:
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((self.cfg.address, self.cfg.linktest_port))
-        srv.listen(16)
-        self._server = srv
-
-        def loop():
-            while not self._stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except OSError:
-                    return
-                threading.Thread(target=_handle_quietly, args=(c,), daemon=True).start()
-        threading.Thread(target=loop, daemon=True, name="linktest").start()
+        self._server = linktest.serve_in_background(self.cfg.address, self.cfg.linktest_port,
+                                                    self._stop)
 
     def _save_state(self) -> None:
         cfg = self.cfg
         state = {"transport": "ssh", "role": cfg.role, "ifname": cfg.name, "device": cfg.ifname,
                  "devices": self.devices, "node": cfg.node, "config": str(cfg.path),
                  "pid": os.getpid(), "ssh_pid": self.proc.pid if self.proc else None,
-                 "netns": _my_netns(), "cluster": self.cluster, "started": self.since,
+                 "netns": linktest.current_netns(), "cluster": self.cluster, "started": self.since,
                  "address": cfg.address, "prefixlen": cfg.network.prefixlen, "mtu": cfg.mtu,
                  "hub": cfg.hub, "is_hub": cfg.role == "hub", "server": f"{cfg.server}:{cfg.port}",
                  "reason": cfg.reason, "restarts": self.restarts, "log": str(self.log_path)}
@@ -524,28 +512,6 @@ class Supervisor:
             _del_link(dev)
         with contextlib.suppress(FileNotFoundError):
             (TUNNELS_DIR / f"{self.cfg.name}.json").unlink()
-
-
-def _handle_quietly(c: socket.socket) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        linktest.handle(c, 1.0, 1 << 30)
-
-
-def _my_netns() -> str | None:
-    proc = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True)
-    return proc.stdout.strip() or None
-
-
-def _measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
-    """RTT and rate to a peer's link-test server through the tunnel (as ``tunnel status``'s)."""
-    argv = [sys.executable, "-m", "lorasync.overlay.linktest", "measure", address, str(port),
-            str(seconds), "--send-window"]
-    proc = subprocess.run((["ip", "netns", "exec", netns] if netns else []) + argv,
-                          capture_output=True, text=True, timeout=seconds + 40)
-    if proc.returncode != 0:
-        return {"measure_error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    r = json.loads(proc.stdout)
-    return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
 
 
 def _tail(path: Path, offset: int = 0) -> str:
@@ -624,7 +590,7 @@ def status_one(st: dict, measure: bool, seconds: float) -> dict:
                "endpoint": st.get("server"), "handshake_age_s": None, "rx_bytes": None,
                "tx_bytes": None, "is_hub": cfg is not None and t["name"] == cfg.hub}
         if measure and cfg is not None:
-            row.update(_measure_peer(t["address"], cfg.linktest_port, seconds, st.get("netns")))
+            row.update(linktest.measure_peer(t["address"], cfg.linktest_port, seconds, st.get("netns")))
         peers.append(row)
     return {"ifname": st.get("device") or st["ifname"], "state": st["ifname"], "transport": "ssh",
             "reason": st.get("reason", ""), "node": st.get("node"), "address": st.get("address"),

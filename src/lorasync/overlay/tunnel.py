@@ -625,25 +625,11 @@ class Supervisor:
         self.since = time.time()
 
     def _serve_linktest(self) -> None:
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # the address goes away while wireguard-go restarts; the socket must outlive that
-        srv.setsockopt(socket.SOL_IP, getattr(socket, "IP_FREEBIND", 15), 1)
-        srv.bind((self.cfg.address, self.cfg.listen_port))
-        srv.listen(16)
-        self._server = srv
-
-        def loop():
-            while not self._stop.is_set():
-                try:
-                    c, _ = srv.accept()
-                except OSError:
-                    return
-                threading.Thread(target=_handle_quietly, args=(c,), daemon=True).start()
-        threading.Thread(target=loop, daemon=True, name="linktest").start()
+        self._server = linktest.serve_in_background(self.cfg.address, self.cfg.listen_port,
+                                                    self._stop, freebind=True)
 
     def _save_state(self) -> None:
-        netns = _my_netns()
+        netns = linktest.current_netns()
         state = {"ifname": self.cfg.ifname, "node": self.cfg.node, "config": str(self.cfg.path),
                  "pid": os.getpid(), "wg_pid": self.proc.pid if self.proc else None,
                  "netns": netns, "cluster": self.cluster, "started": self.since,
@@ -726,17 +712,6 @@ class Supervisor:
             wg.remove_relay(self.cfg.ifname)
         with contextlib.suppress(FileNotFoundError):
             (TUNNELS_DIR / f"{self.cfg.ifname}.json").unlink()
-
-
-def _handle_quietly(c: socket.socket) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        linktest.handle(c, 1.0, 1 << 30)
-
-
-def _my_netns() -> str | None:
-    """Name of the network namespace this process is in (``ip netns identify``)."""
-    proc = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True)
-    return proc.stdout.strip() or None
 
 
 def supervise_main(argv: list[str] | None = None) -> int:
@@ -1059,7 +1034,7 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
                "rx_bytes": ps.rx_bytes if ps else None, "tx_bytes": ps.tx_bytes if ps else None,
                "is_hub": n["name"] == cfg.hub}
         if measure and dev is not None:
-            row.update(_measure_peer(n["address"], cfg.listen_port, seconds, netns))
+            row.update(linktest.measure_peer(n["address"], cfg.listen_port, seconds, netns))
         peers.append(row)
     mine = next((n for n in cfg.nodes if n.get("name") == cfg.node), {})
     return {"ifname": cfg.ifname, "transport": "wireguard",
@@ -1070,23 +1045,6 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
             "netns": netns, "cluster": st.get("cluster"), "supervisor_pid": st.get("pid"),
             "supervisor_alive": alive, "wg_pid": st.get("wg_pid"), "restarts": st.get("restarts", 0),
             "started": st.get("started"), "log": st.get("log"), "error": error, "peers": peers}
-
-
-def _measure_peer(address: str, port: int, seconds: float, netns: str | None) -> dict:
-    """RTT and rate to a peer's link-test server through the overlay."""
-    if netns:
-        proc = subprocess.run(_ns(netns, [sys.executable, "-m", "lorasync.overlay.linktest", "measure",
-                                          address, str(port), str(seconds), "--send-window"]),
-                              capture_output=True, text=True, timeout=seconds + 40)
-        if proc.returncode != 0:
-            return {"measure_error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-        r = json.loads(proc.stdout)
-    else:
-        try:
-            r = linktest.measure(address, port, seconds, send_window=True, connect_timeout=5)
-        except (OSError, ValueError) as exc:
-            return {"measure_error": f"{type(exc).__name__}: {exc}"}
-    return {"rtt_s": r["rtt_s"], "rate_bps": r["rate_bps"]}
 
 
 # ---------------------------------------------------------------- training over it
