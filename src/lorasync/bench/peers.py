@@ -100,34 +100,18 @@ class _Trainable:
         return self.ddp.no_sync()
 
 
-class AccelerateLocalSGD:
-    """accelerate's LocalSGD in the place of a lorasync strategy.
+class _PeerStrategy:
+    """What both peer rows share in the place of a lorasync strategy: the
+    trainer's ``none`` strategy inside (``inner``: it counts the steps and keeps
+    the records' fields), the peer's own sync time, bytes and fp32-equivalent
+    bytes added to its stats."""
 
-    ``inner`` is the trainer's ``none`` strategy (it counts the steps and
-    keeps the records' fields); LocalSGD is entered once (it holds DDP's
-    ``no_sync`` for the whole run, as its docs show) and stepped after every
-    optimizer step.  The time of a step's ``LocalSGD.step()`` is exposed sync
-    (``comm_s``: it blocks on a barrier and the all-reduces), and its bytes are
-    the payload it hands to all-reduce (fp32, every averaged tensor)."""
+    in_flight_next_step = grads_hold_momentum = False
 
-    name = strategy = "accelerate_localsgd"
-    in_flight = in_flight_next_step = grads_hold_momentum = False
-
-    def __init__(self, inner, ddp, *, local_sgd_steps: int, params: str = "adapter"):
-        from accelerate import Accelerator
-        from accelerate.local_sgd import LocalSGD
-
+    def __init__(self, inner):
         self.inner = inner
-        self.accelerator = Accelerator(cpu=next(ddp.module.parameters()).device.type == "cpu")
-        target = ddp if params == "all" else _Trainable(ddp)
-        self.local = LocalSGD(accelerator=self.accelerator, model=target,
-                              local_sgd_steps=local_sgd_steps)
-        self.local.__enter__()
-        self.sync_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-        self.adapter_fp32 = sum(p.numel() for p in ddp.module.parameters()
-                                if p.requires_grad) * 4
         self._comm_s = 0.0
-        self._wire = self._fp32 = self._syncs = 0
+        self._wire = self._fp32 = 0
         self._dirty = False
 
     # the trainer stamps and reads this on the strategy it holds
@@ -142,6 +126,42 @@ class AccelerateLocalSGD:
     @property
     def replicas_may_differ(self) -> bool:
         return self._dirty
+
+    def _stats(self, syncs: int) -> dict:
+        s = dict(self.inner.stats())
+        s.update(strategy=self.name, wire_bytes=s["wire_bytes"] + self._wire,
+                 inter_bytes=s["inter_bytes"] + self._wire, fp32_bytes=self._fp32,
+                 comm_s=s["comm_s"] + self._comm_s, syncs=syncs)
+        return s
+
+
+class AccelerateLocalSGD(_PeerStrategy):
+    """accelerate's LocalSGD in the place of a lorasync strategy.
+
+    ``inner`` is the trainer's ``none`` strategy (it counts the steps and
+    keeps the records' fields); LocalSGD is entered once (it holds DDP's
+    ``no_sync`` for the whole run, as its docs show) and stepped after every
+    optimizer step.  The time of a step's ``LocalSGD.step()`` is exposed sync
+    (``comm_s``: it blocks on a barrier and the all-reduces), and its bytes are
+    the payload it hands to all-reduce (fp32, every averaged tensor)."""
+
+    name = strategy = "accelerate_localsgd"
+    in_flight = False
+
+    def __init__(self, inner, ddp, *, local_sgd_steps: int, params: str = "adapter"):
+        from accelerate import Accelerator
+        from accelerate.local_sgd import LocalSGD
+
+        super().__init__(inner)
+        self.accelerator = Accelerator(cpu=next(ddp.module.parameters()).device.type == "cpu")
+        target = ddp if params == "all" else _Trainable(ddp)
+        self.local = LocalSGD(accelerator=self.accelerator, model=target,
+                              local_sgd_steps=local_sgd_steps)
+        self.local.__enter__()
+        self.sync_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+        self.adapter_fp32 = sum(p.numel() for p in ddp.module.parameters()
+                                if p.requires_grad) * 4
+        self._syncs = 0
 
     def after_step(self) -> None:
         self.inner.after_step()
@@ -170,11 +190,7 @@ class AccelerateLocalSGD:
         self._dirty = False
 
     def stats(self) -> dict:
-        s = dict(self.inner.stats())
-        s.update(strategy=self.name, wire_bytes=s["wire_bytes"] + self._wire,
-                 inter_bytes=s["inter_bytes"] + self._wire, fp32_bytes=self._fp32,
-                 comm_s=s["comm_s"] + self._comm_s, syncs=self._syncs)
-        return s
+        return self._stats(self._syncs)
 
     def state_dict(self) -> dict:
         return {**self.inner.state_dict(), "peer": self.name, "num_steps": self.local.num_steps}
@@ -210,7 +226,7 @@ def _fragments(params: list, n: int) -> list:
     return mods
 
 
-class TorchftDiLoCo:
+class TorchftDiLoCo(_PeerStrategy):
     """torchft's DiLoCo / Streaming DiLoCo in the place of a lorasync strategy.
 
     Each rank is a torchft replica group of one (its own Manager, its own
@@ -223,7 +239,6 @@ class TorchftDiLoCo:
     all-reduce in flight (``settle``), as lorasync's streamed rows do."""
 
     name = strategy = "torchft_diloco"
-    grads_hold_momentum = in_flight_next_step = False
 
     def __init__(self, inner, ddp, opt, *, sync_every: int, fragments: int,
                  fragment_sync_delay: int, outer_lr: float, outer_momentum: float,
@@ -238,7 +253,8 @@ class TorchftDiLoCo:
 
         from lorasync.launch.stores import store_address
 
-        self.inner, self.opt = inner, opt
+        super().__init__(inner)
+        self.opt = opt
         addr = store_address()
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.params = params
@@ -261,8 +277,6 @@ class TorchftDiLoCo:
             store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
             hostname=addr, timeout=tmo, quorum_timeout=tmo, connect_timeout=tmo,
             init_sync=False, checkpoint_transport=Transport(timeout=tmo, num_chunks=0))
-        self._wire = self._fp32 = self._syncs = 0
-        self._comm_s = 0.0
         self._t0: float | None = None
         self.adapter_fp32 = sum(p.numel() for p in params) * 4
         allreduce = self.manager.allreduce
@@ -298,18 +312,6 @@ class TorchftDiLoCo:
         if self._t0 is not None:
             self._comm_s += time.perf_counter() - self._t0
             self._t0 = None
-
-    @property
-    def last_ready_time(self):
-        return self.inner.last_ready_time
-
-    @last_ready_time.setter
-    def last_ready_time(self, value):
-        self.inner.last_ready_time = value
-
-    @property
-    def replicas_may_differ(self) -> bool:
-        return self._dirty
 
     @property
     def in_flight(self) -> bool:
@@ -348,11 +350,7 @@ class TorchftDiLoCo:
         self.manager.shutdown(wait=False)
 
     def stats(self) -> dict:
-        s = dict(self.inner.stats())
-        s.update(strategy=self.name, wire_bytes=s["wire_bytes"] + self._wire,
-                 inter_bytes=s["inter_bytes"] + self._wire, fp32_bytes=self._fp32,
-                 comm_s=s["comm_s"] + self._comm_s, syncs=self.manager.current_step())
-        return s
+        return self._stats(self.manager.current_step())
 
     def state_dict(self) -> dict:
         return {**self.inner.state_dict(), "peer": self.name}
