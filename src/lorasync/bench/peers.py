@@ -34,6 +34,7 @@ DeepSpeed's 1-bit Adam is not a row: docs/peers.md says why.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 
@@ -248,10 +249,11 @@ class TorchftDiLoCo(_PeerStrategy):
         import torch
         import torch.distributed as dist
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing import http_transport
         from torchft.checkpointing.http_transport import HTTPTransport
         from torchft.local_sgd import DiLoCo
 
-        from lorasync.launch.stores import store_address
+        from lorasync.launch.stores import listening_socket, store_address
 
         super().__init__(inner)
         self.opt = opt
@@ -262,14 +264,31 @@ class TorchftDiLoCo(_PeerStrategy):
         outer = [torch.optim.SGD(m.parameters(), lr=outer_lr, momentum=outer_momentum,
                                  nesterov=True) for m in self.mods]
 
+        class OnAddress(http_transport._IPv6HTTPServer):
+            # torchft binds its checkpoint server to ("", 0), every address
+            address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+            def __init__(self, _everywhere, handler):
+                super().__init__((addr, 0), handler)
+
         class Transport(HTTPTransport):
-            # its checkpoint server on this node's address (the host name
+            # its checkpoint server on this node's address only (the host name
             # resolves to loopback on emulated nodes); only a healing peer uses it
+            def __init__(self, **kw):
+                everywhere = http_transport._IPv6HTTPServer
+                http_transport._IPv6HTTPServer = OnAddress
+                try:
+                    super().__init__(**kw)
+                finally:
+                    http_transport._IPv6HTTPServer = everywhere
+
             def address(self) -> str:
                 return f"http://{addr}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
         tmo = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+        # the replica's store on this node's address only, as lorasync's own stores
+        self.store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=listening_socket(addr, 0))
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=tmo), min_replica_size=dist.get_world_size(),
             load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
