@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install axolotl-env demo test clean
+.PHONY: install axolotl-env llamafactory-env demo test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,24 @@ $(AXOLOTL_VENV)/.installed: tests/fixtures/axolotl/requirements.txt pyproject.to
 
 axolotl-env: $(AXOLOTL_VENV)/.installed
 
+# LLaMA-Factory's own environment, for the tests that run a real `llamafactory-cli train`
+# with the switch.  LLaMA-Factory imports torchaudio, which has no build for lorasync's
+# torch (2.13): this venv takes torch 2.9.1 with torchvision and torchaudio (a CUDA
+# build, about 6.8 GB; about 2 minutes here) and LLaMA-Factory's own pins
+# (tests/fixtures/llamafactory/constraints.txt).  Where it cannot be built, those tests
+# skip and say why.
+LLAMAFACTORY_VENV ?= .venv-llamafactory
+$(LLAMAFACTORY_VENV)/.installed: tests/fixtures/llamafactory/constraints.txt pyproject.toml
+	rm -rf $(LLAMAFACTORY_VENV)
+	( $(PY) -m venv $(LLAMAFACTORY_VENV) \
+	  && $(LLAMAFACTORY_VENV)/bin/pip install -q torch==2.9.1 torchvision==0.24.1 torchaudio==2.9.1 \
+	  && $(LLAMAFACTORY_VENV)/bin/pip install -q -c tests/fixtures/llamafactory/constraints.txt \
+	       llamafactory==0.9.5 gguf pytest \
+	  && $(LLAMAFACTORY_VENV)/bin/pip install -q --no-deps -e . \
+	  && touch $@ ) || { rm -rf $(LLAMAFACTORY_VENV); echo "LLaMA-Factory's environment could not be built: its tests will skip"; }
+
+llamafactory-env: $(LLAMAFACTORY_VENV)/.installed
+
 demo: install
 	$(BIN)/lorasync train
 
@@ -45,8 +63,8 @@ demo: install
 # second worker fills those waits (16 -> 13 minutes on 2 cores).
 TEST_WORKERS ?= 2
 
-test: install axolotl-env
+test: install axolotl-env llamafactory-env
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
-	rm -rf $(VENV) $(AXOLOTL_VENV) runs
+	rm -rf $(VENV) $(AXOLOTL_VENV) $(LLAMAFACTORY_VENV) runs

@@ -9,8 +9,8 @@ tests/dist/test_axolotl_train.py runs these tests there, as
 
     PYTHONPATH=src .venv-axolotl/bin/python -m pytest tests/unit/test_switch.py -k axolotl
 
-LLaMA-Factory's example config test the same way (llamafactory==0.9.5 plus
-omegaconf, antlr4-python3-runtime==4.9.3 without dependencies; ``-k llamafactory``).
+LLaMA-Factory's example config test runs the same way in ``.venv-llamafactory``
+(``-k llamafactory``; tests/dist/test_llamafactory_train.py).
 """
 
 from __future__ import annotations
@@ -389,9 +389,10 @@ def test_axolotl_post_trainer_create_attaches(axolotl_plugins, tiny_trainer):
 def test_llamafactory_example_has_no_lorasync_and_parses(monkeypatch):
     """examples/llamafactory_lora.yaml: nothing of lorasync in it (the switch does
     it); it parses with LLaMA-Factory's own argument classes where LLaMA-Factory
-    can be imported (0.9.5 was; it is not installed in the project's environment:
-    it imports torchaudio, which has no build for torch 2.13, and pins older
-    transformers, TRL and PEFT; docs/integrations.md)."""
+    can be imported: in its own environment (.venv-llamafactory, run there by
+    tests/dist/test_llamafactory_train.py), not in the project's: it imports
+    torchaudio, which has no build for torch 2.13, and pins older transformers,
+    TRL and PEFT; docs/integrations.md)."""
     import yaml
 
     path = os.path.join(ROOT, "examples", "llamafactory_lora.yaml")
