@@ -3,6 +3,7 @@ the direct link (root only).
 
     sudo .venv/bin/python bench/connectivity.py --out bench/reference/connectivity
     sudo .venv/bin/python bench/connectivity.py --parts outage --out DIR
+    sudo .venv/bin/python bench/connectivity.py --parts matrix --cells 0-3 --out DIR
 
 Two parts, each on 2 emulated nodes at 100 Mbit/s (htb on both ends), node1
 joining node0 (the hub) three ways in turn: ``direct`` (no overlay: the
@@ -377,7 +378,8 @@ def _speed(c, args, d: str, common: list[str]) -> dict:
     if row.summary:
         sm = row.summary
         tr.update(samples_per_s=sm["samples_per_s"], steps=sm["steps"], world_size=sm["world_size"],
-                  sync_share=sm["sync_share"])
+                  sync_share=sm["sync_share"], step_s_median=sm["step_s_median"],
+                  compute_s_mean=sm["compute_s_mean"], comm_s_mean=sm["comm_s_mean"])
         tr.update({k: row.extra[k] for k in ("final_strategy", "last_switch_step", "steps_after_switch",
                                             "samples_per_s_after_switch") if k in row.extra})
     got["train"] = tr
@@ -519,9 +521,10 @@ def table(res: dict) -> str:
             for r in res["matrix"]["direct"] + res["matrix"]["rows"]:
                 bw = r.get("allreduce", {}).get("busbw_Bps")
                 sps = r.get("train", {}).get("samples_per_s")
+                bs, ts = r.get("busbw_share"), r.get("train_share")
                 lines.append(f"| {r['cell']} | {'-' if bw is None else f'{bw * 8 / 1e6:.1f} Mbit/s'} "
-                             f"({r.get('busbw_share') or 0:.2f}) | "
-                             f"{'-' if sps is None else f'{sps:.2f}'} ({r.get('train_share') or 0:.2f}) |")
+                             f"({'-' if bs is None else f'{bs:.2f}'}) | "
+                             f"{'-' if sps is None else f'{sps:.2f}'} ({'-' if ts is None else f'{ts:.2f}'}) |")
     return "\n".join(lines)
 
 
