@@ -3,6 +3,7 @@ the direct link (root only).
 
     sudo .venv/bin/python bench/connectivity.py --out bench/reference/connectivity
     sudo .venv/bin/python bench/connectivity.py --parts outage --out DIR
+    sudo .venv/bin/python bench/connectivity.py --parts matrix --cells 0-3 --out DIR
 
 Two parts, each on 2 emulated nodes at 100 Mbit/s (htb on both ends), node1
 joining node0 (the hub) three ways in turn: ``direct`` (no overlay: the
@@ -26,11 +27,25 @@ matrix      issue 32's connectivity matrix: 3 nodes (node0 open, the hub;
             code and samples/s.  Negative control per cell, on the same
             cluster: what the condition forbids really fails (a connection into
             a node behind NAT; UDP from a node without UDP; a full-size
-            packet with DF set to a node behind the black hole); the open cell
-            has none.
+            packet with DF set to a node behind the black hole); behind
+            symmetric NAT also one UDP socket's packets to two destinations
+            leave from two outside ports (plain NAT: one; shown for it too).
+            Then, on the same cluster, the link's speed through the cell's
+            overlay: gloo's all-reduce bus bandwidth at 16 MB (``lorasync
+            probe``) at --matrix-rate, and, with every link set to
+            --matrix-train-rate, ``lorasync train --comm auto`` on
+            --matrix-train-model for --matrix-train-steps steps (samples/s of
+            the run's summary).  The same two figures on the direct link (3
+            open nodes, no overlay) before the cells and after them give each
+            cell's share of the direct link (against the mean of the two)
+            and the spread of the direct runs.  --cells picks cells (indices
+            into CELLS) so that the matrix can be run in parts; each part
+            compares with its own direct runs.
 
 Results: ``throughput.json``, ``outage.json`` and ``matrix.json`` in --out
-(default bench/results/connectivity-DATE), and a table on stdout.
+(default bench/results/connectivity-DATE), and a table on stdout.  The
+matrix with its speed figures takes about 1.5 min per cell and 2 min per
+direct run on 2 cores (the embedded default's training dominates).
 """
 
 from __future__ import annotations
@@ -57,9 +72,9 @@ def _spec(kind: str, rate: str) -> str:
     return f"nodes=2,rate={rate},name={TAG}" + ("" if kind == "direct" else f",overlay={kind}")
 
 
-def _busbw(cluster, out: str, timeout: float) -> dict:
+def _busbw(cluster, out: str, timeout: float, extra: tuple = ("--time-budget", "60")) -> dict:
     path = os.path.join(out, "probe.json")
-    rc = launch_on_cluster(cluster, ["probe", "--max-bytes", "16M", "--time-budget", "60",
+    rc = launch_on_cluster(cluster, ["probe", "--max-bytes", "16M", *extra,
                                      "--no-pairs", "--output", path], timeout=timeout,
                            log_dir=os.path.join(out, "logs"))
     if rc != 0 or not os.path.exists(path):
@@ -238,6 +253,62 @@ s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print("ready", flush=
 """
 
 
+# one UDP socket sends to two ports of node0; node0 prints the source port each saw
+_UDP_SEEN = """
+import json, socket, sys
+socks = []
+for port in sys.argv[2:]:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], int(port)))
+    s.settimeout(5); socks.append(s)
+print("ready", flush=True)
+seen = []
+for s in socks:
+    try:
+        seen.append(s.recvfrom(100)[1][1])
+    except socket.timeout:
+        seen.append(None)
+print(json.dumps(seen), flush=True)
+"""
+
+_UDP_SEND = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], int(sys.argv[2])))
+for port in sys.argv[4:]:
+    s.sendto(b"x", (sys.argv[3], int(port)))
+"""
+
+_UDP_PORTS = ("29671", "29672")
+
+
+def _mapping(c, i: int) -> dict:
+    """The outside ports node0 sees for one UDP socket of node ``i`` (local port
+    29670) sending to two of its ports: one port behind plain NAT (the mapping
+    does not depend on the destination, which hole punching relies on), two
+    behind symmetric NAT."""
+    dst = c.nodes[0].address
+    try:
+        seen = _udp_ports(c, i, dst)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:  # the cell's other figures stay
+        return {"node": c.nodes[i].name, "error": f"{type(exc).__name__}: {exc}", "per_destination": None}
+    return {"node": c.nodes[i].name, "local_port": 29670, "to": [f"{dst}:{p}" for p in _UDP_PORTS],
+            "seen_ports": seen, "per_destination": None not in seen and len(set(seen)) == len(seen)}
+
+
+def _udp_ports(c, i: int, dst: str) -> list:
+    srv = subprocess.Popen(c.exec_argv(0, [sys.executable, "-c", _UDP_SEEN, dst, *_UDP_PORTS]),
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        srv.stdout.readline()
+        subprocess.run(c.exec_argv(i, [sys.executable, "-c", _UDP_SEND, c.nodes[i].address, "29670",
+                                       dst, *_UDP_PORTS]), check=True, timeout=30)
+        seen = json.loads(srv.communicate(timeout=30)[0])
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.communicate()
+    return seen
+
+
 def _negative(c, keys: str) -> dict:
     """What the cell's condition forbids, tried on the underlay; {} for the open cell."""
     from lorasync.emulate import overlay as cov
@@ -261,8 +332,14 @@ def _negative(c, keys: str) -> dict:
         finally:
             lst.kill()
             lst.communicate()
-        return {"check": f"node0 connects to {n.name} behind NAT ({n.outside}:29666, a listener there)",
-                "failed": seen != "connected", "seen": seen}
+        neg = {"check": f"node0 connects to {n.name} behind NAT ({n.outside}:29666, a listener there)",
+               "failed": seen != "connected", "seen": seen, "mapping": _mapping(c, i)}
+        if i in spec.symmetric_nat:
+            # what makes it symmetric: a new outside port per destination
+            neg["check"] += (f"; one UDP socket of {n.name} to two ports of node0 leaves from one "
+                             "outside port")
+            neg["failed"] = neg["failed"] and neg["mapping"]["per_destination"]
+        return neg
     if spec.mtu_blackhole:
         i = spec.mtu_blackhole[0]
         code = ("import json, sys; from lorasync.netdiag.pmtu import find_path_mtu; "
@@ -275,13 +352,93 @@ def _negative(c, keys: str) -> dict:
     return {}
 
 
+def _train_common(args, out: str) -> list[str]:
+    """The ``lorasync train`` arguments of the speed runs (the embedded default
+    is converted first, once): the bench rows' own, with ``--comm auto`` and one
+    thread per rank (3 ranks share the machine's cores)."""
+    from lorasync.bench.rows import prepare_run
+
+    ns = argparse.Namespace(output_dir=out, model=args.matrix_train_model, steps=args.matrix_train_steps,
+                            batch_size=args.matrix_train_batch, eval_size=0)
+    _, common = prepare_run(ns)
+    return [*common, "--comm", "auto", "--threads", "1"]
+
+
+def _speed(c, args, d: str, common: list[str]) -> dict:
+    """The cluster's all-reduce bus bandwidth at --matrix-rate, then (every
+    link set to --matrix-train-rate) auto's training speed: the figures a cell
+    sets beside the direct link's."""
+    from lorasync.bench.rows import Row, run_row
+
+    got = {"allreduce": _busbw(c, d, args.row_timeout, ("--repeats", "3", "--time-budget", "40"))}
+    c.set_rate(args.matrix_train_rate)
+    row = Row(key="auto", label="auto", args=[])
+    run_row(c, row, common, d, args.train_timeout)
+    tr = {"rate": args.matrix_train_rate, "status": row.status, "wall_s": row.extra.get("wall_s")}
+    if row.summary:
+        sm = row.summary
+        tr.update(samples_per_s=sm["samples_per_s"], steps=sm["steps"], world_size=sm["world_size"],
+                  sync_share=sm["sync_share"], step_s_median=sm["step_s_median"],
+                  compute_s_mean=sm["compute_s_mean"], comm_s_mean=sm["comm_s_mean"])
+        tr.update({k: row.extra[k] for k in ("final_strategy", "last_switch_step", "steps_after_switch",
+                                            "samples_per_s_after_switch") if k in row.extra})
+    got["train"] = tr
+    return got
+
+
+def _direct(args, out: str, k: int, common: list[str]) -> dict:
+    spec = f"nodes=3,rate={args.matrix_rate},name={TAG}d{k}"
+    _log(f"== matrix direct link ({'before' if k == 0 else 'after'} the cells): {spec}")
+    row = {"cell": "direct", "emulate": spec, "when": "before the cells" if k == 0 else "after the cells"}
+    try:
+        with emulated(parse_emulate(spec)) as c:
+            row.update(_speed(c, args, os.path.join(out, f"matrix-direct-{k}"), common))
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    _log(f"   {row}")
+    return row
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def shares(rows: list[dict], direct: list[dict], within: float = 0.05) -> dict:
+    """Each cell's all-reduce bandwidth and auto's samples/s as a share of the
+    direct link's (the mean of its runs), into the rows; returns the direct
+    link's figures, their spread ((max - min) / mean) and the target counts."""
+    bw = [r.get("allreduce", {}).get("busbw_Bps") for r in direct]
+    sps = [r.get("train", {}).get("samples_per_s") for r in direct]
+    bw0, sps0 = _mean(bw), _mean(sps)
+    for r in rows:
+        b = r.get("allreduce", {}).get("busbw_Bps")
+        r["busbw_share"] = b / bw0 if b is not None and bw0 else None
+        t = r.get("train", {}).get("samples_per_s")
+        r["train_share"] = t / sps0 if t is not None and sps0 else None
+        r["train_within"] = None if r["train_share"] is None else r["train_share"] >= 1 - within
+
+    def spread(xs):
+        xs = [x for x in xs if x is not None]
+        return (max(xs) - min(xs)) / statistics.fmean(xs) if len(xs) > 1 else None
+
+    return {"busbw_Bps": bw, "busbw_Bps_mean": bw0, "busbw_spread": spread(bw),
+            "samples_per_s": sps, "samples_per_s_mean": sps0, "samples_per_s_spread": spread(sps),
+            "within": within, "train_within": sum(bool(r["train_within"]) for r in rows),
+            "train_measured": sum(r["train_share"] is not None for r in rows)}
+
+
 def part_matrix(args, out: str) -> dict:
+    cells = [(k, *CELLS[k]) for k in _cells(args.cells)]
+    speed = not args.no_matrix_speed
+    common = _train_common(args, out) if speed else []
+    direct = [_direct(args, out, 0, common)] if speed else []
     rows = []
-    for k, (cell, keys) in enumerate(CELLS):
+    for k, cell, keys in cells:
         spec = f"nodes=3,rate={args.matrix_rate},overlay=auto,name={TAG}m{k}" + (f",{keys}" if keys else "")
         _log(f"== matrix {cell}: {spec}")
         d = os.path.join(out, f"matrix-{k}")
-        row = {"cell": cell, "emulate": spec}
+        row = {"cell": cell, "index": k, "emulate": spec}
         t0 = time.monotonic()
         try:
             with emulated(parse_emulate(spec)) as c:
@@ -300,13 +457,37 @@ def part_matrix(args, out: str) -> dict:
                         sm = json.load(f)
                     row.update(steps=sm["steps"], samples_per_s=sm["samples_per_s"],
                                world_size=sm["world_size"])
+                if speed:
+                    row.update(_speed(c, args, d, common))
         except Exception as exc:  # a cell that does not come up is a result, not the end
             row["error"] = f"{type(exc).__name__}: {exc}"
         row["trained"] = row.get("rc") == 0 and row.get("world_size") == 3
         rows.append(row)
         _log(f"   {row}")
-    return {"rows": rows, "command": "lorasync train --model tiny (on the cluster, launch_on_cluster)",
-            "trained": sum(r["trained"] for r in rows), "cells": len(rows)}
+        with open(os.path.join(out, "matrix.partial.json"), "w") as f:  # what a stopped run leaves
+            json.dump({"direct": direct, "rows": rows}, f, indent=1)
+    res = {"rows": rows, "command": "lorasync train --model tiny (on the cluster, launch_on_cluster)",
+           "trained": sum(r["trained"] for r in rows), "cells": len(rows)}
+    if speed:
+        direct.append(_direct(args, out, 1, common))
+        res.update(direct=direct, direct_figures=shares(rows, direct),
+                   allreduce_rate=args.matrix_rate, train_rate=args.matrix_train_rate,
+                   train_command="lorasync train " + " ".join(common))
+    return res
+
+
+def _cells(text: str) -> list[int]:
+    """``"0-3"``, ``"4,6"`` or ``""`` (every cell) -> indices into CELLS."""
+    if not text:
+        return list(range(len(CELLS)))
+    out = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        if not a.isdigit() or (b and not b.isdigit()) or int(b or a) >= len(CELLS) or int(a) > int(b or a):
+            raise SystemExit(f"connectivity: --cells {text!r}: give indices 0-{len(CELLS) - 1} "
+                             "as a comma list or ranges, e.g. 0-3 or 4,6")
+        out += range(int(a), int(b or a) + 1)
+    return sorted(set(out))
 
 
 def table(res: dict) -> str:
@@ -334,6 +515,16 @@ def table(res: dict) -> str:
             neg = r.get("negative") or {}
             nc = "-" if not neg else f"{neg['check']}: {'fails' if neg['failed'] else 'PASSES'}"
             lines.append(f"| {r['cell']} | {tr} | {'yes' if r['trained'] else 'NO'} | {nc} |")
+        if "direct" in res["matrix"]:
+            lines += ["", "| node1 / node2 | all-reduce busbw (share of direct) | auto samples/s "
+                      "(share of direct) |", "|---|---|---|"]
+            for r in res["matrix"]["direct"] + res["matrix"]["rows"]:
+                bw = r.get("allreduce", {}).get("busbw_Bps")
+                sps = r.get("train", {}).get("samples_per_s")
+                bs, ts = r.get("busbw_share"), r.get("train_share")
+                lines.append(f"| {r['cell']} | {'-' if bw is None else f'{bw * 8 / 1e6:.1f} Mbit/s'} "
+                             f"({'-' if bs is None else f'{bs:.2f}'}) | "
+                             f"{'-' if sps is None else f'{sps:.2f}'} ({'-' if ts is None else f'{ts:.2f}'}) |")
     return "\n".join(lines)
 
 
@@ -347,6 +538,15 @@ def main() -> int:
     ap.add_argument("--row-timeout", type=float, default=240.0)
     ap.add_argument("--matrix-rate", default="100mbit")
     ap.add_argument("--matrix-steps", type=int, default=3)
+    ap.add_argument("--cells", default="", help="the matrix's cells to run (indices into CELLS: "
+                    "0-3, 4,6; default every cell)")
+    ap.add_argument("--no-matrix-speed", action="store_true",
+                    help="the matrix without its speed figures (all-reduce, auto's training)")
+    ap.add_argument("--matrix-train-rate", default="10mbit")
+    ap.add_argument("--matrix-train-model", default="smollm2-135m")
+    ap.add_argument("--matrix-train-steps", type=int, default=16)
+    ap.add_argument("--matrix-train-batch", type=int, default=4)
+    ap.add_argument("--train-timeout", type=float, default=420.0)
     ap.add_argument("--out", default=os.path.join("bench", "results",
                                                   f"connectivity-{time.strftime('%Y%m%d-%H%M%S')}"))
     args = ap.parse_args()

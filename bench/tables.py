@@ -648,22 +648,83 @@ def connectivity() -> str:
     return "\n".join(lines)
 
 
-def connectivity_matrix() -> str:
-    """bench/connectivity.py --parts matrix: issue 32's cells with overlay=auto,
-    the transport each node got, whether the tiny model trained, and each
-    cell's negative control."""
-    m = _load("connectivity", "matrix.json")
-    lines = ["| node1 / node2 | node1 joins over | node2 joins over | trains (3 ranks) | "
-             "negative control (without the overlay) |", "|---|---|---|---|---|"]
-    for r in m["rows"]:
+def _matrix_negative(neg: dict) -> str:
+    if not neg:
+        return "none (nothing is forbidden)"
+    text = f"{neg['check']}: " + ("fails, as it must" if neg["failed"] else
+                                  "PASSES (the condition is not real)")
+    mp = neg.get("mapping") or {}
+    if mp.get("seen_ports"):
+        ports = mp["seen_ports"]
+        text += (f" ({mp['node']}'s one UDP socket reached two ports of node0 from "
+                 + (f"port {ports[0]} both times)" if len(set(ports)) == 1 else
+                    "ports " + " and ".join(str(p) for p in ports) + ")"))
+    return text
+
+
+def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
+    """bench/connectivity.py --parts matrix, run in parts (--cells): issue 32's
+    cells with overlay=auto, the transport each node got, whether the tiny model
+    trained, each cell's negative control, and the speed through the cell's
+    overlay as a share of the direct link's in the same invocation: the
+    all-reduce bus bandwidth and auto's samples/s on the embedded default."""
+    if parts is None:
+        paths = sorted((REF / "connectivity").glob("matrix-cells*.json"))
+        if not paths:
+            raise Missing("bench/reference/connectivity/matrix-cells*.json")
+        parts = [json.loads(p.read_text()) for p in paths]
+    from lorasync.units import fmt_rate, parse_rate_bps
+
+    m0 = parts[0]
+    pct = f"{m0['direct_figures']['within']:.0%}"
+    ar_rate, tr_rate = (fmt_rate(parse_rate_bps(m0[k]), unit="bit") for k in ("allreduce_rate", "train_rate"))
+    lines = ["| node1 / node2 | node1 joins over | node2 joins over | trains (tiny, 3 ranks) | "
+             "negative control (without the overlay) | all-reduce bus bandwidth, 16 MB at "
+             f"{ar_rate} (share of direct) | auto on the embedded default at "
+             f"{tr_rate}, samples/s (share of direct) | within {pct} of direct |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows, verdicts = [], []
+    for m in parts:
+        # a verdict only where the invocation's direct runs agree within the margin
+        f = m["direct_figures"]
+        resolved = f["samples_per_s_spread"] is None or f["samples_per_s_spread"] <= f["within"]
+        for r in m["rows"]:
+            rows.append(r)
+            verdicts.append("-" if r.get("train_within") is None else
+                            f"unresolved (direct runs {f['samples_per_s_spread']:.0%} apart)"
+                            if not resolved else "yes" if r["train_within"] else "no")
+    for r, within in zip(rows, verdicts):
         tr = [r.get("transports", {}).get(f"node{i}", {}).get("transport", "-") for i in (1, 2)]
-        neg = r.get("negative") or {}
-        nc = "none (nothing is forbidden)" if not neg else \
-            f"{neg['check']}: {'fails, as it must' if neg['failed'] else 'PASSES (the condition is not real)'}"
         ok = f"yes ({r['steps']} steps)" if r["trained"] else \
             f"NO ({r.get('error') or 'exit ' + str(r.get('rc'))})"
-        lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {ok} | {nc} |")
-    lines += ["", f"{m['trained']} of {m['cells']} cells trained."]
+        bw = r.get("allreduce", {}).get("busbw_Bps")
+        bw_text = "-" if bw is None else f"{bw * 8 / 1e6:.1f} Mbit/s ({_fig(r.get('busbw_share'), '{:.2f}')})"
+        t = r.get("train", {})
+        t_text = (f"{t['samples_per_s']:.2f} ({_fig(r.get('train_share'), '{:.2f}')})"
+                  if t.get("samples_per_s") is not None else t.get("status", "-"))
+        lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {ok} | {_matrix_negative(r.get('negative'))} "
+                     f"| {bw_text} | {t_text} | {within} |")
+    lines += ["", "| invocation (cells) | direct link | all-reduce bus bandwidth | auto, samples/s |",
+              "|---|---|---|---|"]
+    for m in parts:
+        cells = ", ".join(str(r["index"]) for r in m["rows"])
+        for d in m["direct"]:
+            bw = d.get("allreduce", {}).get("busbw_Bps")
+            sps = d.get("train", {}).get("samples_per_s")
+            lines.append(f"| {cells} | {d['when']} | {_fig(None if bw is None else bw * 8 / 1e6, '{:.1f} Mbit/s')} "
+                         f"| {_fig(sps, '{:.2f}')} |")
+        f = m["direct_figures"]
+        lines.append(f"| {cells} | mean (spread) | {_fig(f['busbw_Bps_mean'] and f['busbw_Bps_mean'] * 8 / 1e6, '{:.1f} Mbit/s')} "
+                     f"({_fig(f['busbw_spread'], '{:.0%}')}) | {_fig(f['samples_per_s_mean'], '{:.2f}')} "
+                     f"({_fig(f['samples_per_s_spread'], '{:.0%}')}) |")
+    trained = sum(m["trained"] for m in parts)
+    measured = [v for v in verdicts if v != "-"]
+    shares = [r["busbw_share"] for r in rows if r.get("busbw_share") is not None]
+    lines += ["", f"{trained} of {len(rows)} cells trained; auto within {pct} of the direct link: "
+              f"yes in {measured.count('yes')}, no in {measured.count('no')}, unresolved in "
+              f"{len(measured) - measured.count('yes') - measured.count('no')} of {len(measured)} cells"
+              + (f"; all-reduce share of the direct link {min(shares):.2f} to {max(shares):.2f}."
+                 if shares else ".")]
     return "\n".join(lines)
 
 
@@ -693,7 +754,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
     "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
     "connectivity": connectivity,
-    "connectivity-matrix": connectivity_matrix,
+    "connectivity-matrix-targets": connectivity_matrix_targets,
 }
 
 
