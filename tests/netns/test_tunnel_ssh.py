@@ -1,0 +1,174 @@
+"""``lorasync tunnel init/join/assemble/up`` on "real hosts" with UDP blocked: the SSH path.
+
+Two network namespaces of an emulated cluster (``block_udp=node1``, no
+overlay of the cluster's own) stand for two hosts: node0 is the overlay's
+hub, node1 can send only TCP.  Each "host" keeps its tunnel state in a
+directory of its own (``LORASYNC_TUNNEL_DIR``), as separate machines would.
+Everything a user runs is the real command line, run inside the host's
+namespace: ``tunnel init --ssh`` and ``probe-server`` on the hub, ``join``
+(auto) on each, ``assemble``, ``up``, ``status``, ``down``.
+
+Needs root, iproute2, nftables and Debian's openssh-server (installed by
+.ci/run where root is available); skipped with the reason otherwise.  The
+cluster is removed in ``finally``; the test checks that nothing of the
+overlay is left: sshd, ssh, supervisors, tun devices, state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import cli_env
+from lorasync.emulate.cluster import Cluster, down, parse_emulate
+
+
+def _why() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    missing = [t for t in ("ip", "tc", "nft", "ssh", "ssh-keygen") if not shutil.which(t)]
+    if not os.access("/usr/sbin/sshd", os.X_OK):
+        missing.append("sshd")
+    if missing:
+        return f"needs {', '.join(missing)} (apt-get install -y iproute2 nftables openssh-server)"
+    if not os.path.exists("/dev/net/tun"):
+        return "needs /dev/net/tun"
+    return None
+
+
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why() is not None, reason=_why() or "")]
+
+TAG = f"t{os.getpid() % 100000}"
+NAME = f"{TAG}ssh"
+IFNAME = f"lt{TAG}"
+#: not /tmp: sshd (StrictModes) refuses an authorized_keys file under a world-writable directory
+STATE = f"/run/lorasync/{TAG}-hosts"
+
+_ALLREDUCE = textwrap.dedent("""
+    import sys, datetime, torch, torch.distributed as dist
+    rank, master = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:29511", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    t = torch.full((1 << 18,), float(rank + 1))
+    dist.all_reduce(t)
+    print("sum", float(t[0]), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture
+def hosts():
+    c = Cluster.up(parse_emulate(f"nodes=2,block_udp=node1,name={NAME}"))
+    try:
+        yield c
+    finally:
+        for i in range(2):
+            _lorasync(c, i, "tunnel", "down", "--ifname", IFNAME, check=False)
+        c.down()
+        down(NAME)
+        shutil.rmtree(STATE, ignore_errors=True)
+
+
+def _env(i: int) -> dict:
+    return cli_env(LORASYNC_TUNNEL_DIR=f"{STATE}/node{i}")
+
+
+def _lorasync(c: Cluster, i: int, *args, check: bool = True, timeout: float = 60):
+    p = subprocess.run(c.exec_argv(i, [sys.executable, "-m", "lorasync", *map(str, args)]),
+                       env=_env(i), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert p.returncode == 0, f"{args}: {p.stdout}{p.stderr}"
+    return p
+
+
+def _ours_left(c: Cluster) -> list[str]:
+    """Processes, devices and state files of this overlay still there."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if STATE.encode() in cmd or (b"probe" in cmd and IFNAME.encode() in cmd):
+            left.append(f"process {pid}: {cmd.replace(bytes(1), b' ').decode()[:120]}")
+    for i in range(2):
+        links = subprocess.run(c.exec_argv(i, ["ip", "-o", "link"]), capture_output=True,
+                               text=True).stdout
+        left += [f"node{i}: {ln.split(':')[1].strip()}" for ln in links.splitlines()
+                 if "tun10" in ln or IFNAME in ln]
+        d = f"{STATE}/node{i}"
+        if os.path.isdir(d):
+            left += [f"node{i}: {f}" for f in os.listdir(d) if not f.endswith(".log")]
+    return left
+
+
+def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path):
+    c = hosts
+    hub, node = c.nodes[0], c.nodes[1]
+    out = tmp_path / "overlay"
+    # the hub plans the overlay and offers the SSH path on its one address (default port 443)
+    p = _lorasync(c, 0, "tunnel", "init", "--out", out, "--hub", f"h={hub.outside}", "--node",
+                  "n1", "--ifname", IFNAME, "--subnet", "10.79.0.0/24", "--ssh")
+    assert f"sshd on {hub.outside}:443" in p.stdout
+    plan = json.loads((out / "n1.plan.json").read_text())
+    assert plan["ssh"] == {"host": hub.outside, "listen": hub.outside, "port": 443, "user": "root"}
+
+    # while the nodes join, the hub answers their probes
+    srv = subprocess.Popen(c.exec_argv(0, [sys.executable, "-m", "lorasync", "tunnel",
+                                           "probe-server", "--out", str(out), "--seconds", "60"]),
+                           env=_env(0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "answering probes" in srv.stdout.readline()
+        _lorasync(c, 0, "tunnel", "join", out / "h.plan.json")
+        p = _lorasync(c, 1, "tunnel", "join", out / "n1.plan.json")
+        assert "transport: SSH over TCP" in p.stdout and "got no answer" in p.stdout, p.stdout
+        pub = json.loads((out / "n1.pub.json").read_text())
+        assert pub["transport"] == "ssh" and pub["ssh_public_key"].startswith("ssh-ed25519 ")
+        assert "BEGIN OPENSSH PRIVATE KEY" not in (out / "n1.pub.json").read_text()
+        _lorasync(c, 0, "tunnel", "assemble", "--out", out)
+        # the probe server still holds the SSH port: `up` says so in one line, exit 2
+        p = _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json", check=False)
+        assert p.returncode == 2 and "TCP port 443" in p.stderr and "in use" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert _ours_left(c) == []
+    finally:
+        srv.kill()
+        srv.wait()
+
+    _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json")
+    p = _lorasync(c, 1, "tunnel", "up", "--config", out / "n1.tunnel.json")
+    assert "on tun101" in p.stdout and "SSH to" in p.stdout, p.stdout
+
+    # the hub's overlay address answers through the tunnel (its link-test port; no ping here)
+    code = "import socket; socket.create_connection(('10.79.0.1', 51820), timeout=5).close()"
+    conn = subprocess.run(c.exec_argv(1, [sys.executable, "-c", code]), capture_output=True, text=True)
+    assert conn.returncode == 0, conn.stderr
+    # gloo's all-reduce over the overlay: the hub's address on its stand-in interface, the
+    # node's on its tun device
+    ranks = [subprocess.Popen(c.exec_argv(i, [sys.executable, "-c", _ALLREDUCE, str(i), "10.79.0.1"]),
+                              env=dict(_env(i), GLOO_SOCKET_IFNAME=dev), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for i, dev in ((0, IFNAME), (1, "tun101"))]
+    outs = [r.communicate(timeout=90) for r in ranks]
+    assert all(r.returncode == 0 for r in ranks), outs
+    assert all("sum 3.0" in o for o, _ in outs), outs
+
+    st = _lorasync(c, 1, "tunnel", "status", "--ifname", IFNAME, "--seconds", "0.3")
+    assert "transport: SSH over TCP: UDP to the hub" in st.stdout and "got no answer" in st.stdout
+    st = json.loads(_lorasync(c, 1, "tunnel", "status", "--json", "--no-measure").stdout)
+    assert [t["transport"] for t in st] == ["ssh"] and "UDP" in st[0]["reason"]
+    st = _lorasync(c, 0, "tunnel", "status", "--no-measure")
+    assert "serves n1 over SSH" in st.stdout, st.stdout
+
+    for i in (1, 0):
+        p = _lorasync(c, i, "tunnel", "down")
+        assert "removed" in p.stdout
+    assert _ours_left(c) == []
+    nft = subprocess.run(c.exec_argv(0, ["nft", "list", "tables"]), capture_output=True, text=True)
+    assert IFNAME not in nft.stdout
