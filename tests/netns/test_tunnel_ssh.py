@@ -62,17 +62,26 @@ _ALLREDUCE = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def hosts():
-    c = Cluster.up(parse_emulate(f"nodes=2,block_udp=node1,name={NAME}"))
+def _cluster(nodes: int):
+    c = Cluster.up(parse_emulate(f"nodes={nodes},block_udp=node1,name={NAME}"))
     try:
         yield c
     finally:
-        for i in range(2):
+        for i in range(nodes):
             _lorasync(c, i, "tunnel", "down", "--ifname", IFNAME, check=False)
         c.down()
         down(NAME)
         shutil.rmtree(STATE, ignore_errors=True)
+
+
+@pytest.fixture
+def hosts():
+    yield from _cluster(2)
+
+
+@pytest.fixture
+def hosts_and_jump():
+    yield from _cluster(3)
 
 
 def _env(i: int) -> dict:
@@ -95,9 +104,11 @@ def _ours_left(c: Cluster) -> list[str]:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
+        if f"{STATE}/jump/".encode() in cmd:   # the test's own jump host, not the overlay's
+            continue
         if STATE.encode() in cmd or (b"probe" in cmd and IFNAME.encode() in cmd):
             left.append(f"process {pid}: {cmd.replace(bytes(1), b' ').decode()[:120]}")
-    for i in range(2):
+    for i in range(len(c.nodes)):
         links = subprocess.run(c.exec_argv(i, ["ip", "-o", "link"]), capture_output=True,
                                text=True).stdout
         left += [f"node{i}: {ln.split(':')[1].strip()}" for ln in links.splitlines()
@@ -172,3 +183,94 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
     assert _ours_left(c) == []
     nft = subprocess.run(c.exec_argv(0, ["nft", "list", "tables"]), capture_output=True, text=True)
     assert IFNAME not in nft.stdout
+
+
+_JUMP_SSHD = """ListenAddress {addr}:2200
+HostKey {d}/jump_host.key
+PidFile {d}/sshd.pid
+AuthorizedKeysFile {d}/authorized_keys
+AllowUsers root
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+AllowTcpForwarding yes
+PermitOpen {hub}:443
+PermitTTY no
+X11Forwarding no
+LogLevel VERBOSE
+"""
+
+
+def test_ssh_jump_reaches_a_hub_only_the_jump_host_can_reach(hosts_and_jump, tmp_path):
+    """node1 has neither UDP nor a TCP path of its own to the hub's sshd: only
+    node2, a jump host running its own sshd, reaches it.  `join --ssh-jump`
+    takes the SSH path without probing; ssh's jump leg is the user's ordinary
+    ssh (root's ~/.ssh, in a private mount namespace here)."""
+    c = hosts_and_jump
+    hub, jump = c.nodes[0], c.nodes[2]
+    subprocess.run(c.exec_argv(1, ["nft", "-f", "-"]), check=True, text=True, input=(
+        f"table inet {IFNAME}j {{\n  chain out {{\n    type filter hook output priority 0; "
+        f"policy accept;\n    ip daddr {hub.outside} tcp dport 443 drop\n  }}\n}}\n"))
+    # the jump host's sshd: root's key of node1 may forward to the hub's sshd, nothing else
+    d = f"{STATE}/jump"
+    home = tmp_path / "root-home"
+    os.makedirs(d, mode=0o700)
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    for key in (f"{d}/jump_host.key", str(home / ".ssh" / "id_ed25519")):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+    pub = (home / ".ssh" / "id_ed25519.pub").read_text().split()
+    with open(f"{d}/authorized_keys", "w") as f:
+        f.write(f'restrict,port-forwarding,permitopen="{hub.outside}:443" {pub[0]} {pub[1]}\n')
+    os.chmod(f"{d}/authorized_keys", 0o600)
+    with open(f"{d}/sshd_config", "w") as f:
+        f.write(_JUMP_SSHD.format(addr=jump.outside, d=d, hub=hub.outside))
+    host_pub = " ".join(open(f"{d}/jump_host.key.pub").read().split()[:2])
+    (home / ".ssh" / "known_hosts").write_text(f"[{jump.outside}]:2200 {host_pub}\n")
+    (home / ".ssh" / "config").write_text(
+        f"Host jump\n  HostName {jump.outside}\n  Port 2200\n  User root\n"
+        f"  IdentityFile /root/.ssh/id_ed25519\n  StrictHostKeyChecking yes\n")
+    for f in (home / ".ssh").iterdir():
+        os.chmod(f, 0o600)
+    jsshd = subprocess.Popen(c.exec_argv(2, ["/usr/sbin/sshd", "-D", "-e", "-f", f"{d}/sshd_config"]),
+                             stdout=subprocess.DEVNULL, stderr=open(f"{d}/sshd.log", "w"))
+    try:
+        out = tmp_path / "overlay"
+        _lorasync(c, 0, "tunnel", "init", "--out", out, "--hub", f"h={hub.outside}", "--node",
+                  "n1", "--ifname", IFNAME, "--subnet", "10.79.0.0/24", "--ssh")
+        _lorasync(c, 0, "tunnel", "join", out / "h.plan.json")
+        p = _lorasync(c, 1, "tunnel", "join", out / "n1.plan.json", "--ssh-jump", "jump")
+        assert "transport: SSH over TCP: --ssh-jump jump" in p.stdout, p.stdout
+        _lorasync(c, 0, "tunnel", "assemble", "--out", out)
+        assert json.loads((out / "n1.tunnel.json").read_text())["ssh"]["proxy_jump"] == "jump"
+        _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json")
+        # node1's root home holds its ssh config for the jump host (a private mount here)
+        # (whatever else lives in /root, e.g. this Python, stays visible through a bind mount)
+        old = tmp_path / "old-root"
+        old.mkdir()
+        up = (f"mount --bind /root {old} && mount -t tmpfs tmpfs /root && "
+              f"for e in {old}/* {old}/.[!.]*; do [ -e \"$e\" ] || continue; "
+              f"t=/root/$(basename \"$e\"); if [ -d \"$e\" ]; then mkdir \"$t\"; else touch \"$t\"; fi; "
+              f"mount --bind \"$e\" \"$t\"; done; "
+              f"rm -rf /root/.ssh 2>/dev/null; cp -a {home}/.ssh /root/ && exec {sys.executable} "
+              f"-m lorasync tunnel up --config {out}/n1.tunnel.json")
+        p = subprocess.run(c.exec_argv(1, ["unshare", "-m", "--propagation", "private", "sh", "-c", up]),
+                           env=_env(1), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
+        code = ("import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+                "timeout=5).close()")
+        # through the jump host: the hub's overlay address answers; directly: the sshd does not
+        ok = subprocess.run(c.exec_argv(1, [sys.executable, "-c", code, "10.79.0.1", "51820"]),
+                            capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stderr
+        direct = subprocess.run(c.exec_argv(1, [sys.executable, "-c", code, hub.outside, "443"]),
+                                capture_output=True, text=True)
+        assert direct.returncode != 0
+        log = open(f"{d}/sshd.log").read()
+        assert "Accepted publickey for root" in log, log
+        for i in (1, 0):
+            _lorasync(c, i, "tunnel", "down", "--ifname", IFNAME)
+        assert _ours_left(c) == []
+    finally:
+        jsshd.terminate()
+        jsshd.wait(timeout=10)

@@ -194,8 +194,21 @@ def ssh_argv(*, server: str, port: int, key_file: str | Path, known_hosts: str |
             "-o", f"ConnectTimeout={int(connect_timeout_s)}", "-o", "ControlMaster=no",
             "-o", "ControlPath=none", "-o", "LogLevel=ERROR"]
     if proxy_jump:
-        argv += ["-J", proxy_jump]
+        argv += ["-o", f"ProxyCommand={jump_command(proxy_jump)}"]
     return argv + ["-p", str(int(port)), f"root@{server}"]
+
+
+def jump_command(proxy_jump: str) -> str:
+    """ssh's ProxyCommand through ``[USER@]HOST[:PORT][,...]`` (the hops of
+    ``-J``).  Not ``-J`` itself: that hands the jump ssh this connection's
+    ``-F /dev/null``, so the jump leg would ignore the user's own ssh config
+    (aliases, keys, known_hosts of the jump host).  The jump leg is the user's
+    ordinary ssh to the jump host, without prompts (BatchMode); the leg to the
+    hub inside it stays pinned to the hub's host key."""
+    hops = proxy_jump.split(",")
+    last = hops[-1]
+    via = f" -J '{','.join(hops[:-1])}'" if len(hops) > 1 else ""
+    return f"ssh -o BatchMode=yes{via} -W '[%h]:%p' 'ssh://{last}'"
 
 
 def next_delay(lived_s: float, failures: int) -> float:

@@ -328,7 +328,8 @@ def _is_ssh_client(v) -> bool:
 
 def _is_jump(v: str) -> bool:
     """ssh's -J [USER@]HOST[:PORT][,...]: no option, no space, no quote."""
-    return bool(re.fullmatch(r"[A-Za-z0-9_.@:\[\],%-]+", v)) and not v.startswith("-")
+    return bool(re.fullmatch(r"[A-Za-z0-9_.@:\[\],-]+", v)) and not any(
+        h == "" or h.startswith("-") for h in v.split(","))
 
 
 def _is_ssh_server(v) -> bool:
