@@ -74,6 +74,23 @@ def _cluster(nodes: int):
         shutil.rmtree(STATE, ignore_errors=True)
 
 
+_ECHO_SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.bind((sys.argv[1], 29601)); s.listen(1)
+    print("listening", flush=True)
+    c, _ = s.accept()
+    while data := c.recv(4096):
+        c.sendall(data)
+""")
+_ECHO_CLIENT = textwrap.dedent("""
+    import socket, sys
+    c = socket.create_connection((sys.argv[1], 29601), timeout=5); c.settimeout(60)
+    f = c.makefile("r")
+    for line in sys.stdin:
+        c.sendall(line.encode()); print(f.readline().strip(), flush=True)
+""")
+
+
 @pytest.fixture
 def hosts():
     yield from _cluster(2)
@@ -169,6 +186,31 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
     outs = [r.communicate(timeout=90) for r in ranks]
     assert all(r.returncode == 0 for r in ranks), outs
     assert all("sum 3.0" in o for o, _ in outs), outs
+
+    # ssh killed: the supervisor starts it again, and a TCP connection through the overlay
+    # carries on (the tun devices stay: a drop loses packets, not connections)
+    echo = subprocess.Popen(c.exec_argv(1, [sys.executable, "-c", _ECHO_SERVER, "10.79.0.2"]),
+                            stdout=subprocess.PIPE, text=True)
+    client = subprocess.Popen(c.exec_argv(0, [sys.executable, "-c", _ECHO_CLIENT, "10.79.0.2"]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert echo.stdout.readline().strip() == "listening"
+        client.stdin.write("before\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "before"
+        state = json.loads(open(f"{STATE}/node1/{IFNAME}.json").read())
+        os.kill(state["ssh_pid"], 9)
+        client.stdin.write("after\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "after"
+        state = json.loads(open(f"{STATE}/node1/{IFNAME}.json").read())
+        assert state["restarts"] >= 1
+        assert "ssh exited (code -9)" in open(f"{STATE}/node1/{IFNAME}.log").read()
+    finally:
+        client.kill()
+        echo.kill()
+        client.wait()
+        echo.wait()
 
     st = _lorasync(c, 1, "tunnel", "status", "--ifname", IFNAME, "--seconds", "0.3")
     assert "transport: SSH over TCP: UDP to the hub" in st.stdout and "got no answer" in st.stdout
