@@ -218,6 +218,7 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
     assert [t["transport"] for t in st] == ["ssh"] and "UDP" in st[0]["reason"]
     st = _lorasync(c, 0, "tunnel", "status", "--no-measure")
     assert "serves n1 over SSH" in st.stdout, st.stdout
+    assert "n1 joins over ssh: UDP to the hub" in st.stdout, st.stdout
 
     for i in (1, 0):
         p = _lorasync(c, i, "tunnel", "down")

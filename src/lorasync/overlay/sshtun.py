@@ -791,8 +791,15 @@ def status_one(st: dict, measure: bool, seconds: float) -> dict:
         targets = cfg.clients if cfg.role == "hub" else [{"name": cfg.hub, "address": str(next(cfg.network.hosts()))}]
     except LorasyncError as exc:
         cfg, targets, error = None, [], str(exc)
+    how = {}   # a real host's: how each node joins, from its tunnel.json
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        if st.get("tunnel_config"):
+            how = {n["name"]: {"transport": n.get("transport", "wireguard"),
+                               "reason": n.get("reason", "")}
+                   for n in json.loads(Path(st["tunnel_config"]).read_text())["nodes"]}
     for t in targets:
         row = {"name": t["name"], "address": t["address"], "route": "ssh", "relayed": False,
+               **(how.get(t["name"], {}) if st.get("is_hub") else {}),
                "endpoint": st.get("server"), "handshake_age_s": None, "rx_bytes": None,
                "tx_bytes": None, "is_hub": cfg is not None and t["name"] == cfg.hub}
         if measure and cfg is not None:
