@@ -123,7 +123,7 @@ def _ours_left(c: Cluster) -> list[str]:
             continue
         if f"{STATE}/jump/".encode() in cmd:   # the test's own jump host, not the overlay's
             continue
-        if STATE.encode() in cmd or (b"probe" in cmd and IFNAME.encode() in cmd):
+        if STATE.encode() in cmd or IFNAME.encode() in cmd:   # e.g. wireguard-go -f IFNAME
             left.append(f"process {pid}: {cmd.replace(bytes(1), b' ').decode()[:120]}")
     for i in range(len(c.nodes)):
         links = subprocess.run(c.exec_argv(i, ["ip", "-o", "link"]), capture_output=True,
@@ -245,11 +245,13 @@ LogLevel VERBOSE
 """
 
 
-def test_ssh_jump_reaches_a_hub_only_the_jump_host_can_reach(hosts_and_jump, tmp_path):
+def test_ssh_jump_and_a_hub_serving_both_transports(hosts_and_jump, tmp_path):
     """node1 has neither UDP nor a TCP path of its own to the hub's sshd: only
     node2, a jump host running its own sshd, reaches it.  `join --ssh-jump`
     takes the SSH path without probing; ssh's jump leg is the user's ordinary
-    ssh (root's ~/.ssh, in a private mount namespace here)."""
+    ssh (root's ~/.ssh, in a private mount namespace here).  node2 also joins
+    the overlay, over UDP: the hub runs WireGuard and sshd and relays between
+    its SSH node and its WireGuard node."""
     c = hosts_and_jump
     hub, jump = c.nodes[0], c.nodes[2]
     subprocess.run(c.exec_argv(1, ["nft", "-f", "-"]), check=True, text=True, input=(
@@ -280,8 +282,10 @@ def test_ssh_jump_reaches_a_hub_only_the_jump_host_can_reach(hosts_and_jump, tmp
     try:
         out = tmp_path / "overlay"
         _lorasync(c, 0, "tunnel", "init", "--out", out, "--hub", f"h={hub.outside}", "--node",
-                  "n1", "--ifname", IFNAME, "--subnet", "10.79.0.0/24", "--ssh")
+                  "n1", "--node", "n2", "--ifname", IFNAME, "--subnet", "10.79.0.0/24", "--ssh")
         _lorasync(c, 0, "tunnel", "join", out / "h.plan.json")
+        p = _lorasync(c, 2, "tunnel", "join", out / "n2.plan.json", "--transport", "udp")
+        assert "transport: WireGuard over UDP: --transport udp" in p.stdout, p.stdout
         p = _lorasync(c, 1, "tunnel", "join", out / "n1.plan.json", "--ssh-jump", "jump")
         assert "transport: SSH over TCP: --ssh-jump jump" in p.stdout, p.stdout
         _lorasync(c, 0, "tunnel", "assemble", "--out", out)
@@ -293,15 +297,31 @@ def test_ssh_jump_reaches_a_hub_only_the_jump_host_can_reach(hosts_and_jump, tmp
         old.mkdir()
         up = (f"mount --bind /root {old} && mount -t tmpfs tmpfs /root && "
               f"for e in {old}/* {old}/.[!.]*; do [ -e \"$e\" ] || continue; "
+              f"[ \"$(basename \"$e\")\" = .ssh ] && continue; "
               f"t=/root/$(basename \"$e\"); if [ -d \"$e\" ]; then mkdir \"$t\"; else touch \"$t\"; fi; "
               f"mount --bind \"$e\" \"$t\"; done; "
-              f"rm -rf /root/.ssh 2>/dev/null; cp -a {home}/.ssh /root/ && exec {sys.executable} "
+              f"cp -a {home}/.ssh /root/ && exec {sys.executable} "
               f"-m lorasync tunnel up --config {out}/n1.tunnel.json")
         p = subprocess.run(c.exec_argv(1, ["unshare", "-m", "--propagation", "private", "sh", "-c", up]),
                            env=_env(1), capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stdout + p.stderr
+        # node2's wireguard-go control socket in a directory of its own: the hub's has the
+        # same name (one overlay interface name, as on separate hosts)
+        p = subprocess.run(c.exec_argv(2, [
+            "unshare", "-m", "--propagation", "private", "sh", "-c",
+            f"mount -t tmpfs tmpfs /run/wireguard && exec {sys.executable} -m lorasync tunnel up "
+            f"--config {out}/n2.tunnel.json"]), env=_env(2), capture_output=True, text=True,
+            timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
         code = ("import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
                 "timeout=5).close()")
+        # the hub relays between its SSH node and its WireGuard node, both ways
+        for i, to in ((1, "10.79.0.3"), (2, "10.79.0.2")):
+            ok = subprocess.run(c.exec_argv(i, [sys.executable, "-c", code, to, "51820"]),
+                                capture_output=True, text=True)
+            assert ok.returncode == 0, (i, to, ok.stderr)
+        st = _lorasync(c, 0, "tunnel", "status", "--no-measure").stdout
+        assert "n1 joins over ssh: --ssh-jump jump" in st and "SSH server" in st, st
         # through the jump host: the hub's overlay address answers; directly: the sshd does not
         ok = subprocess.run(c.exec_argv(1, [sys.executable, "-c", code, "10.79.0.1", "51820"]),
                             capture_output=True, text=True)
@@ -311,9 +331,12 @@ def test_ssh_jump_reaches_a_hub_only_the_jump_host_can_reach(hosts_and_jump, tmp
         assert direct.returncode != 0
         log = open(f"{d}/sshd.log").read()
         assert "Accepted publickey for root" in log, log
-        for i in (1, 0):
+        for i in (1, 2, 0):
             _lorasync(c, i, "tunnel", "down", "--ifname", IFNAME)
         assert _ours_left(c) == []
+        nft = subprocess.run(c.exec_argv(0, ["nft", "list", "tables"]), capture_output=True,
+                             text=True)
+        assert IFNAME not in nft.stdout
     finally:
         jsshd.terminate()
         jsshd.wait(timeout=10)
