@@ -290,3 +290,20 @@ def test_up_without_sshd_names_the_package(tmp_path, capsys, monkeypatch):
     assert cli.main(["tunnel", "up", "--config", str(out / "h.tunnel.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "apt-get install -y openssh-server" in err
+
+
+def test_launch_takes_a_hubs_wireguard_tunnel_and_its_sshd_as_one():
+    from lorasync.overlay.cli import launch_candidates
+
+    wg = {"ifname": "lsync0", "pid": 1, "config": "/o/h.tunnel.json"}
+    sshd = {"ifname": "lsync0-sshd", "pid": 2, "config": "/run/x.sshconf", "tunnel": "lsync0",
+            "tunnel_config": "/o/h.tunnel.json", "transport": "ssh"}
+    emulated = {"ifname": "lswabcden1", "pid": 3, "config": "/c/n1.tunnel.json", "cluster": "c"}
+    alive = lambda pid: pid != 9   # noqa: E731
+    assert [s["ifname"] for s in launch_candidates([wg, sshd, emulated], None, alive)] == ["lsync0-sshd"]
+    assert len(launch_candidates([wg, sshd], "lsync0", alive)) == 1
+    assert launch_candidates([dict(wg, pid=9), dict(sshd, pid=9)], None, alive) == []
+    # a node on the SSH path: its state names the tunnel.json launch reads
+    node = {"ifname": "lsync0", "pid": 4, "config": "/run/lsync0.sshconf",
+            "tunnel_config": "/o/n1.tunnel.json", "transport": "ssh"}
+    assert launch_candidates([node], None, alive) == [node]

@@ -272,7 +272,19 @@ def _up(args) -> int:
     from lorasync.overlay import tunnel
 
     if args.foreground:
-        tunnel.preflight(args.config)
+        cfg = tunnel.preflight(args.config)
+        if cfg.transport == "ssh" or not cfg.wireguard:   # one SSH supervisor: ssh, or sshd
+            from lorasync.overlay import sshtun
+
+            argv = ["supervise", str(sshtun.runtime_config(cfg).path),
+                    "--ready-timeout", str(args.hub_timeout)]
+            return sshtun.supervise_main(argv + (["--cluster", args.cluster] if args.cluster else []))
+        if cfg.ssh_server:
+            from lorasync.errors import ConfigError
+
+            raise ConfigError("--foreground", "", "this hub runs two supervisors (WireGuard, and "
+                              "sshd for its nodes on the SSH path): run `tunnel up` without "
+                              "--foreground")
         argv = ["supervise", args.config, "--foreground"] + (["--cluster", args.cluster] if args.cluster else [])
         return tunnel.supervise_main(argv)
     st = tunnel.up(args.config, hub_timeout=args.hub_timeout, cluster=args.cluster)
@@ -354,6 +366,15 @@ def _down(args) -> int:
     return 0
 
 
+def launch_candidates(states: list[dict], ifname: str | None, alive) -> list[dict]:
+    """The running tunnels ``launch`` may train over: by default the host's own
+    (an emulated cluster's live in its namespaces), one per overlay (a hub's
+    WireGuard tunnel and its sshd are one tunnel: one tunnel.json)."""
+    ups = [s for s in states if alive(s.get("pid")) and s.get("config")
+           and (ifname in (s["ifname"], s.get("tunnel")) if ifname else not s.get("cluster"))]
+    return list({s.get("tunnel_config") or s["config"]: s for s in ups}.values())
+
+
 def _launch(args) -> int:
     from lorasync.errors import ConfigError
     from lorasync.hostops import pid_alive
@@ -364,11 +385,7 @@ def _launch(args) -> int:
     if not rest:
         raise ConfigError("args", "", "give the lorasync command after --, e.g. "
                           "lorasync tunnel launch -- train --output-dir runs/x")
-    # by default the host's own tunnels (an emulated cluster's live in its namespaces)
-    ups = [s for s in tunnel.states() if pid_alive(s.get("pid")) and s.get("config")
-           and (args.ifname in (s["ifname"], s.get("tunnel")) if args.ifname else not s.get("cluster"))]
-    # one per overlay: a hub's WireGuard tunnel and its sshd are one tunnel (one tunnel.json)
-    ups = list({s.get("tunnel_config") or s["config"]: s for s in ups}.values())
+    ups = launch_candidates(tunnel.states(), args.ifname, alive=pid_alive)
     if not ups:
         raise ConfigError("--ifname", args.ifname or "", "no tunnel is up here: "
                           "`lorasync tunnel up --config FILE` first")
