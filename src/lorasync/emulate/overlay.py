@@ -18,10 +18,10 @@ one directory across namespaces): ``lsw`` + 5 hex digits of the cluster name
 (:mod:`lorasync.overlay.sshtun`): the hub's namespace runs lorasync's own
 sshd (on its cluster address, port :data:`SSH_PORT`), each node an ``ssh -w``
 into device ``tun(100+I)``; no WireGuard.  ``overlay=auto`` tries, from each
-node, the paths to the hub (:func:`probe`, with :mod:`lorasync.overlay.probe`: UDP to its WireGuard
-port, TCP to its SSH port) and picks per node: WireGuard where UDP reaches the hub (direct,
-or relayed through the hub between two nodes behind NAT, as with
-``overlay=wireguard``), SSH where only TCP does; each choice and its reason
+node, the paths to the hub (:func:`probe`, with :mod:`lorasync.overlay.probe`:
+UDP to its WireGuard port, TCP to its SSH port) and picks per node: WireGuard
+where UDP reaches the hub (direct, or relayed through the hub between two nodes
+behind NAT, as with ``overlay=wireguard``), SSH where only TCP does; each choice and its reason
 go into the overlay's configs (``tunnel status`` and ``cluster status``
 show them).  sshd runs only when some node uses the SSH path, and goes with
 the cluster (its namespace, ``down``, a failed build).
@@ -160,7 +160,7 @@ def choose(cluster, h: int) -> dict[int, dict]:
             try:
                 transport, reason = probe_mod.decide(udp, tcp, host=hub.outside,
                                                      udp_port=OVERLAY_PORT, ssh_port=SSH_PORT,
-                                                     relayed=relayed)
+                                                     relayed=relayed, fix="")
             except EnvironmentProblem as exc:
                 raise EnvironmentProblem(f"overlay=auto: {cluster.nodes[i].name}: {exc}") from None
             out[i] = {"transport": transport, "reason": reason}

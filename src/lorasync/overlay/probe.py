@@ -132,8 +132,12 @@ def check(host: str, udp_port: int, tcp_port: int | None, token: str = TOKEN,
     return udp, tcp
 
 
+_FIX = ("check that `lorasync tunnel probe-server` runs on the hub while the nodes join (and that "
+        "a firewall lets one of the two out), or choose with --transport udp|ssh")
+
+
 def decide(udp: bool, tcp: bool, *, host: str, udp_port: int, ssh_port: int | None,
-           relayed: bool = False, tries: int = PROBE_TRIES) -> tuple[str, str]:
+           relayed: bool = False, tries: int = PROBE_TRIES, fix: str = _FIX) -> tuple[str, str]:
     """(transport, reason) from what the probes found: WireGuard where UDP
     reaches the hub (direct, or relayed through it), SSH where only TCP does.
     EnvironmentProblem when neither does (``ssh_port`` None: the SSH path is
@@ -145,10 +149,8 @@ def decide(udp: bool, tcp: bool, *, host: str, udp_port: int, ssh_port: int | No
         return "ssh", (f"UDP to the hub {host}:{udp_port} got no answer ({tries} tries), TCP to "
                        f"port {ssh_port} connects: SSH over TCP")
     tried = f"UDP (port {udp_port})" + ("" if ssh_port is None else f" nor over TCP (port {ssh_port})")
-    raise EnvironmentProblem(
-        f"the hub {host} answers neither over {tried}: no transport can join it; check that "
-        "`lorasync tunnel probe-server` runs on the hub while the nodes join (and that a "
-        "firewall lets one of the two out), or choose with --transport udp|ssh")
+    raise EnvironmentProblem(f"the hub {host} answers neither over {tried}: no transport can "
+                             f"join it" + (f"; {fix}" if fix else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
