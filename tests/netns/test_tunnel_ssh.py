@@ -290,7 +290,8 @@ def test_ssh_jump_and_a_hub_serving_both_transports(hosts_and_jump, tmp_path):
         assert "transport: SSH over TCP: --ssh-jump jump" in p.stdout, p.stdout
         _lorasync(c, 0, "tunnel", "assemble", "--out", out)
         assert json.loads((out / "n1.tunnel.json").read_text())["ssh"]["proxy_jump"] == "jump"
-        _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json")
+        p = _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json")
+        assert f"SSH path: sshd on {hub.outside}:443" in p.stdout, p.stdout
         # node1's root home holds its ssh config for the jump host (a private mount here)
         # (whatever else lives in /root, e.g. this Python, stays visible through a bind mount)
         old = tmp_path / "old-root"

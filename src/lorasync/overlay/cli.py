@@ -296,6 +296,10 @@ def _up(args) -> int:
               f"mtu {st['mtu']}, {carrier}, supervisor pid {st['pid']} (log {st['log']})")
         if st.get("reason"):
             print(f"  transport: {st['reason']}")
+        for s2 in tunnel.states():   # a hub also serving the SSH path
+            if s2.get("tunnel") == st["ifname"] and s2["ifname"] != st["ifname"]:
+                print(f"  SSH path: sshd on {s2.get('server')} (supervisor pid {s2.get('pid')}, "
+                      f"log {s2.get('log')})")
         print(f"  train over it: lorasync tunnel launch -- train --output-dir runs/NAME   "
               f"(or torchrun with GLOO_SOCKET_IFNAME={dev} NCCL_SOCKET_IFNAME={dev} "
               f"and --rdzv-endpoint HUB_OVERLAY_ADDRESS:29400)")
