@@ -332,10 +332,17 @@ def _is_jump(v: str) -> bool:
         h == "" or h.startswith("-") for h in v.split(","))
 
 
+def _is_ip(v) -> bool:
+    try:
+        return isinstance(v, str) and not ipaddress.ip_address(v).is_unspecified
+    except ValueError:
+        return False
+
+
 def _is_ssh_server(v) -> bool:
     from lorasync.overlay import sshtun
 
-    return (isinstance(v, dict) and _is_ipv4(v.get("listen")) and _int_in(1, 65535)(v.get("port"))
+    return (isinstance(v, dict) and _is_ip(v.get("listen")) and _int_in(1, 65535)(v.get("port"))
             and isinstance(v.get("host_key_file"), str) and os.path.isabs(v["host_key_file"])
             and isinstance(v.get("clients"), list) and all(
                 isinstance(c, dict) and _is_name(c.get("name")) and _is_ipv4(c.get("address"))
