@@ -307,3 +307,25 @@ def test_launch_takes_a_hubs_wireguard_tunnel_and_its_sshd_as_one():
     node = {"ifname": "lsync0", "pid": 4, "config": "/run/lsync0.sshconf",
             "tunnel_config": "/o/n1.tunnel.json", "transport": "ssh"}
     assert launch_candidates([node], None, alive) == [node]
+
+
+@needs_ssh
+@pytest.mark.parametrize("node, path, value", [
+    ("a", ("ssh", "proxy_jump"), "bastion;rm -rf /"),     # ssh runs it through a shell
+    ("a", ("ssh", "proxy_jump"), "-oProxyCommand=sh"),
+    ("a", ("ssh", "host"), "hub\n[evil]:22 ssh-ed25519 AAAA"),   # a second known_hosts line
+    ("a", ("ssh", "host_key"), "ssh-rsa AAAA"),
+    ("h", ("ssh_server", "listen"), "0.0.0.0"),
+    ("h", ("ssh_server", "clients", 0, "public_key"), 'ssh-ed25519 AAAA",command="sh'),
+])
+def test_load_config_refuses_an_edited_ssh_section(tmp_path, node, path, value):
+    _, out = _enroll(tmp_path, {"a": (False, True)})
+    f = out / f"{node}.tunnel.json"
+    raw = json.loads(f.read_text())
+    d = raw
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    f.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"^{path[0]}: "):
+        tunnel.load_config(f)
