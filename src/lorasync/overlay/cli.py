@@ -27,6 +27,12 @@ root, the hub first:
     lorasync tunnel launch -- train --output-dir runs/x      # on every node
     lorasync tunnel down
 
+Where UDP cannot reach the hub: ``init --ssh`` offers the SSH path (the hub's
+own sshd on its one address), ``probe-server`` on the hub answers the nodes'
+probes while they ``join --transport auto`` (or ``udp``, ``ssh``,
+``--ssh-jump HOST``), and each node's choice and why travel with its public
+key (:mod:`lorasync.overlay.sshtun`, docs/overlay.md).
+
 ``launch`` runs torchrun over the overlay: GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME
 = the tunnel, the rendezvous on the hub's overlay address, the c10d stores
 listening on the overlay address only.  See docs/overlay.md.
