@@ -169,6 +169,13 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
         srv.kill()
         srv.wait()
 
+    # the node before the hub: one line naming the hub's sshd, exit 2, nothing left behind
+    p = _lorasync(c, 1, "tunnel", "up", "--config", out / "n1.tunnel.json", "--hub-timeout", "3",
+                  check=False)
+    assert p.returncode == 2 and f"{hub.outside}:443" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert _ours_left(c) == []
+
     _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json")
     p = _lorasync(c, 1, "tunnel", "up", "--config", out / "n1.tunnel.json")
     assert "on tun101" in p.stdout and "SSH to" in p.stdout, p.stdout
