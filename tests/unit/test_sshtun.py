@@ -46,7 +46,12 @@ def test_ssh_checks_the_host_key_keeps_alive_and_exits_when_the_tunnel_fails():
     assert "101:101" in argv and "-J" not in argv
     jump = sshtun.ssh_argv(server="h", port=22, key_file="k", known_hosts="kh", local_tun=1,
                            remote_tun=1, proxy_jump="user@bastion")
-    assert jump[jump.index("-J") + 1] == "user@bastion"
+    # the jump leg is the user's own ssh (their config, keys, known_hosts), with no prompt
+    assert "-J" not in jump
+    assert jump[jump.index("-o", jump.index("ExitOnForwardFailure=yes")) + 1:].count(
+        "ProxyCommand=ssh -o BatchMode=yes -W '[%h]:%p' 'ssh://user@bastion'") == 1
+    two = sshtun.jump_command("a@j1:2200,j2")
+    assert two == "ssh -o BatchMode=yes -J 'a@j1:2200' -W '[%h]:%p' 'ssh://j2'"
 
 
 def test_backoff_as_autossh():

@@ -18,10 +18,10 @@ one directory across namespaces): ``lsw`` + 5 hex digits of the cluster name
 (:mod:`lorasync.overlay.sshtun`): the hub's namespace runs lorasync's own
 sshd (on its cluster address, port :data:`SSH_PORT`), each node an ``ssh -w``
 into device ``tun(100+I)``; no WireGuard.  ``overlay=auto`` tries, from each
-node, the paths to the hub (:func:`probe`: UDP to its WireGuard port, TCP to
-its SSH port) and picks per node: WireGuard where UDP reaches the hub (direct,
-or relayed through the hub between two nodes behind NAT, as with
-``overlay=wireguard``), SSH where only TCP does; each choice and its reason
+node, the paths to the hub (:func:`probe`, with :mod:`lorasync.overlay.probe`:
+UDP to its WireGuard port, TCP to its SSH port) and picks per node: WireGuard
+where UDP reaches the hub (direct, or relayed through the hub between two nodes
+behind NAT, as with ``overlay=wireguard``), SSH where only TCP does; each choice and its reason
 go into the overlay's configs (``tunnel status`` and ``cluster status``
 show them).  sshd runs only when some node uses the SSH path, and goes with
 the cluster (its namespace, ``down``, a failed build).
@@ -40,6 +40,7 @@ from pathlib import Path
 
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import CLUSTERS_DIR, TUNNELS_DIR
+from lorasync.overlay import probe as probe_mod
 
 __all__ = ["OVERLAY_PORT", "SSH_PORT", "build", "choose", "config_dir", "hub_index", "ifname",
            "layout", "probe", "remove"]
@@ -48,9 +49,6 @@ OVERLAY_PORT = 51820
 #: the hub's sshd, on its cluster address: the port networks that let only TCP out still pass
 SSH_PORT = 22
 KINDS = ("wireguard", "ssh", "auto")
-#: UDP probes to the hub (one every PROBE_WAIT_S) before ``auto`` calls UDP blocked
-PROBE_TRIES = 3
-PROBE_WAIT_S = 0.5
 #: how long a node's `tunnel up` waits for the hub's WireGuard handshake
 HUB_TIMEOUT_S = 20.0
 
@@ -158,21 +156,14 @@ def choose(cluster, h: int) -> dict[int, dict]:
         found = probe(cluster, h, others)
         for i in others:
             udp, tcp = found[i]
-            if udp:
-                how = ("relayed through the hub to the other nodes behind NAT"
-                       if cluster.nodes[i].nat and sum(1 for j in spec.nat if j != h) >= 2 else
-                       "direct")
-                out[i] = {"transport": "wireguard", "reason": f"UDP to the hub "
-                          f"{hub.outside}:{OVERLAY_PORT} answers: WireGuard over UDP, {how}"}
-            elif tcp:
-                out[i] = {"transport": "ssh", "reason": f"UDP to the hub {hub.outside}:"
-                          f"{OVERLAY_PORT} got no answer ({PROBE_TRIES} tries), TCP to port "
-                          f"{SSH_PORT} connects: SSH over TCP"}
-            else:
-                raise EnvironmentProblem(
-                    f"overlay=auto: {cluster.nodes[i].name} reaches the hub {hub.name} "
-                    f"({hub.outside}) neither over UDP (port {OVERLAY_PORT}) nor over TCP (port "
-                    f"{SSH_PORT}): no transport can join it")
+            relayed = bool(cluster.nodes[i].nat) and sum(1 for j in spec.nat if j != h) >= 2
+            try:
+                transport, reason = probe_mod.decide(udp, tcp, host=hub.outside,
+                                                     udp_port=OVERLAY_PORT, ssh_port=SSH_PORT,
+                                                     relayed=relayed, fix="")
+            except EnvironmentProblem as exc:
+                raise EnvironmentProblem(f"overlay=auto: {cluster.nodes[i].name}: {exc}") from None
+            out[i] = {"transport": transport, "reason": reason}
         if all(out[i]["transport"] == "ssh" for i in others):
             out[h]["transport"] = "ssh-hub"
     for c in out.values():
@@ -186,41 +177,6 @@ def choose(cluster, h: int) -> dict[int, dict]:
     return out
 
 
-_PROBE_SERVER = """
-import select, socket, sys
-u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((sys.argv[1], int(sys.argv[2])))
-t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-t.bind((sys.argv[1], int(sys.argv[3]))); t.listen(64)
-print("ready", flush=True)
-while True:
-    for s in select.select([u, t], [], [])[0]:
-        if s is u:
-            data, peer = u.recvfrom(64); u.sendto(data, peer)
-        else:
-            s.accept()[0].close()
-"""
-
-_PROBE_CLIENT = """
-import json, socket, sys
-host, up, tp, tries, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(wait)
-udp = False
-for _ in range(tries):
-    try:
-        u.sendto(b"lorasync-probe", (host, up))
-        udp = u.recv(64) == b"lorasync-probe"
-    except OSError:
-        pass
-    if udp:
-        break
-try:
-    socket.create_connection((host, tp), timeout=3).close(); tcp = True
-except OSError:
-    tcp = False
-print(json.dumps([udp, tcp]))
-"""
-
-
 def probe(cluster, h: int, nodes: list[int], udp_port: int = OVERLAY_PORT,
           tcp_port: int = SSH_PORT) -> dict[int, tuple[bool, bool]]:
     """From each of ``nodes``, in its namespace: does UDP to the hub's WireGuard
@@ -228,16 +184,17 @@ def probe(cluster, h: int, nodes: list[int], udp_port: int = OVERLAY_PORT,
     the hub's namespace answers both (nothing of the overlay runs yet; on a
     cluster whose overlay runs, give other ports)."""
     hub = cluster.nodes[h]
-    srv = subprocess.Popen(cluster.exec_argv(h, [sys.executable, "-c", _PROBE_SERVER, hub.outside,
-                                                 str(udp_port), str(tcp_port)]),
+    mod = [sys.executable, "-m", "lorasync.overlay.probe"]
+    srv = subprocess.Popen(cluster.exec_argv(h, [*mod, "serve", hub.outside, str(udp_port),
+                                                 str(tcp_port)]),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([srv.stdout], [], [], 15.0)
         if not ready or srv.stdout.readline().strip() != "ready":
             raise EnvironmentProblem(f"overlay=auto: the probe server in {hub.netns} did not start")
         clients = {i: subprocess.Popen(cluster.exec_argv(i, [
-            sys.executable, "-c", _PROBE_CLIENT, hub.outside, str(udp_port), str(tcp_port),
-            str(PROBE_TRIES), str(PROBE_WAIT_S)]), stdout=subprocess.PIPE, text=True) for i in nodes}
+            *mod, "check", hub.outside, str(udp_port), str(tcp_port)]), stdout=subprocess.PIPE,
+            text=True) for i in nodes}
         out = {}
         for i, p in clients.items():
             text = p.communicate(timeout=30)[0]

@@ -27,6 +27,12 @@ root, the hub first:
     lorasync tunnel launch -- train --output-dir runs/x      # on every node
     lorasync tunnel down
 
+Where UDP cannot reach the hub: ``init --ssh`` offers the SSH path (the hub's
+own sshd on its one address), ``probe-server`` on the hub answers the nodes'
+probes while they ``join --transport auto`` (or ``udp``, ``ssh``,
+``--ssh-jump HOST``), and each node's choice and why travel with its public
+key (:mod:`lorasync.overlay.sshtun`, docs/overlay.md).
+
 ``launch`` runs torchrun over the overlay: GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME
 = the tunnel, the rendezvous on the hub's overlay address, the c10d stores
 listening on the overlay address only.  See docs/overlay.md.
@@ -75,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="overlay MTU (default auto: path MTU to the peers less WireGuard's 60/80 bytes)")
     init.add_argument("--force", action="store_true",
                       help="replace the plan already in --out (key directories are kept)")
+    init.add_argument("--ssh", action="store_true",
+                      help="also offer the SSH path (the hub's own sshd, TCP) to nodes whose UDP "
+                      "cannot reach the hub; implied by --ssh-port/--ssh-listen")
+    init.add_argument("--ssh-port", type=int, default=None, metavar="PORT",
+                      help="the hub's sshd port for the SSH path (default 443: the port networks "
+                      "that let only TCP out pass most often)")
+    init.add_argument("--ssh-listen", default=None, metavar="ADDR",
+                      help="the hub's one address sshd listens on (default: the hub's endpoint, "
+                      "when it is an IP address; never a wildcard)")
 
     jo = sub.add_parser(
         "join", help="on a node: make its key pair here, write NODE.pub.json to carry back",
@@ -87,6 +102,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     jo.add_argument("plan", metavar="NODE.plan.json", help="the file `tunnel init` wrote for this node")
     jo.add_argument("--dir", default=None, metavar="DIR",
                     help="where the private key stays (default: NODE/ beside the plan file)")
+    jo.add_argument("--transport", default="auto", choices=["udp", "ssh", "auto"],
+                    help="how this node reaches the hub: udp (WireGuard), ssh (SSH tun "
+                    "forwarding over TCP, when the plan offers it) or auto (default): probe UDP "
+                    "to the hub's WireGuard port and TCP to its SSH port, and take WireGuard "
+                    "where UDP answers, else SSH")
+    jo.add_argument("--ssh-jump", default=None, metavar="[USER@]HOST[:PORT]",
+                    help="reach the hub's sshd through this jump host (ssh -J); implies the SSH "
+                    "path")
+
+    ps = sub.add_parser(
+        "probe-server", help="on the hub, while nodes join with --transport auto: answer their probes",
+        description="Run on the hub while the nodes run `lorasync tunnel join --transport auto`: "
+        "echoes UDP on the hub's WireGuard port and greets TCP on its SSH port (the plan's "
+        "address only), so that each node sees which of the two reaches the hub. Stop it "
+        "(Ctrl-C) before `lorasync tunnel up` on the hub.")
+    ps.add_argument("--out", required=True, metavar="DIR", help="the directory `tunnel init --out` wrote")
+    ps.add_argument("--seconds", type=float, default=3600.0, metavar="S",
+                    help="stop after S seconds (default: %(default)s)")
 
     asm = sub.add_parser(
         "assemble", help="where init ran: every NODE.pub.json -> DIR/NODE.tunnel.json per node",
@@ -137,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return {"init": _init, "join": _join, "assemble": _assemble, "up": _up, "status": _status,
-            "down": _down, "launch": _launch}[args.tunnel_cmd](args)
+            "down": _down, "launch": _launch, "probe-server": _probe_server}[args.tunnel_cmd](args)
 
 
 def _init(args) -> int:
@@ -158,8 +191,14 @@ def _init(args) -> int:
     nodes += [enroll.parse_node_spec(n, args.port) for n in args.node]
     if len(nodes) < 2:
         raise ConfigError("--node", "", "an overlay needs at least one node besides the hub")
+    ssh = None
+    if args.ssh or args.ssh_port is not None or args.ssh_listen is not None:
+        from lorasync.overlay.sshtun import DEFAULT_PORT as SSH_PORT
+
+        ssh = {"port": SSH_PORT if args.ssh_port is None else args.ssh_port,
+               "listen": args.ssh_listen}
     enroll.init_overlay(args.out, nodes, nodes[0].name, force=args.force, subnet=args.subnet,
-                        ifname=args.ifname, keepalive_s=args.keepalive, mtu=mtu)
+                        ifname=args.ifname, keepalive_s=args.keepalive, mtu=mtu, ssh=ssh)
     plan = enroll.read_plan(os.path.join(args.out, "plan.json"))
     print(f"overlay {plan['subnet']}, hub {plan['hub']}, interface {args.ifname}: "
           f"{len(plan['nodes'])} nodes, plan {plan['plan_id']} in {args.out}/")
@@ -167,6 +206,11 @@ def _init(args) -> int:
     for n in plan["nodes"]:
         routes = ", ".join(f"{k} {v}" for k, v in enroll.routes(plan, n["name"]).items())
         print(f"  {n['name']:16} {n['address']:16} {n['endpoint'] or '(behind NAT)':28} {routes}")
+    if plan.get("ssh"):
+        sp = plan["ssh"]
+        print(f"  SSH path offered: the hub's own sshd on {sp['listen']}:{sp['port']} (nodes "
+              f"connect to {sp['host']}:{sp['port']} as {sp['user']}, each key allowed only its "
+              f"tun device); while the nodes join: lorasync tunnel probe-server --out {args.out}")
     print(f"no key is made here: each node makes its own. Next:\n"
           f"  1. carry {args.out}/NODE.plan.json to its node; there, as root: "
           f"lorasync tunnel join NODE.plan.json\n"
@@ -180,11 +224,17 @@ def _init(args) -> int:
 def _join(args) -> int:
     from lorasync.overlay import enroll
 
-    pub = enroll.join_overlay(args.plan, args.dir)
+    pub = enroll.join_overlay(args.plan, args.dir, transport=args.transport, ssh_jump=args.ssh_jump)
     raw = json.loads(pub.read_text())
-    print(f"{raw['node']}: key pair made on this node; the private key stays in "
+    what = "SSH key" if raw.get("transport") == "ssh" else "key pair"
+    print(f"{raw['node']}: {what} made on this node; the private key stays in "
           f"{raw['private_key_file']} (0600)\n"
-          f"  public key {raw['public_key']}, plan {raw['plan_id']}")
+          f"  public key {raw.get('ssh_public_key') or raw['public_key']}, plan {raw['plan_id']}\n"
+          f"  transport: {'SSH over TCP' if raw.get('transport') == 'ssh' else 'WireGuard over UDP'}"
+          f": {raw.get('reason', '')}")
+    if raw.get("ssh_host_key"):
+        print(f"  the hub's sshd host key {raw['ssh_host_key']} (private part in "
+              f"{raw['ssh_host_key_file']}, 0600)")
     if (pub.parent / "plan.json").exists():  # this node is where init ran
         print(f"{pub} is already where `tunnel assemble --out {pub.parent}` looks")
     else:
@@ -205,19 +255,59 @@ def _assemble(args) -> int:
     return 0
 
 
+def _probe_server(args) -> int:
+    from lorasync.errors import ConfigError
+    from lorasync.overlay import enroll, probe
+    from lorasync.overlay.tunnel import split_endpoint
+
+    plan = enroll.read_plan(os.path.join(args.out, "plan.json"))
+    hub = next(n for n in plan["nodes"] if n["name"] == plan["hub"])
+    _, udp_port = split_endpoint(hub["endpoint"])
+    ssh = plan.get("ssh")
+    if not ssh:
+        raise ConfigError("--out", args.out, "its plan offers no SSH path, so there is nothing to "
+                          "probe (the nodes join over UDP): plan with `tunnel init --ssh` to offer it")
+    probe.serve(ssh["listen"], udp_port, ssh["port"], token=plan["plan_id"], seconds=args.seconds,
+                ready=lambda: print(f"answering probes on {ssh['listen']}: UDP {udp_port}, TCP "
+                                    f"{ssh['port']} (plan {plan['plan_id']}); Ctrl-C to stop",
+                                    flush=True))
+    return 0
+
+
 def _up(args) -> int:
     from lorasync.overlay import tunnel
 
     if args.foreground:
-        tunnel.preflight(args.config)
+        cfg = tunnel.preflight(args.config)
+        if cfg.transport == "ssh" or not cfg.wireguard:   # one SSH supervisor: ssh, or sshd
+            from lorasync.overlay import sshtun
+
+            argv = ["supervise", str(sshtun.runtime_config(cfg).path),
+                    "--ready-timeout", str(args.hub_timeout)]
+            return sshtun.supervise_main(argv + (["--cluster", args.cluster] if args.cluster else []))
+        if cfg.ssh_server:
+            from lorasync.errors import ConfigError
+
+            raise ConfigError("--foreground", "", "this hub runs two supervisors (WireGuard, and "
+                              "sshd for its nodes on the SSH path): run `tunnel up` without "
+                              "--foreground")
         argv = ["supervise", args.config, "--foreground"] + (["--cluster", args.cluster] if args.cluster else [])
         return tunnel.supervise_main(argv)
     st = tunnel.up(args.config, hub_timeout=args.hub_timeout, cluster=args.cluster)
     if not args.quiet:
-        print(f"tunnel {st['ifname']} up: {st['node']} {st['address']}/{st['prefixlen']}, mtu "
-              f"{st['mtu']}, UDP {st['listen_port']}, supervisor pid {st['pid']} (log {st['log']})")
+        dev = st.get("device") or st["ifname"]
+        carrier = (f"SSH {'server ' if st.get('is_hub') else 'to '}{st.get('server')}"
+                   if st.get("transport") == "ssh" else f"UDP {st['listen_port']}")
+        print(f"tunnel {st['ifname']} up: {st['node']} {st['address']}/{st['prefixlen']} on {dev}, "
+              f"mtu {st['mtu']}, {carrier}, supervisor pid {st['pid']} (log {st['log']})")
+        if st.get("reason"):
+            print(f"  transport: {st['reason']}")
+        for s2 in tunnel.states():   # a hub also serving the SSH path
+            if s2.get("tunnel") == st["ifname"] and s2["ifname"] != st["ifname"]:
+                print(f"  SSH path: sshd on {s2.get('server')} (supervisor pid {s2.get('pid')}, "
+                      f"log {s2.get('log')})")
         print(f"  train over it: lorasync tunnel launch -- train --output-dir runs/NAME   "
-              f"(or torchrun with GLOO_SOCKET_IFNAME={st['ifname']} NCCL_SOCKET_IFNAME={st['ifname']} "
+              f"(or torchrun with GLOO_SOCKET_IFNAME={dev} NCCL_SOCKET_IFNAME={dev} "
               f"and --rdzv-endpoint HUB_OVERLAY_ADDRESS:29400)")
     return 0
 
@@ -286,6 +376,15 @@ def _down(args) -> int:
     return 0
 
 
+def launch_candidates(states: list[dict], ifname: str | None, alive) -> list[dict]:
+    """The running tunnels ``launch`` may train over: by default the host's own
+    (an emulated cluster's live in its namespaces), one per overlay (a hub's
+    WireGuard tunnel and its sshd are one tunnel: one tunnel.json)."""
+    ups = [s for s in states if alive(s.get("pid")) and s.get("config")
+           and (ifname in (s["ifname"], s.get("tunnel")) if ifname else not s.get("cluster"))]
+    return list({s.get("tunnel_config") or s["config"]: s for s in ups}.values())
+
+
 def _launch(args) -> int:
     from lorasync.errors import ConfigError
     from lorasync.hostops import pid_alive
@@ -296,16 +395,14 @@ def _launch(args) -> int:
     if not rest:
         raise ConfigError("args", "", "give the lorasync command after --, e.g. "
                           "lorasync tunnel launch -- train --output-dir runs/x")
-    # by default the host's own tunnels (an emulated cluster's live in its namespaces)
-    ups = [s for s in tunnel.states() if pid_alive(s.get("pid")) and s.get("config")
-           and (s["ifname"] == args.ifname if args.ifname else not s.get("cluster"))]
+    ups = launch_candidates(tunnel.states(), args.ifname, alive=pid_alive)
     if not ups:
         raise ConfigError("--ifname", args.ifname or "", "no tunnel is up here: "
                           "`lorasync tunnel up --config FILE` first")
     if len(ups) > 1:
         raise ConfigError("--ifname", "", f"several tunnels are up ({', '.join(s['ifname'] for s in ups)}): "
                           "name one")
-    cfg = tunnel.load_config(ups[0]["config"])
+    cfg = tunnel.load_config(ups[0].get("tunnel_config") or ups[0]["config"])
     nnodes = args.nnodes or len(cfg.nodes)
     from lorasync.launch.guard import job_secret, run_id
     secret = job_secret()   # LORASYNC_SECRET_FILE: the stores also want the job's secret
@@ -323,7 +420,7 @@ def _launch(args) -> int:
     env = dict(os.environ, **tunnel.worker_env(cfg), **restart_env(args.max_restarts, nnodes),
                LORASYNC_RDZV_ENDPOINT=endpoint)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
-    print(f"lorasync tunnel launch: {cfg.node} on {cfg.ifname} ({cfg.address}), rendezvous "
+    print(f"lorasync tunnel launch: {cfg.node} on {cfg.device} ({cfg.address}), rendezvous "
           f"{endpoint}{' (here)' if cfg.is_hub else ''}, {nnodes} nodes", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, env=env)

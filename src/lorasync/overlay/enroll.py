@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError
-from lorasync.overlay import sshtun, wireguard as wg
+from lorasync.overlay import probe, sshtun, wireguard as wg
 from lorasync.overlay.tunnel import (DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_STALE_S,
                                      DEFAULT_SUBNET, CONFIG_VERSION, NODE_NAME_RE, join_endpoint,
                                      split_endpoint)
@@ -106,12 +106,18 @@ def _direct(a: dict, b: dict) -> bool:
 def plan_overlay(nodes: Sequence[NodeSpec], hub: str, *, subnet: str = DEFAULT_SUBNET,
                  ifname: str | Callable[[int], str] = DEFAULT_IFNAME,
                  keepalive_s: int = DEFAULT_KEEPALIVE, mtu: int | None = None,
-                 stale_s: int = DEFAULT_STALE_S, nonce: str | None = None) -> dict:
+                 stale_s: int = DEFAULT_STALE_S, nonce: str | None = None,
+                 ssh: dict | None = None) -> dict:
     """The overlay's plan (no keys): every node's address, endpoint, UDP port
     and interface, the hub, and the settings every node shares; with its id.
 
     Validates the whole overlay: unique names, a hub with an endpoint, a
     subnet with room for every node and containing no endpoint.
+
+    ``ssh`` ({"port", "listen"}): the hub also offers the SSH path (its own
+    sshd on ``listen:port``, :mod:`~lorasync.overlay.sshtun`) to the nodes
+    whose ``tunnel join`` finds UDP blocked; the plan then carries the host the
+    nodes connect to (the hub's endpoint), the port and the login user.
     """
     nodes = list(nodes)
     if not nodes:
@@ -170,8 +176,37 @@ def plan_overlay(nodes: Sequence[NodeSpec], hub: str, *, subnet: str = DEFAULT_S
     if nodes[h].transport != "wireguard":
         raise ConfigError("hub", hub, "the hub serves every transport: it cannot itself be on the "
                           "SSH path")
+    if ssh is not None:
+        plan["ssh"] = ssh_offer(nodes[h], ssh.get("port", sshtun.DEFAULT_PORT), ssh.get("listen"))
     plan["plan_id"] = plan_id(plan)
     return plan
+
+
+def ssh_offer(hub: NodeSpec, port, listen: str | None) -> dict:
+    """The plan's ``ssh``: where the hub's sshd listens (one address of the hub,
+    never a wildcard; by default its endpoint's, when that is an IP address),
+    the host and port the nodes connect to, and the user they log in as."""
+    host, _ = split_endpoint(hub.endpoint)
+    if not str(port).isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError("--ssh-port", port, "give a TCP port between 1 and 65535 (443 passes "
+                          "most networks that let only TCP out)")
+    if listen is None:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError("--ssh-listen", "", f"the hub's endpoint {host} is a name, and sshd "
+                              "listens on one address of the hub, never a wildcard: give it, "
+                              "e.g. --ssh-listen 203.0.113.5") from None
+        listen = host
+    try:
+        ip = ipaddress.ip_address(listen)
+    except ValueError:
+        raise ConfigError("--ssh-listen", listen, "give one IP address of the hub (sshd listens "
+                          "there only)") from None
+    if ip.is_unspecified:
+        raise ConfigError("--ssh-listen", listen, "give one IP address of the hub: lorasync "
+                          "never listens on a wildcard address")
+    return {"host": host, "listen": str(ip), "port": int(port), "user": sshtun.USER}
 
 
 def plan_id(plan: dict) -> str:
@@ -219,6 +254,12 @@ def read_plan(path: str | Path, field: str = "plan") -> dict:
     if raw.get("plan_id") != plan_id(raw):
         raise ConfigError(field, str(path), "its content does not match its plan id (edited or "
                           "damaged): copy it again from where `lorasync tunnel init` ran")
+    ssh = raw.get("ssh")
+    if ssh is not None and not (isinstance(ssh, dict) and isinstance(ssh.get("host"), str)
+                                and isinstance(ssh.get("listen"), str)
+                                and isinstance(ssh.get("port"), int) and ssh.get("user") == sshtun.USER):
+        raise ConfigError(field, str(path), "its ssh section is not the one `tunnel init --ssh` "
+                          "writes: copy the plan again from where `lorasync tunnel init` ran")
     if "node" in raw and raw["node"] not in names:
         raise ConfigError(field, str(path), f"is for node {raw['node']!r}, which is not in its "
                           f"plan ({', '.join(names)}): carry the NODE.plan.json `tunnel init` wrote")
@@ -227,9 +268,61 @@ def read_plan(path: str | Path, field: str = "plan") -> dict:
 
 # ---------------------------------------------------------------- 2. join, on each node
 
+TRANSPORT_CHOICES = ("udp", "ssh", "auto")
+
+
+def choose_transport(plan: dict, node: str, requested: str | None = "auto",
+                     ssh_jump: str | None = None, prober: Callable = probe.check
+                     ) -> tuple[str, str]:
+    """(transport, reason) of ``node`` at ``tunnel join``: the one asked for,
+    or with ``auto`` what the probes to the hub find (UDP to its WireGuard
+    port, TCP to the SSH port the plan offers: :mod:`~lorasync.overlay.probe`)."""
+    if requested not in TRANSPORT_CHOICES:
+        raise ConfigError("--transport", requested, f"use one of: {', '.join(TRANSPORT_CHOICES)}")
+    ssh = plan.get("ssh")
+    hubn = next(n for n in plan["nodes"] if n["name"] == plan["hub"])
+    host, udp_port = split_endpoint(hubn["endpoint"])
+    if ssh_jump is not None:
+        from lorasync.overlay.tunnel import _is_jump
+
+        if not _is_jump(ssh_jump):
+            raise ConfigError("--ssh-jump", ssh_jump, "give ssh's jump host: [USER@]HOST[:PORT]")
+    if node == plan["hub"]:
+        if ssh_jump or requested == "ssh":
+            raise ConfigError("--transport" if requested == "ssh" else "--ssh-jump",
+                              requested if requested == "ssh" else ssh_jump,
+                              "the hub serves the SSH path; it does not take it")
+        return "wireguard", "the hub: every node connects to it" + (
+            f"; offers the SSH path on {ssh['listen']}:{ssh['port']}" if ssh else "")
+    if ssh is None and (requested == "ssh" or ssh_jump):
+        raise ConfigError("--ssh-jump" if ssh_jump else "--transport", ssh_jump or requested,
+                          "this plan offers no SSH path: plan again on the hub with `lorasync "
+                          "tunnel init --ssh` (or join over UDP)")
+    if requested == "udp":
+        if ssh_jump:
+            raise ConfigError("--ssh-jump", ssh_jump, "goes with --transport ssh or auto")
+        return "wireguard", f"--transport udp: WireGuard over UDP to the hub {host}:{udp_port}"
+    jump = f" through the jump host {ssh_jump}" if ssh_jump else ""
+    if requested == "ssh":
+        return "ssh", f"--transport ssh: SSH over TCP to the hub {host}:{ssh['port']}{jump}"
+    if ssh is None:
+        return "wireguard", (f"the plan offers WireGuard only (no `tunnel init --ssh`): UDP to "
+                             f"the hub {host}:{udp_port}")
+    if ssh_jump:
+        return "ssh", (f"--ssh-jump {ssh_jump}: the hub is reached through a jump host, so over "
+                       f"SSH (TCP port {ssh['port']}; not probed)")
+    udp, tcp = prober(host, udp_port, ssh["port"], token=plan["plan_id"])
+    mine = next(n for n in plan["nodes"] if n["name"] == node)
+    behind = [n for n in plan["nodes"] if not n["endpoint"] and n["name"] != plan["hub"]]
+    return probe.decide(udp, tcp, host=host, udp_port=udp_port, ssh_port=ssh["port"],
+                        relayed=not mine["endpoint"] and len(behind) >= 2)
+
+
 def join_overlay(plan_file: str | Path, key_dir: str | Path | None = None, *,
                  keygen: Callable[[], tuple[str, str]] = wg.generate_keypair,
-                 public_key_of: Callable[[Path], str] = wg.public_key_of) -> Path:
+                 public_key_of: Callable[[Path], str] = wg.public_key_of,
+                 transport: str | None = None, ssh_jump: str | None = None,
+                 prober: Callable = probe.check) -> Path:
     """On the node a ``NODE.plan.json`` is for: make its key pair here and
     write ``NODE.pub.json`` (beside the plan file) to carry back; return its path.
 
@@ -237,6 +330,12 @@ def join_overlay(plan_file: str | Path, key_dir: str | Path | None = None, *,
     directory / NODE; made 0700 if new), created 0600; it is neither printed
     nor written anywhere else.  A key already there is kept (the node keeps its
     identity when it joins again, or joins a new plan).
+
+    ``transport`` (``udp``, ``ssh``, ``auto``: :func:`choose_transport`)
+    records the node's transport and why in ``NODE.pub.json``; a node on the
+    SSH path makes an SSH key instead (``DIR/ssh.key``), and the hub of a plan
+    offering the SSH path its sshd's host key too (``DIR/ssh_host.key``).
+    None (the emulated cluster): the plan's own choice, nothing probed.
     """
     plan_file = Path(plan_file)
     plan = read_plan(plan_file)
@@ -248,17 +347,36 @@ def join_overlay(plan_file: str | Path, key_dir: str | Path | None = None, *,
     if not d.exists():  # a directory the user gave keeps its mode: the key itself is 0600
         d.mkdir(parents=True, mode=0o700)
         os.chmod(d, 0o700)  # whatever the umask
-    key = d / "private.key"
-    if key.exists():
-        wg.check_key_file(key)
-        public = public_key_of(key)
+    chosen = None if transport is None else choose_transport(plan, node, transport, ssh_jump,
+                                                                 prober)
+    extra: dict = {}
+    if chosen is not None and chosen[0] == "ssh":
+        sshtun.require_tools(server=False)
+        key = d / "ssh.key"
+        if key.exists():
+            wg.check_key_file(key)
+        full = " ".join(sshtun.make_keypair(key, f"lorasync-overlay-{node}").split()[:2])
+        public = full.split()[1]
+        extra = {"ssh_public_key": full, "ssh_jump": ssh_jump}
     else:
-        private, public = keygen()
-        wg.write_private_key(key, private)
+        key = d / "private.key"
+        if key.exists():
+            wg.check_key_file(key)
+            public = public_key_of(key)
+        else:
+            private, public = keygen()
+            wg.write_private_key(key, private)
+    if chosen is not None and node == plan["hub"] and plan.get("ssh"):
+        sshtun.require_tools(server=False)
+        hk = d / "ssh_host.key"
+        extra = {"ssh_host_key": " ".join(sshtun.make_keypair(hk, "lorasync-overlay-hub").split()[:2]),
+                 "ssh_host_key_file": str(hk.resolve())}
+    if chosen is not None:
+        extra.update(transport=chosen[0], reason=chosen[1])
     pub = plan_file.parent / f"{node}.pub.json"
     _write_json(pub, {"kind": PUBLIC_KIND, "version": CONFIG_VERSION, "plan_id": plan["plan_id"],
                       "node": node, "public_key": public,
-                      "private_key_file": str(key.resolve())})
+                      "private_key_file": str(key.resolve()), **extra})
     return pub
 
 
@@ -276,9 +394,27 @@ def read_public(path: str | Path, plan: dict) -> dict:
     if raw.get("node") not in names:
         raise ConfigError(field, str(path), f"is node {raw.get('node')!r}'s, which is not in the "
                           f"plan ({', '.join(names)}): carry back only files of this plan's nodes")
-    if not wg.is_public_key(raw.get("public_key")):
+    t = raw.get("transport", "wireguard")
+    if t not in TRANSPORTS or (t == "ssh" and not plan.get("ssh")):
+        raise ConfigError(field, str(path), f"its transport {t!r} is not one this plan offers: "
+                          "run `lorasync tunnel join` on that node again")
+    if t == "ssh":
+        full = raw.get("ssh_public_key")
+        if not sshtun.is_public_key(full) or full.split()[1] != raw.get("public_key"):
+            raise ConfigError(field, str(path), "its ssh_public_key is not an ed25519 SSH key "
+                              "matching its public_key: run `lorasync tunnel join` on that node again")
+        jump = raw.get("ssh_jump")
+        from lorasync.overlay.tunnel import _is_jump
+        if jump is not None and not (isinstance(jump, str) and _is_jump(jump)):
+            raise ConfigError(field, str(path), "its ssh_jump is not a jump host ([USER@]HOST"
+                              "[:PORT]): run `lorasync tunnel join` on that node again")
+    elif not wg.is_public_key(raw.get("public_key")):
         raise ConfigError(field, str(path), "its public_key is not a WireGuard key (44 characters "
                           "of base64): run `lorasync tunnel join` on that node again")
+    if "ssh_host_key" in raw and not (sshtun.is_public_key(raw["ssh_host_key"]) and isinstance(
+            raw.get("ssh_host_key_file"), str) and os.path.isabs(raw["ssh_host_key_file"])):
+        raise ConfigError(field, str(path), "its ssh_host_key is not an ed25519 SSH key with the "
+                          "absolute path of its file: run `lorasync tunnel join` on the hub again")
     kf = raw.get("private_key_file")
     if not isinstance(kf, str) or not os.path.isabs(kf):
         raise ConfigError(field, str(path), "its private_key_file is not the absolute path "
@@ -321,16 +457,44 @@ def assemble_overlay(out_dir: str | Path, public_files: Iterable[str | Path] | N
         raise ConfigError("public keys", ", ".join(missing), f"no NODE.pub.json for these nodes in "
                           f"{out}: run `lorasync tunnel join NODE.plan.json` on each of them and "
                           f"carry the NODE.pub.json it writes into {out}/")
+    plan = effective_plan(plan, pubs)
     paths = []
     for n in plan["nodes"]:
         cfg = node_config(plan, n["name"], {k: v["public_key"] for k, v in pubs.items()},
-                          pubs[n["name"]]["private_key_file"])
+                          pubs[n["name"]]["private_key_file"], pubs=pubs)
         paths.append(out / f"{n['name']}.tunnel.json")
         _write_json(paths[-1], cfg)
     return paths
 
 
-def node_config(plan: dict, name: str, public_keys: dict[str, str], key_file: str) -> dict:
+def effective_plan(plan: dict, pubs: dict[str, dict]) -> dict:
+    """The plan with each node's transport and reason as its ``tunnel join``
+    chose them (a node joined without a choice keeps the plan's); ConfigError
+    when a node chose SSH and the hub's file has no SSH host key."""
+    nodes = []
+    for n in plan["nodes"]:
+        raw = pubs.get(n["name"], {})
+        if "transport" in raw:
+            n = dict(n, transport=raw["transport"], reason=raw.get("reason", ""))
+        nodes.append(n)
+    if any(n.get("transport") == "ssh" for n in nodes) and plan.get("ssh") \
+            and "ssh_host_key" not in pubs.get(plan["hub"], {}):
+        hub = plan["hub"]
+        raise ConfigError("public-key file", pubs.get(hub, {}).get("_file", f"{hub}.pub.json"),
+                          f"the hub {hub}'s file has no SSH host key, and "
+                          f"{', '.join(n['name'] for n in nodes if n.get('transport') == 'ssh')} "
+                          "joined over SSH: run `lorasync tunnel join` on the hub again with this "
+                          "plan and carry back its NODE.pub.json")
+    ssh_nodes = [n["name"] for n in nodes if n.get("transport") == "ssh"]
+    if ssh_nodes and plan.get("ssh"):
+        nodes = [dict(n, reason=n.get("reason", "") + f"; serves {', '.join(ssh_nodes)} over SSH "
+                      f"(sshd on {plan['ssh']['listen']}:{plan['ssh']['port']})")
+                 if n["name"] == plan["hub"] else n for n in nodes]
+    return dict(plan, nodes=nodes)
+
+
+def node_config(plan: dict, name: str, public_keys: dict[str, str], key_file: str,
+                pubs: dict[str, dict] | None = None) -> dict:
     """One node's ``tunnel.json``: its address, port, interface and key file
     (a path on that node), its peers with their public keys, endpoints and
     allowed IPs, and the whole overlay's layout (for ``status``)."""
@@ -368,7 +532,38 @@ def node_config(plan: dict, name: str, public_keys: dict[str, str], key_file: st
                    "public_key": public_keys[n["name"]],
                    "transport": n.get("transport", "wireguard"), "reason": n.get("reason", "")}
                   for n in nodes],
-    }
+    } | _ssh_sections(plan, a, pubs)
+
+
+def _ssh_sections(plan: dict, a: dict, pubs: dict[str, dict] | None) -> dict:
+    """A real host's SSH path (nodes that joined over SSH, ``pubs`` from their
+    ``tunnel join``): the node's ``ssh`` (the hub's host, port, user, host key,
+    its tun device) or the hub's ``ssh_server`` (sshd's address, port, host
+    key file and every SSH node's key, each for its own tun device)."""
+    ssh = plan.get("ssh")
+    if not ssh or not pubs:
+        return {}
+    nodes = plan["nodes"]
+    hub = plan["hub"]
+    ssh_idx = [i for i, n in enumerate(nodes)
+               if n.get("transport") == "ssh" and "ssh_public_key" in pubs.get(n["name"], {})]
+    if a["name"] == hub:
+        if not ssh_idx:
+            return {}
+        wg_nodes = [n for n in nodes if n["name"] != hub and n.get("transport", "wireguard") == "wireguard"]
+        return {"ssh_server": {
+            "listen": ssh["listen"], "port": ssh["port"],
+            "host_key_file": pubs[hub]["ssh_host_key_file"], "dummy": not wg_nodes,
+            "clients": [{"name": nodes[i]["name"], "address": nodes[i]["address"],
+                         "tun": sshtun.tun_number(i),
+                         "public_key": pubs[nodes[i]["name"]]["ssh_public_key"]} for i in ssh_idx]}}
+    i = nodes.index(a)
+    if i not in ssh_idx:
+        return {}
+    return {"transport": "ssh", "ssh": {
+        "host": ssh["host"], "port": ssh["port"], "user": ssh["user"],
+        "host_key": pubs[hub]["ssh_host_key"], "tun": sshtun.tun_number(i),
+        "proxy_jump": pubs[a["name"]].get("ssh_jump")}}
 
 
 def routes(plan: dict, name: str) -> dict[str, str]:

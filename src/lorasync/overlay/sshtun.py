@@ -44,6 +44,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -193,8 +194,21 @@ def ssh_argv(*, server: str, port: int, key_file: str | Path, known_hosts: str |
             "-o", f"ConnectTimeout={int(connect_timeout_s)}", "-o", "ControlMaster=no",
             "-o", "ControlPath=none", "-o", "LogLevel=ERROR"]
     if proxy_jump:
-        argv += ["-J", proxy_jump]
+        argv += ["-o", f"ProxyCommand={jump_command(proxy_jump)}"]
     return argv + ["-p", str(int(port)), f"root@{server}"]
+
+
+def jump_command(proxy_jump: str) -> str:
+    """ssh's ProxyCommand through ``[USER@]HOST[:PORT][,...]`` (the hops of
+    ``-J``).  Not ``-J`` itself: that hands the jump ssh this connection's
+    ``-F /dev/null``, so the jump leg would ignore the user's own ssh config
+    (aliases, keys, known_hosts of the jump host).  The jump leg is the user's
+    ordinary ssh to the jump host, without prompts (BatchMode); the leg to the
+    hub inside it stays pinned to the hub's host key."""
+    hops = proxy_jump.split(",")
+    last = hops[-1]
+    via = f" -J '{','.join(hops[:-1])}'" if len(hops) > 1 else ""
+    return f"ssh -o BatchMode=yes{via} -W '[%h]:%p' 'ssh://{last}'"
 
 
 def next_delay(lived_s: float, failures: int) -> float:
@@ -263,6 +277,11 @@ class SSHConfig:
     linktest_port: int = 51820
     reason: str = ""
     proxy_jump: str | None = None
+    key_file: str | None = None       # node: its key where `tunnel join` made it (else state_dir's)
+    host_key_file: str | None = None  # hub: its host key where `tunnel join` made it
+    runtime: bool = False             # state_dir is this transport's own: removed with it
+    tunnel: str | None = None         # the overlay's interface name (`tunnel down --ifname`)
+    tunnel_config: str | None = None  # the NODE.tunnel.json it was made from (`tunnel launch`)
 
     def __post_init__(self):
         if self.role not in ("hub", "node"):
@@ -278,7 +297,8 @@ class SSHConfig:
 
     def files(self) -> dict[str, Path]:
         d = self.state_dir
-        return {"key": d / f"{self.node}.key", "host_key": d / "host_key",
+        return {"key": Path(self.key_file) if self.key_file else d / f"{self.node}.key",
+                "host_key": Path(self.host_key_file) if self.host_key_file else d / "host_key",
                 "known_hosts": d / "known_hosts", "authorized_keys": d / "authorized_keys",
                 "sshd_config": d / "sshd_config", "pid": d / "sshd.pid"}
 
@@ -425,6 +445,8 @@ class Supervisor:
         """Seconds until a TCP connection through the tunnel reaches the hub's
         link-test port (ssh connected, both devices attached)."""
         t0 = time.monotonic()
+        if self.cfg.role == "hub":
+            return self._wait_sshd(timeout, t0)
         while True:
             if self.proc is not None and self.proc.poll() is not None and self.cfg.role == "node":
                 tail = _tail(self.proc_log_path, self._log_offset)
@@ -443,6 +465,22 @@ class Supervisor:
                     f"open to this node and that the hub's sshd runs (log {self.proc_log_path})")
             time.sleep(0.2)
 
+    def _wait_sshd(self, timeout: float, t0: float) -> float:
+        """Seconds until the hub's sshd accepts a TCP connection on its address."""
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                tail = _tail(self.proc_log_path, self._log_offset)
+                raise EnvironmentProblem(f"sshd exited (code {self.proc.returncode}): "
+                                         f"{tail or 'no message'}")
+            with contextlib.suppress(OSError):
+                with socket.create_connection((self.cfg.server, self.cfg.port), timeout=1):
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise EnvironmentProblem(f"sshd does not accept connections on {self.cfg.server}:"
+                                         f"{self.cfg.port} within {timeout:g} s (log "
+                                         f"{self.proc_log_path})")
+            time.sleep(0.1)
+
     def _hub_address(self) -> str:
         return str(next(self.cfg.network.hosts()))
 
@@ -458,7 +496,9 @@ class Supervisor:
                  "netns": linktest.current_netns(), "cluster": self.cluster, "started": self.since,
                  "address": cfg.address, "prefixlen": cfg.network.prefixlen, "mtu": cfg.mtu,
                  "hub": cfg.hub, "is_hub": cfg.role == "hub", "server": f"{cfg.server}:{cfg.port}",
-                 "reason": cfg.reason, "restarts": self.restarts, "log": str(self.log_path)}
+                 "reason": cfg.reason, "restarts": self.restarts, "log": str(self.log_path),
+                 "tunnel": cfg.tunnel, "tunnel_config": cfg.tunnel_config,
+                 "runtime_dir": str(cfg.state_dir) if cfg.runtime else None}
         tmp = TUNNELS_DIR / f".{cfg.name}.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(TUNNELS_DIR / f"{cfg.name}.json")
@@ -512,6 +552,8 @@ class Supervisor:
             _del_link(dev)
         with contextlib.suppress(FileNotFoundError):
             (TUNNELS_DIR / f"{self.cfg.name}.json").unlink()
+        if self.cfg.runtime:
+            _remove_runtime(self.cfg.state_dir, self.cfg.path)
 
 
 def _tail(path: Path, offset: int = 0) -> str:
@@ -523,6 +565,151 @@ def _tail(path: Path, offset: int = 0) -> str:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         return lines[-1].strip() if lines else ""
     return ""
+
+
+# ---------------------------------------------------------------- real hosts (`lorasync tunnel`)
+
+#: a real host's SSH transport config, written at ``up`` beside its state (removed at ``down``)
+RUNTIME_SUFFIX = ".sshconf"
+#: the hub's sshd port when `tunnel init --ssh` names none: 443 is the port networks that let
+#: only TCP out still pass most often (HTTPS); 22 is usually the system's own sshd already
+DEFAULT_PORT = 443
+#: sshd logs the node in as root: attaching a TUN device needs CAP_NET_ADMIN; the key's
+#: forced command (/bin/false) and ``restrict`` are all that login may do
+USER = "root"
+_PUB_RE = re.compile(r"ssh-ed25519 [A-Za-z0-9+/]{68}")
+
+
+def is_public_key(text) -> bool:
+    """An ed25519 public key as ``ssh-keygen`` writes it (type and base64, no comment)."""
+    return isinstance(text, str) and bool(_PUB_RE.fullmatch(text))
+
+
+def public_key_of(path: str | Path) -> str:
+    """``ssh-ed25519 BASE64`` of the private key in ``path`` (``ssh-keygen -y``)."""
+    if not shutil.which("ssh-keygen"):
+        raise EnvironmentProblem("'ssh-keygen' not found: install it: apt-get install -y "
+                                 "openssh-client")
+    proc = subprocess.run(["ssh-keygen", "-y", "-f", str(path)], capture_output=True, text=True)
+    pub = " ".join(proc.stdout.split()[:2])
+    if proc.returncode != 0 or not is_public_key(pub):
+        raise ConfigError("private_key_file", str(path), "does not hold this node's SSH key: make "
+                          "a new one on this node with `lorasync tunnel join --transport ssh`")
+    return pub
+
+
+def check_listen(listen: str, port: int) -> None:
+    """ConfigError unless sshd can listen on ``listen:port`` here: the address
+    is this host's (not a wildcard) and nothing holds the port."""
+    if _is_wildcard(listen):
+        raise ConfigError("ssh listen address", listen, "give the hub's own IP address at `tunnel "
+                          "init --ssh-listen`: lorasync never listens on a wildcard address")
+    s = socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET, socket.SOCK_STREAM)
+    # as sshd binds: connections of a server stopped a moment ago (TIME_WAIT) do not count,
+    # a listening socket does
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((listen, int(port)))
+        s.listen(1)
+    except OSError as exc:
+        if exc.errno == 98:   # EADDRINUSE
+            raise ConfigError("ssh port", port, f"TCP port {port} on {listen} is already in use "
+                              f"(`ss -tlpn 'sport = :{port}'` shows by what; a `tunnel "
+                              "probe-server` still running?): stop it, or plan again with "
+                              "`tunnel init --ssh-port N`") from None
+        raise ConfigError("ssh listen address", listen, f"sshd cannot listen there "
+                          f"({exc.strerror}): not an address of this host? plan again with "
+                          "`tunnel init --ssh-listen ADDR`, the hub's own address") from None
+    finally:
+        s.close()
+
+
+def runtime_config(tcfg) -> SSHConfig:
+    """The SSH transport of a real host's ``NODE.tunnel.json`` (a node on the
+    SSH path, or the hub serving such nodes), written with its runtime files
+    (known_hosts or authorized_keys, in a 0700 directory of its own under the
+    tunnels' state directory; the private keys stay where `tunnel join` made
+    them)."""
+    hub_ep = next(n["endpoint"] for n in tcfg.nodes if n["name"] == tcfg.hub)
+    linktest_port = int(hub_ep.rsplit(":", 1)[1]) if hub_ep else tcfg.listen_port
+    if tcfg.is_hub:
+        srv = tcfg.ssh_server
+        dummy = tcfg.ifname if srv.get("dummy") else None
+        name = tcfg.ifname if dummy else f"{tcfg.ifname}-sshd"
+    else:
+        srv = tcfg.ssh
+        name = tcfg.ifname
+    d = TUNNELS_DIR / f"{name}.ssh"
+    TUNNELS_DIR.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(mode=0o700)
+    os.chmod(d, 0o700)
+    common = dict(path=TUNNELS_DIR / f"{name}{RUNTIME_SUFFIX}", name=name, node=tcfg.node,
+                  hub=tcfg.hub, address=tcfg.address, subnet=tcfg.subnet, port=int(srv["port"]),
+                  state_dir=d, linktest_port=linktest_port, runtime=True, tunnel=tcfg.ifname,
+                  tunnel_config=str(tcfg.path))
+    if tcfg.is_hub:
+        clients = [{"name": c["name"], "address": c["address"], "tun": int(c["tun"])}
+                   for c in srv["clients"]]
+        ak = d / "authorized_keys"
+        ak.write_text("".join(authorized_keys_line(c["public_key"], c["tun"]) for c in srv["clients"]))
+        os.chmod(ak, 0o600)
+        mine = next(n for n in tcfg.nodes if n["name"] == tcfg.node)
+        cfg = SSHConfig(role="hub", server=srv["listen"], clients=clients, dummy=dummy,
+                        host_key_file=str(srv["host_key_file"]), reason=mine.get("reason", ""),
+                        **common)
+    else:
+        (d / "known_hosts").write_text(known_hosts_line(srv["host"], srv["port"], srv["host_key"]))
+        mine = next(n for n in tcfg.nodes if n["name"] == tcfg.node)
+        cfg = SSHConfig(role="node", server=srv["host"], tun=int(srv["tun"]),
+                        key_file=str(tcfg.private_key_file), proxy_jump=srv.get("proxy_jump"),
+                        reason=mine.get("reason", ""), **common)
+    write_config(cfg, cfg.path)
+    return cfg
+
+
+def start_background(cfg: SSHConfig, *, cluster: str | None = None, python: str = sys.executable,
+                     ready_timeout: float = 20.0) -> dict:
+    """Run ``cfg``'s supervisor in a session of its own; wait for its ``ready``
+    (a node: traffic passes to the hub); return its state.  On failure nothing
+    it made stays (its devices, processes, runtime files)."""
+    import select
+
+    argv = [python, "-m", "lorasync.overlay.sshtun", "supervise", str(cfg.path),
+            "--ready-timeout", str(ready_timeout)]
+    if cluster:
+        argv += ["--cluster", cluster]
+    err = open(TUNNELS_DIR / f"{cfg.name}.supervisor.log", "ab")
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                start_new_session=True, close_fds=True)
+    finally:
+        err.close()
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], ready_timeout + 30)
+        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        proc.stdout.close()
+        if line != "ready":
+            what = "sshd" if cfg.role == "hub" else "ssh"
+            raise EnvironmentProblem(f"the SSH transport ({what}) did not come up: "
+                                     + (line[7:] if line.startswith("error: ") else
+                                        f"see {TUNNELS_DIR / (cfg.name + '.log')}"))
+    except BaseException:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        devices = ([f"tun{c['tun']}" for c in cfg.clients] + ([cfg.dummy] if cfg.dummy else [])
+                   if cfg.role == "hub" else [f"tun{cfg.tun}"])
+        st = {"ifname": cfg.name, "transport": "ssh", "devices": devices, "config": str(cfg.path),
+              "runtime_dir": str(cfg.state_dir), "netns": linktest.current_netns()}
+        down_one(st)
+        raise
+    state = json.loads((TUNNELS_DIR / f"{cfg.name}.json").read_text())
+    return state
 
 
 # ---------------------------------------------------------------- status / down
@@ -567,11 +754,30 @@ def down_one(st: dict) -> list[str]:
         for dev in st.get("devices") or []:
             if subprocess.run(["ip", "-n", netns, "link", "del", dev], capture_output=True).returncode == 0:
                 removed.append(f"interface {dev} in {netns}")
+    elif not netns and st.get("runtime_dir"):   # a real host's: its devices are here
+        for dev in st.get("devices") or []:
+            if _del_link(dev):
+                removed.append(f"interface {dev}")
     path = TUNNELS_DIR / f"{st['ifname']}.json"
     if path.exists():
         path.unlink()
         removed.append(f"state {path}")
+    rt = st.get("runtime_dir")
+    if rt and Path(rt).is_dir() and Path(rt).parent == TUNNELS_DIR:
+        _remove_runtime(Path(rt), Path(st.get("config") or ""))
+        removed.append(f"ssh files {rt}")
     return removed
+
+
+def _remove_runtime(state_dir: Path, config: Path) -> None:
+    """The files a real host's SSH transport wrote at ``up`` (known_hosts,
+    authorized_keys, sshd_config, pid file, its own config); never a key."""
+    if state_dir.parent != TUNNELS_DIR:
+        return
+    shutil.rmtree(state_dir, ignore_errors=True)
+    if config.parent == TUNNELS_DIR and config.name.endswith(RUNTIME_SUFFIX):
+        with contextlib.suppress(OSError):
+            config.unlink()
 
 
 def status_one(st: dict, measure: bool, seconds: float) -> dict:
@@ -585,8 +791,15 @@ def status_one(st: dict, measure: bool, seconds: float) -> dict:
         targets = cfg.clients if cfg.role == "hub" else [{"name": cfg.hub, "address": str(next(cfg.network.hosts()))}]
     except LorasyncError as exc:
         cfg, targets, error = None, [], str(exc)
+    how = {}   # a real host's: how each node joins, from its tunnel.json
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        if st.get("tunnel_config"):
+            how = {n["name"]: {"transport": n.get("transport", "wireguard"),
+                               "reason": n.get("reason", "")}
+                   for n in json.loads(Path(st["tunnel_config"]).read_text())["nodes"]}
     for t in targets:
         row = {"name": t["name"], "address": t["address"], "route": "ssh", "relayed": False,
+               **(how.get(t["name"], {}) if st.get("is_hub") else {}),
                "endpoint": st.get("server"), "handshake_age_s": None, "rx_bytes": None,
                "tx_bytes": None, "is_hub": cfg is not None and t["name"] == cfg.hub}
         if measure and cfg is not None:
@@ -629,9 +842,9 @@ def supervise_main(argv: list[str] | None = None) -> int:
         s = Supervisor(cfg, cluster=args.cluster)
         sup.append(s)
         s.start()
-        if cfg.role == "node":
-            took = s.wait_ready(args.ready_timeout)
-            s.event(f"traffic passes to the hub {cfg.hub} after {took:.2f} s")
+        took = s.wait_ready(args.ready_timeout)
+        s.event(f"traffic passes to the hub {cfg.hub} after {took:.2f} s" if cfg.role == "node"
+                else f"sshd accepts connections on {cfg.server}:{cfg.port} after {took:.2f} s")
     except LorasyncError as exc:
         for s in sup:
             s.stop()

@@ -135,8 +135,18 @@ class TunnelConfig:
     ssh_ifnames: list = dataclasses.field(default_factory=list)
     """The hub's tun devices of nodes on the SSH path: relayed packets may use them too."""
     public_key: str = ""
-    """This node's, from its ``tunnel join``: ``up`` checks the key file against it."""
+    """This node's, from its ``tunnel join``: ``up`` checks the key file against it
+    (a node on the SSH path: the base64 of its SSH key)."""
     plan_id: str = ""
+    transport: str = "wireguard"
+    """``"ssh"``: this node reaches the hub over SSH's tun forwarding (:mod:`~lorasync.overlay.sshtun`)."""
+    ssh: dict | None = None
+    """A node on the SSH path: the hub's ``host``, ``port``, ``user``, ``host_key``, its ``tun``
+    device number and an optional ``proxy_jump``."""
+    ssh_server: dict | None = None
+    """The hub serving nodes on the SSH path: sshd's ``listen`` address and ``port``, its
+    ``host_key_file``, the ``clients`` (name, address, tun, public_key) and ``dummy`` (no
+    WireGuard peer: the overlay address goes on a stand-in interface)."""
 
     def __post_init__(self):
         if not _IFNAME_RE.fullmatch(self.ifname):   # match() lets a trailing newline through
@@ -166,13 +176,32 @@ class TunnelConfig:
             raise ConfigError("node", self.node, "not a node of this config's plan ("
                               f"{', '.join(str(n.get('name')) for n in self.nodes)}): give the "
                               "NODE.tunnel.json `lorasync tunnel assemble` wrote for this node")
-        if not wg.is_public_key(self.public_key) or mine.get("public_key") != self.public_key:
+        if self.transport not in ("wireguard", "ssh"):
+            raise ConfigError("transport", self.transport, f"wireguard or ssh; {_REINIT}")
+        if self.transport == "ssh" and (not isinstance(self.ssh, dict) or self.is_hub):
+            raise ConfigError("ssh", self.ssh, f"a node on the SSH path needs its hub's SSH "
+                              f"details (and is not the hub); {_REINIT}")
+        from lorasync.overlay import sshtun
+
+        key_ok = (sshtun.is_public_key(f"ssh-ed25519 {self.public_key}")
+                  if self.transport == "ssh" else wg.is_public_key(self.public_key))
+        if not key_ok or mine.get("public_key") != self.public_key:
             raise ConfigError("public_key", self.node, "missing, or not the key the plan's layout "
                               "has for this node: run `lorasync tunnel assemble` again")
 
     @property
     def prefixlen(self) -> int:
         return self.network.prefixlen
+
+    @property
+    def device(self) -> str:
+        """The interface that carries this node's overlay address (gloo binds to it)."""
+        return f"tun{int(self.ssh['tun'])}" if self.transport == "ssh" else self.ifname
+
+    @property
+    def wireguard(self) -> bool:
+        """Whether this node runs WireGuard (a hub whose nodes are all on SSH does not)."""
+        return self.transport == "wireguard" and not (self.ssh_server or {}).get("dummy")
 
     @property
     def hub_peer(self) -> dict | None:
@@ -233,7 +262,9 @@ def load_config(path: str | Path) -> TunnelConfig:
         keepalive_s=raw.get("keepalive_s") or DEFAULT_KEEPALIVE,
         stale_s=raw.get("stale_s") or DEFAULT_STALE_S, relay=bool(raw.get("relay")),
         ssh_ifnames=list(raw.get("ssh_ifnames") or []),
-        public_key=raw["public_key"], plan_id=raw["plan_id"])
+        public_key=raw["public_key"], plan_id=raw["plan_id"],
+        transport=raw.get("transport") or "wireguard", ssh=raw.get("ssh"),
+        ssh_server=raw.get("ssh_server"))
 
 
 def check_key_matches(cfg: TunnelConfig, public_key_of: Callable[[Path], str] = wg.public_key_of
@@ -284,6 +315,41 @@ def _is_endpoint(v) -> bool:
         return False
 
 
+def _is_ssh_client(v) -> bool:
+    from lorasync.overlay import sshtun
+
+    return (isinstance(v, dict) and isinstance(v.get("host"), str) and v["host"] != ""
+            and not any(c.isspace() or c == "\0" for c in v["host"])
+            and _int_in(1, 65535)(v.get("port")) and v.get("user") == sshtun.USER
+            and sshtun.is_public_key(v.get("host_key")) and _int_in(0, 4095)(v.get("tun"))
+            and (v.get("proxy_jump") is None or (isinstance(v["proxy_jump"], str)
+                                                 and _is_jump(v["proxy_jump"]))))
+
+
+def _is_jump(v: str) -> bool:
+    """ssh's -J [USER@]HOST[:PORT][,...]: no option, no space, no quote."""
+    return bool(re.fullmatch(r"[A-Za-z0-9_.@:\[\],-]+", v)) and not any(
+        h == "" or h.startswith("-") for h in v.split(","))
+
+
+def _is_ip(v) -> bool:
+    try:
+        return isinstance(v, str) and not ipaddress.ip_address(v).is_unspecified
+    except ValueError:
+        return False
+
+
+def _is_ssh_server(v) -> bool:
+    from lorasync.overlay import sshtun
+
+    return (isinstance(v, dict) and _is_ip(v.get("listen")) and _int_in(1, 65535)(v.get("port"))
+            and isinstance(v.get("host_key_file"), str) and os.path.isabs(v["host_key_file"])
+            and isinstance(v.get("clients"), list) and all(
+                isinstance(c, dict) and _is_name(c.get("name")) and _is_ipv4(c.get("address"))
+                and _int_in(0, 4095)(c.get("tun")) and sshtun.is_public_key(c.get("public_key"))
+                for c in v["clients"]))
+
+
 def _need(field: str, value, ok: bool, fix: str) -> None:
     if not ok:
         raise ConfigError(field, value, f"{fix}; {_REINIT}")
@@ -314,6 +380,11 @@ def _check_fields(raw: dict) -> None:
         "ssh_ifnames": (lambda v: v is None or (isinstance(v, list) and all(
             isinstance(x, str) and _IFNAME_RE.fullmatch(x) for x in v)), "a list of interface names"),
         "public_key": (_is_key, "this node's public key, as `tunnel join` printed it"),
+        "transport": (lambda v: v is None or v in ("wireguard", "ssh"), "wireguard or ssh"),
+        "ssh": (lambda v: v is None or _is_ssh_client(v),
+                "an object {host, port, user, host_key, tun} (the hub's SSH server)"),
+        "ssh_server": (lambda v: v is None or _is_ssh_server(v),
+                       "an object {listen, port, host_key_file, clients}"),
         "plan_id": (lambda v: isinstance(v, str) and v != "" and "\0" not in v,
                     "the plan's id, as `tunnel init` wrote it"),
     }
@@ -790,19 +861,37 @@ def preflight(config: str | Path) -> TunnelConfig:
     endpoints (each failure names the fix)."""
     cfg = load_config(config)   # a bad file is the first thing to fix, root or not
     check_root()
-    wg.require_tools(need_nft=cfg.relay)
-    wg.check_key_file(cfg.private_key_file)
-    check_key_matches(cfg)
+    from lorasync.overlay import sshtun
+
+    if cfg.transport == "ssh":
+        sshtun.require_tools(server=False)
+        wg.check_key_file(cfg.private_key_file)
+        check_key_matches(cfg, public_key_of=lambda p: sshtun.public_key_of(p).split()[1])
+    elif cfg.wireguard:
+        wg.require_tools(need_nft=cfg.relay)
+        wg.check_key_file(cfg.private_key_file)
+        check_key_matches(cfg)
+    if cfg.ssh_server:
+        sshtun.require_tools(server=True)
+        wg.check_key_file(cfg.ssh_server["host_key_file"])
     for st in states():
-        if st.get("ifname") == cfg.ifname and pid_alive(st.get("pid")):
+        if cfg.ifname in (st.get("ifname"), st.get("tunnel")) and pid_alive(st.get("pid")):
             raise ConfigError("ifname", cfg.ifname, f"this tunnel is already up (supervisor pid "
                               f"{st['pid']}): `lorasync tunnel down --ifname {cfg.ifname}` first")
-    if Path(f"/sys/class/net/{cfg.ifname}").exists():
-        raise ConfigError("ifname", cfg.ifname, "an interface of this name exists already (not a "
-                          "running lorasync tunnel): remove it (ip link del "
-                          f"{cfg.ifname}) or give another --ifname at `tunnel init`")
+    devices = [cfg.device] + ([f"tun{c['tun']}" for c in cfg.ssh_server["clients"]]
+                              if cfg.ssh_server else [])
+    for dev in devices:
+        if Path(f"/sys/class/net/{dev}").exists():
+            raise ConfigError("ifname", dev, "an interface of this name exists already (not a "
+                              f"running lorasync tunnel): remove it (ip link del {dev}) or give "
+                              "another --ifname at `tunnel init`")
     check_address_clash(cfg)
-    check_port_free(cfg.listen_port)
+    if cfg.wireguard:
+        check_port_free(cfg.listen_port)
+    if cfg.ssh_server:
+        sshtun.check_listen(cfg.ssh_server["listen"], cfg.ssh_server["port"])
+    if cfg.transport == "ssh":
+        return cfg
     for p in cfg.peers:
         if p.get("endpoint"):
             resolve_endpoint(p["endpoint"], "the hub" if p["name"] == cfg.hub else p["name"])
@@ -819,6 +908,8 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
     """
     cfg = preflight(config)
     TUNNELS_DIR.mkdir(parents=True, exist_ok=True)
+    if cfg.transport == "ssh" or not cfg.wireguard:
+        return _up_ssh(cfg, hub_timeout=hub_timeout, cluster=cluster, python=python)
     argv = [python, "-m", "lorasync.overlay.tunnel", "supervise", str(cfg.path)]
     if cluster:
         argv += ["--cluster", cluster]
@@ -848,7 +939,22 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
                 proc.wait()
         down(cfg.ifname)
         raise
+    if cfg.ssh_server:   # the hub also serves nodes on the SSH path
+        _up_ssh(cfg, hub_timeout=hub_timeout, cluster=cluster, python=python)
     return next(s for s in states() if s.get("ifname") == cfg.ifname)
+
+
+def _up_ssh(cfg: TunnelConfig, *, hub_timeout: float, cluster: str | None, python: str) -> dict:
+    """A node's SSH transport, or the hub's sshd for its nodes on the SSH path;
+    on failure nothing of this tunnel stays (its WireGuard side included)."""
+    from lorasync.overlay import sshtun
+
+    try:
+        return sshtun.start_background(sshtun.runtime_config(cfg), cluster=cluster, python=python,
+                                       ready_timeout=hub_timeout)
+    except BaseException:
+        down(cfg.ifname)
+        raise
 
 
 def wait_handshake(cfg: TunnelConfig, peer: dict, timeout: float, netns: str | None = None) -> float:
@@ -879,7 +985,8 @@ def down(ifname: str | None = None, *, cluster: str | None = None) -> list[str]:
     """
     removed = []
     for st in states():
-        if ifname is not None and st.get("ifname") != ifname:
+        # a real hub's sshd goes with its tunnel (state `tunnel` names it)
+        if ifname is not None and ifname not in (st.get("ifname"), st.get("tunnel")):
             continue
         if cluster is not None and st.get("cluster") != cluster:
             continue
@@ -1051,7 +1158,7 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
 
 def worker_env(cfg_or_state: TunnelConfig) -> dict[str, str]:
     """What gloo/NCCL need to run over the overlay."""
-    name = cfg_or_state.ifname
+    name = getattr(cfg_or_state, "device", None) or cfg_or_state.ifname
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
 
 
