@@ -344,3 +344,34 @@ def test_exposure_names_a_readable_tunnel_key(tmp_path, monkeypatch):
     assert found and found[0].severity == "error" and "chmod 600" in found[0].fix
     os.chmod(key, 0o600)
     assert not [f for f in doctor._check_exposure(doctor.HostInfo()) if str(key) in f.found]
+
+
+def test_exposure_names_a_readable_ssh_path_key(tmp_path, monkeypatch):
+    """A node on the overlay's SSH path keeps its key where its SSH transport
+    config says (its state folder unless `tunnel join` put it elsewhere); the hub
+    keeps its sshd host key: both are checked like a WireGuard key."""
+    import json
+    import os
+
+    from lorasync.netdiag import doctor
+    from lorasync.overlay import sshtun
+
+    states = tmp_path / "tunnels"
+    states.mkdir()
+    monkeypatch.setattr(doctor, "TUNNELS_DIR", states)
+    for role, name, key in (("node", "n1", tmp_path / "node1.key"),
+                            ("hub", "h0", tmp_path / "ssh" / "host_key")):
+        key.parent.mkdir(exist_ok=True)
+        key.write_text("k\n")
+        os.chmod(key, 0o640)
+        cfg = sshtun.SSHConfig(path=tmp_path / f"{name}.ssh.json", name=name, node=name,
+                               role=role, address="10.77.0.2", subnet="10.77.0.0/24",
+                               hub="10.77.0.1", server="192.0.2.1", port=443,
+                               state_dir=tmp_path / "ssh", tun=100 if role == "node" else None,
+                               key_file=str(key) if role == "node" else None)
+        sshtun.write_config(cfg, cfg.path)
+        (states / f"{name}.json").write_text(json.dumps({"config": str(cfg.path)}))
+        found = [f for f in doctor._check_exposure(doctor.HostInfo()) if str(key) in f.found]
+        assert found and found[0].severity == "error" and f"chmod 600 {key}" in found[0].fix
+        os.chmod(key, 0o600)
+        assert not [f for f in doctor._check_exposure(doctor.HostInfo()) if str(key) in f.found]

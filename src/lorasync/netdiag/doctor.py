@@ -22,6 +22,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 
+from lorasync.errors import LorasyncError
 from lorasync.hostops import TUNNELS_DIR
 from lorasync.netdiag.hostinfo import HostInfo, is_loopback_address, is_public_address
 from lorasync.netdiag.tune import default_link, recommend
@@ -634,14 +635,18 @@ def _check_exposure(host: HostInfo) -> list[Finding]:
             out.append(Finding(
                 "exposure", "error", f"private key {path} is readable by others "
                 f"(mode {st.st_mode & 0o777:03o})",
-                "whoever reads a node's WireGuard key can pose as that node on the overlay",
+                "whoever reads a node's WireGuard or SSH key can pose as that node on the "
+                "overlay (the hub's SSH host key: as the hub)",
                 f"chmod 600 {path}; then make a new key for the node (lorasync tunnel join) "
                 "if others may have read it"))
     return out
 
 
 def _tunnel_key_files(host: HostInfo) -> list[str]:
-    """The private key of every tunnel this host runs (from their state files)."""
+    """The private key of every tunnel this host runs (from their state files):
+    a WireGuard node's key, an SSH-path node's key, the hub sshd's host key."""
+    from lorasync.overlay import sshtun
+
     keys = []
     folder = host.path(str(TUNNELS_DIR).lstrip("/")) if host.fake else str(TUNNELS_DIR)
     try:
@@ -655,8 +660,12 @@ def _tunnel_key_files(host: HostInfo) -> list[str]:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 config = json.load(f).get("config")
             with open(config, encoding="utf-8") as f:
-                key = json.load(f).get("private_key_file")
-        except (OSError, ValueError, TypeError, AttributeError):
+                raw = json.load(f)
+            key = raw.get("private_key_file")
+            if raw.get("kind") == sshtun.KIND:
+                files = sshtun.load_config(config).files()
+                key = str(files["key" if raw.get("role") == "node" else "host_key"])
+        except (OSError, ValueError, TypeError, AttributeError, LorasyncError):
             continue
         if isinstance(key, str) and key:
             keys.append(key if os.path.isabs(key) else os.path.join(os.path.dirname(config), key))
