@@ -70,3 +70,17 @@ def route_address(host: str, port: int = 9) -> str | None:
             except OSError:
                 continue
     return None
+
+
+def stop_process(proc, timeout: float = 10.0) -> None:
+    """End a child ``subprocess.Popen``: SIGTERM, then SIGKILL after ``timeout`` s."""
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
-from lorasync.hostops import TUNNELS_DIR, pid_alive
+from lorasync.hostops import TUNNELS_DIR, pid_alive, stop_process
 from lorasync.overlay import linktest
 
 __all__ = [
@@ -541,13 +541,8 @@ class Supervisor:
         if self._server is not None:
             with contextlib.suppress(OSError):
                 self._server.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=5)
         for dev in self.devices:
             _del_link(dev)
         with contextlib.suppress(FileNotFoundError):
@@ -695,13 +690,7 @@ def start_background(cfg: SSHConfig, *, cluster: str | None = None, python: str 
                                      + (line[7:] if line.startswith("error: ") else
                                         f"see {TUNNELS_DIR / (cfg.name + '.log')}"))
     except BaseException:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         devices = ([f"tun{c['tun']}" for c in cfg.clients] + ([cfg.dummy] if cfg.dummy else [])
                    if cfg.role == "hub" else [f"tun{cfg.tun}"])
         st = {"ifname": cfg.name, "transport": "ssh", "devices": devices, "config": str(cfg.path),

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
-from lorasync.hostops import TUNNELS_DIR, as_root, pid_alive, require_root
+from lorasync.hostops import TUNNELS_DIR, as_root, pid_alive, require_root, stop_process
 from lorasync.overlay import linktest
 from lorasync.overlay import wireguard as wg
 
@@ -930,13 +930,7 @@ def up(config: str | Path, *, hub_timeout: float = 20.0, cluster: str | None = N
         if not cfg.is_hub and cfg.hub_peer is not None:
             wait_handshake(cfg, cfg.hub_peer, hub_timeout)
     except BaseException:  # a failure or Ctrl-C before the tunnel is up: nothing stays
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         down(cfg.ifname)
         raise
     if cfg.ssh_server:   # the hub also serves nodes on the SSH path
