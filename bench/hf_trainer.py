@@ -46,7 +46,15 @@ samples/s = samples of all ranks in steps 2..N / rank 0's wall time from the
 end of step 1 to the end of step N (the first step pays DDP's bucket rebuild).
 Neither path counts the sync after step N that leaves the replicas identical
 (DiLoCo's last average): ``lorasync train`` runs it after its last step record,
-and the Trainer rows report it apart (``final_sync_s``, ``final_sync_bytes``).
+and the Trainer rows report it apart (``final_sync_s``, ``final_sync_bytes``):
+their step clock runs after lorasync's step-end callback, whose ``finish()``
+holds that sync, so its time is taken out of step N's.  The switch row's
+s/step and sync share cover steps 2..N, as ``lorasync train``'s.  The --sft
+rows also time the accelerator's ``gather_for_metrics`` per step (TRL's
+``compute_loss`` all-gathers its entropy, token accuracy and token count on
+every micro-batch: synchronous round trips on the link), and every run
+records the host's CPU pressure (``host_cpu``) so that a run slowed by other
+work on the host shows it.
 Start-up = ``trainer.train()`` called -> first step about to run (DDP built,
 start-up sync, strategy attached: auto's probe included).
 
@@ -87,11 +95,19 @@ def _ordered_examples(tok, steps: int, world: int, batch: int, seq_len: int):
     return out
 
 
-def _add_clock(trainer, gate: str, on_begin) -> dict:
+def _add_clock(trainer, gate: str, on_begin, per_step=None) -> dict:
     """A callback on ``trainer`` that fills the dict it returns: ``begin`` (train()
     reached its first step's set-up), ``records`` (step, wall time) at each step's
     end, and with ``gate`` the wait for the bench to cut the link (``gate_s``).
-    ``on_begin(times)`` runs at train begin, before the gate (DDP exists then)."""
+    ``on_begin(times)`` runs at train begin, before the gate (DDP exists then);
+    ``per_step()``, a dict merged into each step's record.  ``threads``: the torch
+    threads the training loop runs with (intra-op, inter-op), read at train begin.
+
+    The clock runs after lorasync's callback (attach puts that one first), so
+    the last step's time includes lorasync's final sync (``finish()``): the
+    bench takes it out (``samples_per_s``'s ``tail_s``), as ``lorasync train``
+    writes its last step record before its final sync."""
+    import torch
     import torch.distributed as dist
     from transformers import TrainerCallback
 
@@ -100,6 +116,7 @@ def _add_clock(trainer, gate: str, on_begin) -> dict:
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             times["begin"] = time.time()
+            times["threads"] = [torch.get_num_threads(), torch.get_num_interop_threads()]
             on_begin(times)
             if gate:   # the bench cuts the link now; wait for it
                 Path(gate, f"ready-{dist.get_rank()}").touch()
@@ -109,7 +126,8 @@ def _add_clock(trainer, gate: str, on_begin) -> dict:
                 times["gate_s"] = time.time() - times["begin"]
 
         def on_step_end(self, args, state, control, **kw):
-            times["records"].append({"step": state.global_step, "time": time.time()})
+            times["records"].append({"step": state.global_step, "time": time.time(),
+                                     **(per_step() if per_step else {})})
 
     trainer.add_callback(Clock())
     return times
@@ -169,7 +187,7 @@ def worker(a) -> None:
     res = {"mode": a.mode, "strategy": a.strategy, "rank": dist.get_rank(), "world_size": world,
            "startup_s": times["begin"] - t_train, "gate_s": times.get("gate_s", 0.0),
            "records": times["records"], "base_state_bytes": state_bytes,
-           "batch_size": a.batch_size,
+           "batch_size": a.batch_size, "threads": times.get("threads"),
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
     if handle is not None:
         st = handle.stats()
@@ -246,7 +264,23 @@ def sft_worker(a) -> None:
         times["state_bytes"] = sum(t.numel() * t.element_size()
                                    for t in [*m.parameters(), *m.buffers()])
 
-    times = _add_clock(trainer, a.gate, ddp_facts)
+    # the bench's read-out, not part of the script: the time the training loop spends in
+    # the accelerator's gather_for_metrics (SFTTrainer.compute_loss all-gathers its
+    # metrics, entropy, token accuracy and token count, on every micro-batch)
+    gathers = {"s": 0.0, "n": 0}
+    gather = trainer.accelerator.gather_for_metrics
+
+    def timed_gather(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return gather(*args, **kw)
+        finally:
+            gathers["s"] += time.perf_counter() - t0
+            gathers["n"] += 1
+
+    trainer.accelerator.gather_for_metrics = timed_gather
+    times = _add_clock(trainer, a.gate, ddp_facts,
+                       per_step=lambda: {"gather_s": gathers["s"], "gathers": gathers["n"]})
     t_train = time.time()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -261,23 +295,48 @@ def sft_worker(a) -> None:
            "ddp_comm_hook": times.get("comm_hook"),
            "examples_given": len(rows), "examples_trained_on": len(trainer.train_dataset),
            "lorasync_modules": sorted(m for m in sys.modules if m.split(".")[0] == "lorasync"),
-           "lorasync_log": last_ls,
+           "lorasync_log": last_ls, "threads": times.get("threads"),
+           # lorasync's final sync (after the last step): taken out of samples/s
+           "final_sync_s": last_ls.get("lorasync/final_sync_s", 0.0),
+           "final_sync_bytes": last_ls.get("lorasync/final_sync_bytes", 0),
            # lorasync's per-window figures (step_s, comm_s ...) of the last log: with
            # logging_steps = steps, means over every step
            "lorasync_window": next(({k: v for k, v in h.items() if k.startswith("lorasync/")}
                                     for h in reversed(logs) if "lorasync/step_s" in h), {})}
+    # the bench's read-out: lorasync's per-step records (the handle the switch left on the
+    # Trainer), so that its step and sync times cover steps 2..N as lorasync train's do
+    handle = getattr(trainer, "_lorasync_switch", None)
+    steady = (getattr(handle, "records", None) or [])[1:]
+    if steady:
+        res["steady"] = {"step_s": sum(r["step_s"] for r in steady) / len(steady),
+                         "comm_s": sum(r["comm_s"] for r in steady) / len(steady)}
     with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(res, fh)
 
 
 # --------------------------------------------------------------------------- bench
 
-def samples_per_s(times_r0: list[tuple[int, float]], samples_per_step: int) -> float | None:
+def samples_per_s(times_r0: list[tuple[int, float]], samples_per_step: int,
+                  tail_s: float = 0.0) -> float | None:
+    """Samples of steps 2..N over rank 0's time from the end of step 1 to the end
+    of step N; ``tail_s``: seconds at the end of step N's record that are not the
+    step's (lorasync's final sync, which the Trainer's last step-end callback runs
+    and ``lorasync train`` runs after its last step record)."""
     t = dict(times_r0)
     last = max(t) if t else 0
     if 1 not in t or last < 2:
         return None
-    return samples_per_step * (last - 1) / (t[last] - t[1])
+    return samples_per_step * (last - 1) / (t[last] - tail_s - t[1])
+
+
+def _gather_per_step(records: list[dict]) -> dict | None:
+    """The TRL metric gathers' seconds per step over steps 2..N (mean, worst)."""
+    if not records or "gather_s" not in records[0]:
+        return None
+    g = [b["gather_s"] - a["gather_s"] for a, b in zip(records, records[1:])]
+    return {"gather_s": sum(g) / len(g), "gather_max_s": max(g),
+            "gathers_per_step": (records[-1]["gathers"] - records[0]["gathers"]) / len(g),
+            "gather_steps": [round(x, 4) for x in g]} if g else None
 
 
 def _launch_gated(cluster, a, argv: list, out: str, gate: bool, env: dict | None = None
@@ -338,8 +397,10 @@ def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool
             res[k] = r0[k]
     if gate:
         res["startup_note"] = f"start-up on {a.startup_rate}, cut to {a.rate} before step 1"
+    res["threads"] = r0.get("threads")
     res["samples_per_s"] = samples_per_s([(r["step"], r["time"]) for r in r0["records"]],
-                                         r0["world_size"] * r0["batch_size"])
+                                         r0["world_size"] * r0["batch_size"],
+                                         tail_s=r0.get("final_sync_s") or 0.0)
     return res
 
 
@@ -472,15 +533,22 @@ def run_sft(cluster, a, work: str, mode: str, python: str, data: str, model_dir:
                    startup_bytes=ls.get("lorasync/startup_bytes"),
                    lorasync_startup_s=ls.get("lorasync/startup_s"),
                    wire_bytes_total=ls.get("lorasync/wire_bytes_total"))
-        win = r0.get("lorasync_window") or {}
-        if "lorasync/step_s" in win:   # means over every step, step 1 included
-            res.update(step_s=win["lorasync/step_s"], sync_share=win["lorasync/sync_share"],
-                       compute_s=win["lorasync/step_s"] - win["lorasync/comm_s"])
+        res.update(final_sync_s=r0.get("final_sync_s", 0.0),
+                   final_sync_bytes=r0.get("final_sync_bytes", 0))
+        st = r0.get("steady")
+        if st:   # steps 2..N, as lorasync train's
+            res.update(step_s=st["step_s"], compute_s=st["step_s"] - st["comm_s"],
+                       sync_share=st["comm_s"] / st["step_s"] if st["step_s"] else 0.0)
     else:
         res["startup_bytes"] = r0["base_state_bytes"]   # DDP's start-up broadcast
         res["startup_note"] = f"start-up on {a.startup_rate}, cut to {a.rate} before step 1"
+    res["threads"] = r0.get("threads")
+    g = _gather_per_step(r0["records"])
+    if g:
+        res.update(g)
     res["samples_per_s"] = samples_per_s([(r["step"], r["time"]) for r in r0["records"]],
-                                         r0["world_size"] * r0["batch_size"])
+                                         r0["world_size"] * r0["batch_size"],
+                                         tail_s=r0.get("final_sync_s") or 0.0)
     return res
 
 
@@ -553,6 +621,20 @@ def report_sft(rows: list[dict], a, load: tuple[float, float]) -> dict:
         if "error" not in r and r.get("compute_s") is not None:
             print(f"{r['label']}: rank 0 {r['step_s']:.3f} s/step, of which computing "
                   f"{r['compute_s']:.3f} s (sync share {100 * r['sync_share']:.1f}%)")
+    for r in rows:
+        if "error" in r:
+            continue
+        bits = []
+        if r.get("gather_s") is not None:
+            bits.append(f"TRL's metric gathers {r['gather_s']:.3f} s/step on average "
+                        f"({r['gathers_per_step']:.0f} per step), worst step {r['gather_max_s']:.3f} s")
+        if r.get("final_sync_s"):
+            bits.append(f"final sync {r['final_sync_s']:.2f} s after the last step "
+                        f"({_fmt_bytes(r.get('final_sync_bytes') or 0)}), not counted")
+        if r.get("threads"):
+            bits.append(f"torch threads {r['threads'][0]} (inter-op {r['threads'][1]})")
+        if bits:
+            print(f"{r['label']}: " + "; ".join(bits))
     return {"rate": a.rate, "startup_rate": a.startup_rate, "steps": a.steps,
             "batch_size": a.batch_size, "seq_len": a.seq_len, "model": a.model,
             "switch_strategy": s, "load_before": load[0], "load_after": load[1],
@@ -560,6 +642,37 @@ def report_sft(rows: list[dict], a, load: tuple[float, float]) -> dict:
                 {"loss_first": r["losses"][0], "loss_last": r["losses"][-1]}
                 if r.get("losses") else {}) for r in rows],
             "targets": targets}
+
+
+def host_cpu(start: dict | None = None) -> dict:
+    """The host's CPU counters now (``start=None``), or what they did since
+    ``start``: ``cpu_pressure``, the share of the wall time in which some task
+    waited for a CPU (/proc/pressure/cpu), and ``host_busy_cores``, the cores
+    busy on average (/proc/stat).  Two one-thread workers on this 2-core host
+    keep both cores busy; a run that other work slowed shows more pressure."""
+    now = {"t": time.time()}
+    try:
+        with open("/proc/pressure/cpu") as fh:
+            some = fh.readline().split()
+        now["some_us"] = int(next(x for x in some if x.startswith("total=")).split("=")[1])
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+        now["busy"], now["all"] = sum(f) - f[3] - f[4], sum(f)   # minus idle, iowait
+        now["hz"] = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    if start is None:
+        return now
+    wall = now["t"] - start["t"]
+    out: dict = {}
+    if "some_us" in now and "some_us" in start and wall > 0:
+        out["cpu_pressure"] = (now["some_us"] - start["some_us"]) / 1e6 / wall
+    if "busy" in now and "busy" in start and wall > 0:
+        out["host_busy_cores"] = (now["busy"] - start["busy"]) / now["hz"] / wall
+    return out
 
 
 def _fmt_bytes(n: int) -> str:
@@ -764,6 +877,7 @@ def main() -> None:
                 plan += kinds[k % len(kinds):] + kinds[:k % len(kinds)]
         for kind, s in plan:
             print(f"running {kind} {s} ...", file=sys.stderr, flush=True)
+            host0 = host_cpu()
             if kind == "sft":
                 mode, _, strat = s.partition(":")
                 r = run_sft(cluster, a, work, mode, python, data, model_dir, strat or None)
@@ -773,9 +887,14 @@ def main() -> None:
                 mode = kind.split("-")[1]
                 r = run_trainer(cluster, a, work, mode, s, gate=(mode == "torch_fp16"),
                                 keep_avg=kind.endswith("-keepavg"))
+            r.update(host_cpu(host0))
             print(f"   {r['label']}: {r.get('error') or _fmt(r.get('samples_per_s')) + ' samples/s'}"
-                  f" ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+                  f" ({r['wall_s']:.0f} s; host: CPU pressure {_fmt(r.get('cpu_pressure'), '.2f')}, "
+                  f"{_fmt(r.get('host_busy_cores'), '.2f')} cores busy)", file=sys.stderr, flush=True)
             rows.append(r)
+    runs = [{k: r.get(k) for k in ("label", "samples_per_s", "final_strategy", "cpu_pressure",
+                                   "host_busy_cores", "wall_s", "gather_s", "final_sync_s")}
+            for r in rows]   # every run in order: a slow round can be told apart
     best: dict[str, dict] = {}
     for r in rows:   # one row per configuration: its best round
         b = best.get(r["label"])
@@ -784,6 +903,12 @@ def main() -> None:
             best[r["label"]] = dict(r, rounds=[x.get("samples_per_s") for x in rows
                                                if x["label"] == r["label"]])
     res = (report_sft if a.sft else report)(list(best.values()), a, (load0, os.getloadavg()[0]))
+    res["runs"] = runs
+    print("\nevery run in order (host CPU pressure: share of the run's wall time in which some "
+          "task on this host waited for a CPU):")
+    for x in runs:
+        print(f"  {x['label']}: {_fmt(x['samples_per_s'])} samples/s, CPU pressure "
+              f"{_fmt(x['cpu_pressure'])}, {_fmt(x['host_busy_cores'])} cores busy")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with open(a.json, "w") as fh:

@@ -464,6 +464,79 @@ def switch_ceilings() -> str:
     return "\n".join(lines)
 
 
+def switch_shares() -> str:
+    """bench/hf_trainer.py --sft --sft-rows train,switch,ceilings --rounds N, timed
+    alike on both paths (lorasync's final sync left out of the switch rows too):
+    each path beside its own no-sync ceiling, TRL's per-step metric gathers, and
+    every run's host CPU pressure."""
+    from lorasync.units import fmt_bytes, fmt_rate, parse_rate_bps
+
+    d = _load("hf", "switch_10mbit_shares.json")
+    s = d["switch_strategy"]
+    rows = {r["label"]: r for r in d["rows"]}
+    names = [(f"sft-switch-{s}", f"TRL script, `LORASYNC_STRATEGY={s}`"),
+             ("sft-switch-none", "TRL script, `LORASYNC_STRATEGY=none` (its ceiling)"),
+             (f"lorasync-train-{s}", f"`lorasync train --comm {s}`"),
+             ("lorasync-train-none", "`lorasync train --comm none` (its ceiling)")]
+    f = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
+    lines = ["| run | samples/s, each round | mean | s/step, steps 2..N (best round) | "
+             "TRL's metric gathers, s/step (worst step) | final sync after step N, not counted | "
+             "gradient sync at the end |", "|---|---|---|---|---|---|---|"]
+
+    def mean(r):
+        xs = [x for x in r["rounds"] if x]
+        return sum(xs) / len(xs)
+
+    for label, name in names:
+        r = rows.get(label)
+        if r is None or "error" in r:
+            lines.append(f"| {name} | failed | | | | | |")
+            continue
+        g = "-" if r.get("gather_s") is None else \
+            f"{r['gather_s']:.3f} ({r['gather_max_s']:.3f})"
+        fs = (f"{r['final_sync_s']:.2f} s ({fmt_bytes(r['final_sync_bytes'])})"
+              if r.get("final_sync_bytes") else "-")
+        lines.append(f"| {name} | {', '.join(f(x, '.2f') for x in r['rounds'])} | "
+                     f"{mean(r):.2f} | {f(r.get('step_s'))} | {g} | {fs} | "
+                     f"{r.get('final_strategy')} |")
+    t = d["targets"].get("parity_of_ceiling_shares")
+    p = d["targets"].get("parity_vs_lorasync_train")
+    lines.append("")
+    if t and p:
+        sw, tr = rows[f"sft-switch-{s}"], rows[f"lorasync-train-{s}"]
+        cs, ct = rows["sft-switch-none"], rows["lorasync-train-none"]
+        best_sw = sw["samples_per_s"] / cs["samples_per_s"]
+        best_tr = tr["samples_per_s"] / ct["samples_per_s"]
+        lines.append(
+            f"Switch vs `lorasync train` in samples/s, means of the rounds: "
+            f"{p.get('mean_ratio', p['ratio']):.3f} (target within 5%: "
+            f"{'met' if p['met'] else 'not met'}). The TRL script's own no-sync ceiling is "
+            f"{t['ceiling_ratio']:.3f} of `lorasync train`'s. Share of its own ceiling, means of "
+            f"the rounds: switch {t['switch_share']:.3f}, `lorasync train` {t['train_share']:.3f}, "
+            f"ratio {t['ratio']:.3f} (within 5%: {'met' if t['met'] else 'not met'}); best "
+            f"rounds {best_sw:.3f} vs {best_tr:.3f}, ratio {best_sw / best_tr:.3f}.")
+        if sw.get("gather_s") is not None and cs.get("gather_s") is not None and sw.get("step_s"):
+            extra = sw["gather_s"] - cs["gather_s"]
+            lines.append("")
+            lines.append(
+                f"TRL's metric gathers took {extra:.3f} s/step more under {s} than without sync "
+                f"({100 * extra / sw['step_s']:.1f}% of the switch's {sw['step_s']:.3f} s step, "
+                "best rounds).")
+    runs = d.get("runs") or []
+    if runs:
+        lines.append("")
+        lines.append("Every run in order, samples/s (host CPU pressure: share of the run's time "
+                     "in which some task waited for a CPU): " + "; ".join(
+                         f"{x['label']} {f(x['samples_per_s'], '.2f')} "
+                         f"({f(x.get('cpu_pressure'), '.2f')})" for x in runs) + ".")
+    lines.append("")
+    lines.append(f"{d['steps']} steps x 2 ranks, {d['batch_size']} examples of <= {d['seq_len']} "
+                 f"tokens per rank per step, link {fmt_rate(parse_rate_bps(d['rate']), unit='bit')}. "
+                 f"Host load (1-minute average) {d['load_before']:.1f} before, "
+                 f"{d['load_after']:.1f} after.")
+    return "\n".join(lines)
+
+
 def bytes_to_target(res: dict | None = None) -> str:
     """bench/bytes_to_target.py: bytes per node until fp32 DDP's eval loss, and
     the ratio to fp32 DDP's (``res``: a result JSON; default the committed one)."""
@@ -746,6 +819,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "switch-bench": switch_bench,
     "switch-parity": switch_parity,
     "switch-ceilings": switch_ceilings,
+    "switch-shares": switch_shares,
     "bytes-to-target": bytes_to_target,
     "long-link-probe": long_link_probe,
     "long-link-train": long_link_train,
