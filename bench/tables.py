@@ -756,17 +756,24 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
              f"{ar_rate} (share of direct) | auto on the embedded default at "
              f"{tr_rate}, samples/s (share of direct) | within {pct} of direct |",
              "|---|---|---|---|---|---|---|---|"]
-    rows, verdicts = [], []
-    for m in parts:
+    rows, verdicts, runs = [], [], []
+    for k, m in enumerate(parts, 1):
         # a verdict only where the invocation's direct runs agree within the margin
         f = m["direct_figures"]
         resolved = f["samples_per_s_spread"] is None or f["samples_per_s_spread"] <= f["within"]
         for r in m["rows"]:
             rows.append(r)
+            runs.append(k)
             verdicts.append("-" if r.get("train_within") is None else
                             f"unresolved (direct runs {f['samples_per_s_spread']:.0%} apart)"
                             if not resolved else "yes" if r["train_within"] else "no")
-    for r, within in zip(rows, verdicts):
+    # a cell run in several invocations: its rows together, each with its invocation
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["index"], runs[i]))
+    repeated = {rows[i]["index"] for i in order if sum(r["index"] == rows[i]["index"] for r in rows) > 1}
+    for i in order:
+        r, within = rows[i], verdicts[i]
+        if r["index"] in repeated:
+            r = dict(r, cell=f"{r['cell']} (invocation {runs[i]})")
         tr = [r.get("transports", {}).get(f"node{i}", {}).get("transport", "-") for i in (1, 2)]
         ok = f"yes ({r['steps']} steps)" if r["trained"] else \
             f"NO ({r.get('error') or 'exit ' + str(r.get('rc'))})"
@@ -779,8 +786,8 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
                      f"| {bw_text} | {t_text} | {within} |")
     lines += ["", "| invocation (cells) | direct link | all-reduce bus bandwidth | auto, samples/s |",
               "|---|---|---|---|"]
-    for m in parts:
-        cells = ", ".join(str(r["index"]) for r in m["rows"])
+    for k, m in enumerate(parts, 1):
+        cells = f"{k} (" + ", ".join(str(r["index"]) for r in m["rows"]) + ")"
         for d in m["direct"]:
             bw = d.get("allreduce", {}).get("busbw_Bps")
             sps = d.get("train", {}).get("samples_per_s")
@@ -791,11 +798,18 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
                      f"({_fig(f['busbw_spread'], '{:.0%}')}) | {_fig(f['samples_per_s_mean'], '{:.2f}')} "
                      f"({_fig(f['samples_per_s_spread'], '{:.0%}')}) |")
     trained = sum(m["trained"] for m in parts)
-    measured = [v for v in verdicts if v != "-"]
+    # per cell: "no" if any resolved run missed, "yes" if every resolved run met it
+    per_cell: dict[int, list[str]] = {}
+    for r, v in zip(rows, verdicts):
+        if v != "-":
+            per_cell.setdefault(r["index"], []).append(v.split(" ")[0])
+    cell_verdict = ["no" if "no" in v else "yes" if "yes" in v else "unresolved"
+                    for v in per_cell.values()]
     shares = [r["busbw_share"] for r in rows if r.get("busbw_share") is not None]
-    lines += ["", f"{trained} of {len(rows)} cells trained; auto within {pct} of the direct link: "
-              f"yes in {measured.count('yes')}, no in {measured.count('no')}, unresolved in "
-              f"{len(measured) - measured.count('yes') - measured.count('no')} of {len(measured)} cells"
+    lines += ["", f"{trained} of {len(rows)} cell runs trained; auto within {pct} of the direct "
+              f"link (a cell run in several invocations: every run with a verdict): "
+              f"yes in {cell_verdict.count('yes')}, no in {cell_verdict.count('no')}, unresolved in "
+              f"{cell_verdict.count('unresolved')} of {len(cell_verdict)} cells"
               + (f"; all-reduce share of the direct link {min(shares):.2f} to {max(shares):.2f}."
                  if shares else ".")]
     return "\n".join(lines)

@@ -95,11 +95,30 @@ def test_matrix_table_renders_cells_controls_and_direct_runs():
     assert "one UDP socket reached two ports of node0 from ports 61659 and 64639)" in sym_row and "40.0 Mbit/s (0.44)" in sym_row
     assert "from port 29670 both times)" in text
     assert "| NO (RuntimeError: no hub) |" in text and "hung: stopped after 9 s | - |" in text
-    assert "| 3, 5 | mean (spread) | 90.0 Mbit/s (22%) | 5.50 (18%) |" in text
+    assert "| 2 (3, 5) | mean (spread) | 90.0 Mbit/s (22%) | 5.50 (18%) |" in text
     # the second invocation's direct runs are 18% apart: no verdict at 5% there
     assert "5.40 (0.98) | unresolved (direct runs 18% apart) |" in sym_row
-    assert lines[-1] == ("3 of 4 cells trained; auto within 5% of the direct link: yes in 1, no in 1, "
+    assert lines[-1] == ("3 of 4 cell runs trained; auto within 5% of the direct link (a cell run "
+                         "in several invocations: every run with a verdict): yes in 1, no in 1, "
                          "unresolved in 1 of 3 cells; all-reduce share of the direct link 0.44 to 1.00.")
+
+
+def test_a_cell_run_twice_is_shown_per_invocation_and_judged_on_every_verdict():
+    """A cell rerun in a later invocation keeps both rows, each against its own
+    invocation's direct runs; the cell is "yes" only if every run with a verdict
+    is, "no" if any is, "unresolved" if none has a verdict."""
+    first = _part([_row(2, 40, 5.1)], [_direct(90, 5.5)])                       # 0.93: no
+    second = _part([_row(4, 35, 5.6)], [_direct(90, 5.5), dict(_direct(90, 6.6), when="after")])
+    third = _part([_row(2, 40, 5.4), _row(4, 35, 5.4)], [_direct(90, 5.5)])     # 0.98: yes
+    text = tables.connectivity_matrix_targets([first, second, third])
+    lines = text.splitlines()
+    cell2 = [x for x in lines if x.startswith(f"| {_row(2, 1, 1)['cell']} (invocation")]
+    assert [x.split(" | ")[0].rsplit("(", 1)[1] for x in cell2] == ["invocation 1)", "invocation 3)"]
+    assert cell2[0].endswith("| no |") and cell2[1].endswith("| yes |")
+    # cell 4: unresolved in the second invocation (direct runs 18% apart), yes in the third
+    cell4 = [x for x in lines if x.startswith(f"| {_row(4, 1, 1)['cell']} (invocation")]
+    assert "unresolved" in cell4[0] and cell4[1].endswith("| yes |")
+    assert "yes in 1, no in 1, unresolved in 0 of 2 cells" in lines[-1]
 
 
 def test_matrix_table_is_registered():
