@@ -742,9 +742,9 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
     overlay as a share of the direct link's in the same invocation: the
     all-reduce bus bandwidth and auto's samples/s on the embedded default."""
     if parts is None:
-        paths = sorted((REF / "connectivity").glob("matrix-cells*.json"))
+        paths = sorted((REF / "connectivity").glob("matrix-[0-9]*-cells*.json"))
         if not paths:
-            raise Missing("bench/reference/connectivity/matrix-cells*.json")
+            raise Missing("bench/reference/connectivity/matrix-N-cells*.json")
         parts = [json.loads(p.read_text()) for p in paths]
     from lorasync.units import fmt_rate, parse_rate_bps
 
