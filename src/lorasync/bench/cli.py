@@ -108,8 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is then the median with its range, and a row is called ahead of "
                         "another only beyond the spread")
     p.add_argument("--row-time-limit", type=float, default=0.0, metavar="S",
-                   help="2-node bench: stop a row still running after S seconds and score it "
-                        "on the steps it finished (marked capped); 0: none")
+                   help="2-node bench: stop a row (not a no-sync ceiling) still running after "
+                        "S seconds and score it on the steps it finished (marked capped); "
+                        "0: none")
+    p.add_argument("--closing-ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="2-node bench: run the no-sync ceiling again at the very end (the "
+                        "faster of the two is the reference); --no-closing-ceiling saves a row "
+                        "(with --workload the calibration run is then the only ceiling)")
     p.add_argument("--output-dir", default="",
                    help="where results go (default: bench/results/<date>-<time>)")
     p.add_argument("--rescore", default="", metavar="DIR",

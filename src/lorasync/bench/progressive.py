@@ -278,6 +278,8 @@ def run_progressive(args) -> int:
         os.makedirs(pdir, exist_ok=True)
         rows = profile_rows(args.rows, args.steps, i + (1 if workload else 0),
                             len(profiles) + (1 if workload else 0))
+        if not getattr(args, "closing_ceiling", True):
+            rows = [r for r in rows if r.key != "ceiling_end"]
         rows = round_rows(rows, rounds)
         print(f"\n== {label}: {spec.describe()}" + (f" ({link_text})" if link_text else ""),
               file=sys.stderr, flush=True)
@@ -404,7 +406,9 @@ def _run(cluster, row: Row, common: list[str], pdir: str, args, time_limit: floa
             row.status, row.extra["wall_s"] = f"not available: {exc}", 0.0
             return
     try:
-        run_row(cluster, row, common, pdir, args.row_timeout, time_limit)
+        # the no-sync ceilings are the reference: never cut short
+        run_row(cluster, row, common, pdir, args.row_timeout,
+                0.0 if row.key.startswith("ceiling") else time_limit)
     finally:
         if lighthouse is not None:
             lighthouse.kill()

@@ -90,6 +90,10 @@ def run_row(cluster, row: Row, common: list[str], out: str, timeout: float,
                       f"{partial['steps']} steps")
         row.summary = partial
         row.extra["capped_steps"] = partial["steps"]
+    elif rc == 124 and limit < timeout:
+        n = finished_steps(run_dir, cluster_world(cluster))
+        row.status = (f"capped: stopped after {limit:.0f} s (--row-time-limit) with {n} "
+                      f"step(s) done, too few to score (3 needed)")
     elif rc == 124:
         row.status = f"hung: stopped after {limit:.0f} s"
     elif rc != 0:
@@ -106,6 +110,20 @@ def cluster_world(cluster) -> int:
                                  or 1)
 
 
+def _step_records(run_dir: str, world: int) -> list[dict]:
+    from lorasync.monitor.metrics import read_jsonl_records
+
+    return [{r["step"]: r for r in read_jsonl_records(os.path.join(run_dir, "ranks",
+                                                                   f"rank{i}.jsonl"))
+             if "event" not in r and "step" in r} for i in range(world)]
+
+
+def finished_steps(run_dir: str, world: int) -> int:
+    """Steps every rank of a (stopped) run finished."""
+    per = _step_records(run_dir, world)
+    return len(set.intersection(*(set(p) for p in per))) if per else 0
+
+
 def partial_summary(run_dir: str, world: int) -> dict | None:
     """The figures of ``summary.json`` (samples/s, sync share, wire bytes per
     step, all over the steps after the first, every step as slow as its
@@ -113,11 +131,7 @@ def partial_summary(run_dir: str, world: int) -> dict | None:
     None with fewer than two steps after the first finished by every rank."""
     import statistics
 
-    from lorasync.monitor.metrics import read_jsonl_records
-
-    per = [{r["step"]: r for r in read_jsonl_records(os.path.join(run_dir, "ranks",
-                                                                  f"rank{i}.jsonl"))
-            if "event" not in r and "step" in r} for i in range(world)]
+    per = _step_records(run_dir, world)
     common = sorted(set.intersection(*(set(p) for p in per))) if per else []
     if len(common) < 3:
         return None
@@ -217,6 +231,8 @@ def row_strategy(row: Row) -> tuple[str, dict, float] | None:
     from lorasync.catalog import NONE, STRATEGIES
 
     a = row.args
+    if "--comm" not in a:
+        return None   # a peer row: the peer's own sync, no cost model of it
     name = a[a.index("--comm") + 1]
     if name not in STRATEGIES and name != NONE:
         return None  # auto (switches), torch's hooks
