@@ -57,6 +57,13 @@ DiLoCo, the lighthouse started on node 0).  ``--rounds N`` interleaves N
 rounds of the candidates; each figure is then a median with its range, and
 auto is compared with the best peer's time to target (issue 33: <= 0.8x).
 
+``--workload NAME`` (lorasync.bench.workloads, docs/benchmarks.md): the links
+are a GPU user's for that workload.  The no-sync ceiling then runs first on
+an unshaped cluster, and each link is emulated at the user's rate divided by
+the dilation its step gives (the workload's sync bytes per second of compute
+over this host's); every table states the workload, the dilation and the
+user's link.
+
 Each link prints a table and the targets of issue 17: the best strategy at
 1 Mbit/s at >= 90% of the ceiling's samples/s with the quality rule met;
 time to target <= 1.15x the ideal at 10 Mbit/s and <= 1.3x at 1 Mbit/s;
@@ -85,7 +92,9 @@ from lorasync.bench.peers import (  # noqa: E402
     LIGHTHOUSE_PORT, LOCALSGD_PREFIX, TORCHFT_ROWS, is_peer_row, peer_row,
 )
 from lorasync.bench.peers import start_lighthouse as _start_lighthouse  # noqa: E402
+from lorasync.bench.profiles import dilate, rate_bps  # noqa: E402
 from lorasync.bench.rows import probe_link  # noqa: E402
+from lorasync.bench.workloads import dilation, get_workload  # noqa: E402
 from lorasync.bench.tables import fmt_spread, gap_verdict, median_range  # noqa: E402
 from lorasync.plan.costmodel import (  # noqa: E402
     MODELS, MiB, Workload, head_share, lora_matrices, predict,
@@ -597,6 +606,11 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=0.0, metavar="S",
                     help="start no candidate run after S seconds of the bench (0: no limit); "
                          "the closing ceiling run and the results still follow")
+    ap.add_argument("--workload", default="", metavar="NAME",
+                    help="the links are a GPU user's for this workload (smollm2-h200, "
+                         "llama2-7b-r16-h100; lorasync.bench.workloads): the no-sync ceiling "
+                         "runs first, unshaped, and each link is emulated at the rate that "
+                         "keeps the workload's sync bytes per second of compute")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the candidates this many times, interleaved (round 1: every "
                          "candidate, then round 2 ...); each figure is then the median with "
@@ -619,6 +633,12 @@ def main() -> int:
                          "(accelerate's LocalSGD every K steps)")
     if a.rounds < 1:
         raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
+    if a.workload:
+        from lorasync.errors import ConfigError
+        try:
+            get_workload(a.workload)
+        except ConfigError as exc:
+            raise SystemExit(f"time_to_quality: {exc}")
     out = os.path.abspath(a.output_dir or os.path.join(
         "bench", "results", "ttq-" + time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
@@ -659,15 +679,40 @@ def main() -> int:
           f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(losses)} seeds "
           f"+ 5%), {time.strftime('%Y-%m-%d %H:%M')}"]
     pending = []   # (link, runs, net, probe text)
+    dil = None
+    if a.workload:
+        # the ceiling first, unshaped: its step sets every link's dilation
+        cdir = os.path.join(out, "calibration")
+        os.makedirs(cdir, exist_ok=True)
+        log("\n== calibration: no sync, unshaped (the compute step of this host)")
+        with emulated(parse_emulate(f"nodes={a.nodes},name={tag}")) as cluster:
+            c = Run("ceiling", "no sync (ceiling)", fixed_args("ceiling")[0])
+            run_on_cluster(cluster, c, common_args(a, ceiling=True), cdir, a.row_timeout,
+                           lambda st, ev: None)
+        if len(c.steps) < 2:
+            raise SystemExit(f"time_to_quality: the calibration no-sync run {c.status}")
+        ceilings.append(c)
+        a.adapter_params = adapter_params(os.path.join(cdir, "ceiling"))
+        dil = dilation(get_workload(a.workload),
+                       train_time(c.steps[1:]) / (len(c.steps) - 1), a.adapter_params)
+        log(f"   {dil.text()}")
+        md.append(f"\n{dil.text()}.")
+    emulated_as = {}
     for li, link in enumerate(links):
-        spec = parse_emulate(f"nodes={a.nodes},rate={link},name={tag}")
-        log(f"\n== {link}: {spec.describe()}")
+        rate = dilate(link, "", dil.rate_div, dil.delay_mul)[0] if dil else link
+        emulated_as[link] = rate
+        spec = parse_emulate(f"nodes={a.nodes},rate={rate},name={tag}")
+        log(f"\n== {link}: {spec.describe()}" + (f" (user link {link}, workload {a.workload})"
+                                                  if dil else ""))
         pdir = os.path.join(out, link)
         os.makedirs(pdir, exist_ok=True)
         with emulated(spec) as cluster:
             net, probe_text = probe_link(cluster, pdir, a.row_timeout)
             log(f"   {probe_text}")
-            if li == 0:
+            if dil:
+                probe_text = (f"user link {link}, emulated as {rate_bps(rate) / 1e6:.3f} Mbit/s; "
+                              + probe_text)
+            if li == 0 and not dil:
                 c = Run("ceiling", "no sync (ceiling)", fixed_args("ceiling")[0])
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
                                lambda st, ev: None)
@@ -787,6 +832,7 @@ def main() -> int:
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(text)
     small = {"args": {k: v for k, v in vars(a).items()},
+             **({"workload": dil.as_dict(), "emulated_rate": emulated_as} if dil else {}),
              "target": target, "quality_limit": limit,
              "reference": ([{"seed": i, "eval_at_steps": x, "status": r.status}
                             for i, (r, x) in enumerate(zip(refs, losses))] if refs else
