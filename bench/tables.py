@@ -661,7 +661,7 @@ def headline_gpu() -> str:
         try:
             r = _gpu_eq(prof)
         except Missing:
-            lines.append(f"| {prof} | not run | | | | |")
+            lines.append(f"| {_user(prof)} | not run | | | | |")
             continue
         cells = r["cells"]
         by = {c.get("key"): c for c in cells}
@@ -698,7 +698,8 @@ def gpu_eq_profile(prof: str) -> str:
     r = _gpu_eq(prof)
     cells = r["cells"]
     table = progressive_table(prof, cells).split("\n", 3)[3]
-    verdicts = [r["workload"]["text"], r["link"], *progressive_verdicts(cells),
+    verdicts = [r["workload"]["text"], r["link"], r.get("reference", ""),
+                *progressive_verdicts(cells),
                 *peer_share_verdict(cells)]
     return table + "\n\n" + "\n".join(f"- {v}" for v in verdicts)
 

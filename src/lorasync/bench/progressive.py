@@ -207,7 +207,7 @@ def _calibrate(args, tag: str, out: str, common: list[str]):
     from lorasync.emulate.cluster import emulated, parse_emulate
 
     w = get_workload(args.workload)
-    row = Row("ceiling", "no sync (ceiling)", ["--comm", "none"])
+    row = Row("ceiling", "no sync (ceiling; calibration, unshaped)", ["--comm", "none"])
     print("\n== calibration: no sync, unshaped (the compute step of this host)",
           file=sys.stderr, flush=True)
     with emulated(parse_emulate(f"nodes={args.nodes},name={tag}")) as cluster:
@@ -346,11 +346,15 @@ def run_progressive(args) -> int:
         runs = cells
         if rounds > 1:
             cells = aggregate_cells(cells)
+        if dil is not None and first_ceiling is not None:
+            # the calibration run (unshaped) is this profile's no-sync ceiling too
+            cells.insert(0, row_cell(first_ceiling, ceiling, None))
         devs = _rdma_devices()
         cells.append({"row": "RDMA", "status": (f"RDMA devices {', '.join(devs)}: run on the real "
                       "fabric with NCCL (emulated links are TCP)") if devs else
                       "not available on this host (no /sys/class/infiniband devices)"})
-        results[label] = {"cells": cells, **({"runs": runs} if rounds > 1 else {}),
+        results[label] = {"cells": cells, "reference": ref_text,
+                          **({"runs": runs} if rounds > 1 else {}),
                           **({"link": link_text, "emulated_rate": spec_rate(label, dil),
                               "emulated_delay": spec_delay(label, dil)} if dil else {})}
         m = status.get("measured") or {}
