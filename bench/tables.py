@@ -639,7 +639,7 @@ def _gpu_eq(prof: str) -> dict:
 
 def _gpu_eq_cell(c: dict | None) -> str:
     if c is None:
-        return "-"
+        return "not run"
     if c.get("efficiency") is None:
         st = c.get("status", "")
         return ("< 3 steps in " + st.split("after ")[1].split(" s")[0] + " s"
@@ -688,7 +688,8 @@ def headline_gpu() -> str:
 
 
 def _user(prof: str) -> str:
-    return prof.replace("mbit", " Mbit/s").replace("gbit", " Gbit/s").replace("+", " + ")
+    return re.sub(r"(\d)ms", r"\1 ms", prof.replace("mbit", " Mbit/s").replace(
+        "gbit", " Gbit/s").replace("+", " + "))
 
 
 def gpu_eq_profile(prof: str) -> str:
