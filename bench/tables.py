@@ -632,8 +632,8 @@ def _peers_table(name: str) -> str:
 GPU_EQ_LINKS = ("1gbit", "100mbit", "10mbit", "100mbit+50ms")
 
 
-def _gpu_eq(prof: str) -> dict:
-    d = _load(f"gpu-eq-{prof.replace('+', '_')}", "results.json")
+def _gpu_eq(prof: str, folder: str = "") -> dict:
+    d = _load(folder or f"gpu-eq-{prof.replace('+', '_')}", "results.json")
     return {"workload": d["workload"], "args": d["args"], **d["results"][prof]}
 
 
@@ -692,11 +692,11 @@ def _user(prof: str) -> str:
         "gbit", " Gbit/s").replace("+", " + "))
 
 
-def gpu_eq_profile(prof: str) -> str:
+def gpu_eq_profile(prof: str, folder: str = "") -> str:
     """One link of the GPU-equivalent headline: its full table and verdicts."""
     from lorasync.bench.tables import peer_share_verdict, progressive_table, progressive_verdicts
 
-    r = _gpu_eq(prof)
+    r = _gpu_eq(prof, folder)
     cells = r["cells"]
     table = progressive_table(prof, cells).split("\n", 3)[3]
     verdicts = [r["workload"]["text"], r["link"], r.get("reference", ""),
@@ -780,6 +780,9 @@ def renderer(name: str) -> Callable[[], str] | None:
         return RENDERERS[name]
     if name.startswith("bench-"):
         return lambda: bench_profile(name[len("bench-"):])
+    if name.startswith("gpu-eq-rounds-"):
+        prof = name[len("gpu-eq-rounds-"):]
+        return lambda: gpu_eq_profile(prof, f"gpu-eq-rounds-{prof.replace('+', '_')}")
     if name.startswith("gpu-eq-"):
         return lambda: gpu_eq_profile(name[len("gpu-eq-"):])
     return None
