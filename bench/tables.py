@@ -701,6 +701,83 @@ def _peers_table(name: str) -> str:
     return "\n".join(lines)
 
 
+#: the headline on a GPU user's links (lorasync bench --workload, one invocation a link)
+GPU_EQ_LINKS = ("1gbit", "100mbit", "10mbit", "100mbit+50ms")
+
+
+def _gpu_eq(prof: str, folder: str = "") -> dict:
+    d = _load(folder or f"gpu-eq-{prof.replace('+', '_')}", "results.json")
+    return {"workload": d["workload"], "args": d["args"], **d["results"][prof]}
+
+
+def _gpu_eq_cell(c: dict | None) -> str:
+    if c is None:
+        return "not run"
+    if c.get("efficiency") is None:
+        st = c.get("status", "")
+        return ("< 3 steps in " + st.split("after ")[1].split(" s")[0] + " s"
+                if st.startswith("capped") else st or "-")
+    cell = f"{100 * c['efficiency']:.0f}%"
+    if c.get("capped_steps"):
+        cell += f" ({c['capped_steps']} steps, capped)"
+    return cell
+
+
+def headline_gpu() -> str:
+    """lorasync bench --workload smollm2-h200 on a GPU user's four links:
+    share of the no-sync ceiling per row, the emulated link beside the user's."""
+    lines = ["| user link (emulated here) | plain DDP | torch fp16 hook | torch PowerSGD "
+             "(rank 1) | accelerate LocalSGD (every 8) | lorasync `auto` (its pick) |",
+             "|---|---|---|---|---|---|"]
+    notes = []
+    for prof in GPU_EQ_LINKS:
+        try:
+            r = _gpu_eq(prof)
+        except Missing:
+            lines.append(f"| {_user(prof)} | not run | | | | |")
+            continue
+        cells = r["cells"]
+        by = {c.get("key"): c for c in cells}
+        w = r["workload"]
+        emu = r["link"].partition("emulated as ")[2]
+        row = [f"{_user(prof)} ({emu})"]
+        row += [_gpu_eq_cell(by.get(k)) for k in ("ddp", "torch_fp16", "torch_powersgd",
+                                                  "localsgd_8")]
+        a = by.get("auto")
+        row.append(f"**{_gpu_eq_cell(a)}** ({a.get('final_strategy') or a.get('strategy')})"
+                   if a and a.get("efficiency") is not None else _gpu_eq_cell(a))
+        lines.append("| " + " | ".join(row) + " |")
+        notes.append(f"{_user(prof)}: this host's no-sync step {w['cpu_step_s']:.2f} s, rate / "
+                     f"{w['rate_div']:.1f}, delay x {w['delay_mul']:.1f}")
+    if not notes:
+        raise Missing("bench/reference/gpu-eq-*/results.json")
+    w = _gpu_eq(next(p for p in GPU_EQ_LINKS if (REF / f"gpu-eq-{p.replace('+', '_')}")
+                     .is_dir()))["workload"]["workload"]
+    return "\n".join(lines) + (
+        f"\n\nWorkload {w['name']}: {w['description']}, {w['sync_bytes'] / 1e6:.2f} MB a sync "
+        f"every {w['gpu_step_s']:g} s ({w['source']}). Each link is emulated so that sync bytes "
+        "per second of compute match that workload; the dilation of each run (one invocation "
+        "a link, its own no-sync calibration): " + "; ".join(notes) + ".")
+
+
+def _user(prof: str) -> str:
+    return re.sub(r"(\d)ms", r"\1 ms", prof.replace("mbit", " Mbit/s").replace(
+        "gbit", " Gbit/s").replace("+", " + "))
+
+
+def gpu_eq_profile(prof: str, folder: str = "") -> str:
+    """One link of the GPU-equivalent headline: its full table and verdicts."""
+    from lorasync.bench.tables import peer_share_verdict, progressive_table, progressive_verdicts
+
+    r = _gpu_eq(prof, folder)
+    cells = r["cells"]
+    table = progressive_table(prof, cells).split("\n", 3)[3]
+    verdicts = [r["workload"]["text"], r["link"], r.get("reference", ""),
+                *progressive_verdicts(cells),
+                *peer_share_verdict(cells)]
+    return table + "\n\n" + "\n".join(f"- {v}" for v in verdicts)
+
+
 def connectivity() -> str:
     """bench/connectivity.py: the overlay's transports at 100 Mbit/s (throughput
     as a share of the direct link) and a 20 s outage on each."""
@@ -843,6 +920,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
+    "headline-gpu": headline_gpu,
 }
 
 
@@ -851,6 +929,11 @@ def renderer(name: str) -> Callable[[], str] | None:
         return RENDERERS[name]
     if name.startswith("bench-"):
         return lambda: bench_profile(name[len("bench-"):])
+    if name.startswith("gpu-eq-rounds-"):
+        prof = name[len("gpu-eq-rounds-"):]
+        return lambda: gpu_eq_profile(prof, f"gpu-eq-rounds-{prof.replace('+', '_')}")
+    if name.startswith("gpu-eq-"):
+        return lambda: gpu_eq_profile(name[len("gpu-eq-"):])
     return None
 
 

@@ -57,6 +57,13 @@ DiLoCo, the lighthouse started on node 0).  ``--rounds N`` interleaves N
 rounds of the candidates; each figure is then a median with its range, and
 auto is compared with the best peer's time to target (issue 33: <= 0.8x).
 
+``--workload NAME`` (lorasync.bench.workloads, docs/benchmarks.md): the links
+are a GPU user's for that workload.  The no-sync ceiling then runs first on
+an unshaped cluster, and each link is emulated at the user's rate divided by
+the dilation its step gives (the workload's sync bytes per second of compute
+over this host's); every table states the workload, the dilation and the
+user's link.
+
 Each link prints a table and the targets of issue 17: the best strategy at
 1 Mbit/s at >= 90% of the ceiling's samples/s with the quality rule met;
 time to target <= 1.15x the ideal at 10 Mbit/s and <= 1.3x at 1 Mbit/s;
@@ -81,7 +88,14 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from lorasync.bench.peers import (  # noqa: E402
+    LIGHTHOUSE_PORT, LOCALSGD_PREFIX, TORCHFT_ROWS, is_peer_row, peer_row,
+)
+from lorasync.bench.peers import start_lighthouse as _start_lighthouse  # noqa: E402
+from lorasync.bench.profiles import dilate, rate_bps  # noqa: E402
 from lorasync.bench.rows import probe_link  # noqa: E402
+from lorasync.bench.workloads import dilation, get_workload  # noqa: E402
+from lorasync.bench.tables import fmt_spread, gap_verdict, median_range  # noqa: E402
 from lorasync.plan.costmodel import (  # noqa: E402
     MODELS, MiB, Workload, head_share, lora_matrices, predict,
 )
@@ -134,42 +148,20 @@ def fixed_args(key: str) -> tuple[list[str], dict]:
     return args + [x for k, v in opts.items() for x in ("--comm-opt", f"{k}={_v(v)}")], opts
 
 
-#: peer rows (docs/peers.md): another system's sync on lorasync's own trainer,
-#: ``localsgd_K``: accelerate's LocalSGD averaging the adapter every K steps
-PEER_PREFIX = "localsgd_"
-
-
-#: torchft's DiLoCo (docs/peers.md: its settings and why): the outer optimizer
-#: of the DiLoCo paper; 8 inner steps per outer sync (torchft's example uses 20
-#: over 10,000 steps: one sync in a 30-step row); Streaming DiLoCo in 2
-#: fragments, each sent one step before it is applied (the example's delay 1)
-TORCHFT = {
-    "torchft_diloco": ("torchft DiLoCo, every 8 steps",
-                       {"sync_every": 8, "fragments": 1, "fragment_sync_delay": 0}),
-    "torchft_streaming": ("torchft Streaming DiLoCo, every 8 steps, 2 fragments, 1 step late",
-                          {"sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}),
-}
-LIGHTHOUSE_PORT = 29510
+#: peer rows (docs/peers.md): another system's sync on lorasync's own trainer
+#: (lorasync.bench.peers: the same rows as in ``lorasync bench --rows``)
+PEER_PREFIX = LOCALSGD_PREFIX
+TORCHFT = TORCHFT_ROWS
 
 
 def peer_run(key: str, lighthouse: str = "") -> "Run":
     """The Run of a peer candidate (lorasync.bench.peers): ``localsgd_K`` or a
     torchft one (``lighthouse``: the URL of the lighthouse the bench started)."""
-    if key in TORCHFT:
-        label, opts = TORCHFT[key]
-        args = ["--peer", "torchft_diloco", *[x for k, v in {**opts, "lighthouse": lighthouse}
-                                              .items() for x in ("--peer-opt", f"{k}={v}")],
-                "--"]
-        return Run(key, label, args, opts, module="lorasync.bench.peers")
-    k = int(key[len(PEER_PREFIX):])
-    return Run(key, f"accelerate LocalSGD, every {k} steps",
-               ["--peer", "accelerate_localsgd", "--peer-opt", f"local_sgd_steps={k}", "--"],
-               {"local_sgd_steps": k}, module="lorasync.bench.peers")
+    label, args, opts = peer_row(key, lighthouse)
+    return Run(key, label, args, opts, module="lorasync.bench.peers")
 
 
-def is_peer(key: str) -> bool:
-    return key in TORCHFT or key.startswith(PEER_PREFIX) and key[len(PEER_PREFIX):].isdigit() \
-        and int(key[len(PEER_PREFIX):]) >= 1
+is_peer = is_peer_row
 
 
 def _v(v) -> str:
@@ -303,20 +295,13 @@ def run_reference(seed: int, a, out: str) -> Run:
 
 
 def start_lighthouse(cluster, nodes: int, folder: str) -> subprocess.Popen:
-    """torchft's lighthouse (the quorum server of its Manager) on node 0, for
-    the torchft rows: every node's replica must join a quorum."""
-    lh = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    if not os.path.exists(lh):
-        raise SystemExit("time_to_quality: the torchft rows need torchft==0.2.0 in this "
-                         "interpreter's environment (pip install torchft==0.2.0; "
-                         "docs/peers.md)")
-    log = open(os.path.join(folder, "lighthouse.log"), "a")
-    p = subprocess.Popen(cluster.exec_argv(0, [
-        lh, "--min_replicas", str(nodes), "--bind",
-        f"{cluster.nodes[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "1000",
-        "--quorum_tick_ms", "50"]), stdout=log, stderr=subprocess.STDOUT)
+    """torchft's lighthouse on node 0 (lorasync.bench.peers.start_lighthouse),
+    left alone when a run's agents are stopped."""
+    try:
+        p = _start_lighthouse(cluster, nodes, folder)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"time_to_quality: {exc}")
     _KEEP.add(p.pid)
-    time.sleep(1.0)
     return p
 
 
@@ -452,8 +437,6 @@ def aggregate(cells: list[dict]) -> list[dict]:
     """One row per candidate over its rounds: per figure the median, the
     lowest and the highest of the rounds that have it (``n`` of them), and
     how many rounds reached the target."""
-    import statistics
-
     rows: dict[str, dict] = {}
     for c in cells:
         row = rows.setdefault(c["key"], {"key": c["key"], "label": c["label"],
@@ -465,18 +448,11 @@ def aggregate(cells: list[dict]) -> list[dict]:
     for key, row in rows.items():
         mine = [c for c in cells if c["key"] == key]
         for fig in ROUND_FIGURES:
-            vals = [c[fig] for c in mine if c.get(fig) is not None]
-            row[fig] = ({"median": statistics.median(vals), "min": min(vals), "max": max(vals),
-                         "n": len(vals)} if vals else None)
+            row[fig] = median_range(c.get(fig) for c in mine)
     return list(rows.values())
 
 
-def _spread(fig: dict | None, fmt: str) -> str:
-    if fig is None:
-        return "-"
-    if fig["n"] == 1:
-        return fmt.format(fig["median"])
-    return f"{fmt.format(fig['median'])} ({fmt.format(fig['min'])}-{fmt.format(fig['max'])})"
+_spread = fmt_spread
 
 
 def rounds_table(link: str, rows: list[dict], rounds: int) -> str:
@@ -512,9 +488,7 @@ def peer_verdicts(link: str, rows: list[dict]) -> list[str]:
                 f"{auto['rounds']}); best peer: {best['label']}, {b['median']:.0f} s"]
     t = auto["time_to_target_s"]
     ratio = t["median"] / b["median"]
-    ahead = ("ahead by more than the spread" if t["max"] < b["min"] else
-             "behind by more than the spread" if t["min"] > b["max"] else
-             "within the spread")
+    ahead = gap_verdict(t, b, higher_is_better=False)
     return [f"auto vs the best peer ({best['label']}): time to target {t['median']:.0f} s vs "
             f"{b['median']:.0f} s = {ratio:.2f}x ({ahead}; target <= {PEER_TTQ_TARGET}x: "
             f"{'met' if ratio <= PEER_TTQ_TARGET else 'NOT met'})"]
@@ -632,6 +606,11 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=0.0, metavar="S",
                     help="start no candidate run after S seconds of the bench (0: no limit); "
                          "the closing ceiling run and the results still follow")
+    ap.add_argument("--workload", default="", metavar="NAME",
+                    help="the links are a GPU user's for this workload (smollm2-h200, "
+                         "llama2-7b-r16-h100; lorasync.bench.workloads): the no-sync ceiling "
+                         "runs first, unshaped, and each link is emulated at the rate that "
+                         "keeps the workload's sync bytes per second of compute")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the candidates this many times, interleaved (round 1: every "
                          "candidate, then round 2 ...); each figure is then the median with "
@@ -654,6 +633,12 @@ def main() -> int:
                          "(accelerate's LocalSGD every K steps)")
     if a.rounds < 1:
         raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
+    if a.workload:
+        from lorasync.errors import ConfigError
+        try:
+            get_workload(a.workload)
+        except ConfigError as exc:
+            raise SystemExit(f"time_to_quality: {exc}")
     out = os.path.abspath(a.output_dir or os.path.join(
         "bench", "results", "ttq-" + time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
@@ -694,15 +679,40 @@ def main() -> int:
           f"{a.steps} ({target:.4f}; quality limit {limit:.4f} = worst of {len(losses)} seeds "
           f"+ 5%), {time.strftime('%Y-%m-%d %H:%M')}"]
     pending = []   # (link, runs, net, probe text)
+    dil = None
+    if a.workload:
+        # the ceiling first, unshaped: its step sets every link's dilation
+        cdir = os.path.join(out, "calibration")
+        os.makedirs(cdir, exist_ok=True)
+        log("\n== calibration: no sync, unshaped (the compute step of this host)")
+        with emulated(parse_emulate(f"nodes={a.nodes},name={tag}")) as cluster:
+            c = Run("ceiling", "no sync (ceiling)", fixed_args("ceiling")[0])
+            run_on_cluster(cluster, c, common_args(a, ceiling=True), cdir, a.row_timeout,
+                           lambda st, ev: None)
+        if len(c.steps) < 2:
+            raise SystemExit(f"time_to_quality: the calibration no-sync run {c.status}")
+        ceilings.append(c)
+        a.adapter_params = adapter_params(os.path.join(cdir, "ceiling"))
+        dil = dilation(get_workload(a.workload),
+                       train_time(c.steps[1:]) / (len(c.steps) - 1), a.adapter_params)
+        log(f"   {dil.text()}")
+        md.append(f"\n{dil.text()}.")
+    emulated_as = {}
     for li, link in enumerate(links):
-        spec = parse_emulate(f"nodes={a.nodes},rate={link},name={tag}")
-        log(f"\n== {link}: {spec.describe()}")
+        rate = dilate(link, "", dil.rate_div, dil.delay_mul)[0] if dil else link
+        emulated_as[link] = rate
+        spec = parse_emulate(f"nodes={a.nodes},rate={rate},name={tag}")
+        log(f"\n== {link}: {spec.describe()}" + (f" (user link {link}, workload {a.workload})"
+                                                  if dil else ""))
         pdir = os.path.join(out, link)
         os.makedirs(pdir, exist_ok=True)
         with emulated(spec) as cluster:
             net, probe_text = probe_link(cluster, pdir, a.row_timeout)
             log(f"   {probe_text}")
-            if li == 0:
+            if dil:
+                probe_text = (f"user link {link}, emulated as {rate_bps(rate) / 1e6:.3f} Mbit/s; "
+                              + probe_text)
+            if li == 0 and not dil:
                 c = Run("ceiling", "no sync (ceiling)", fixed_args("ceiling")[0])
                 run_on_cluster(cluster, c, common_args(a, ceiling=True), pdir, a.row_timeout,
                                lambda st, ev: None)
@@ -822,6 +832,7 @@ def main() -> int:
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(text)
     small = {"args": {k: v for k, v in vars(a).items()},
+             **({"workload": dil.as_dict(), "emulated_rate": emulated_as} if dil else {}),
              "target": target, "quality_limit": limit,
              "reference": ([{"seed": i, "eval_at_steps": x, "status": r.status}
                             for i, (r, x) in enumerate(zip(refs, losses))] if refs else

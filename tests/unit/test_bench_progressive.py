@@ -129,7 +129,7 @@ def test_a_run_scores_every_profile_against_the_fastest_ceiling(tmp_path, monkey
     sps = {"ceiling": 6.0, "fp16": 3.2, "ceiling_end": 6.4}
     ran = []
 
-    def fake_run_row(c, row, common, out, timeout):
+    def fake_run_row(c, row, common, out, timeout, time_limit=0.0):
         ran.append(row.key)
         row.status, row.extra["wall_s"] = "ok", 1.0
         row.summary = _summary(sps[row.key], "none" if row.key.startswith("ceiling") else "fp16")
@@ -154,3 +154,112 @@ def test_a_run_scores_every_profile_against_the_fastest_ceiling(tmp_path, monkey
     assert md.count("| + fp16 compression | 3.20 | -x | 50% |") == 2   # no DDP row: no speedup
     assert md.count("reference ceiling: 6.40 samples/s, the fastest of 2 no-sync runs") == 2
     assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+def test_workload_links_peer_rows_and_rounds(tmp_path, monkeypatch):
+    # --workload: a calibration no-sync run first, every user link emulated
+    # dilated by its step; peer rows and 2 interleaved rounds with their spread
+    import argparse
+    import contextlib
+    import json
+
+    import lorasync.bench.progressive as bp
+    import lorasync.emulate.cluster as cluster
+
+    class FakeCluster:
+        def status(self, measure=True, seconds=1.0):
+            return {}
+
+    specs, ran = [], []
+    sps = {("ceiling", 0): 2.0, ("ceiling_end", 0): 2.2, ("ddp", 0): 0.3, ("ddp", 1): 0.35,
+           ("auto", 0): 2.0, ("auto", 1): 1.95, ("localsgd_8", 0): 1.6, ("localsgd_8", 1): 1.7}
+
+    def fake_run_row(c, row, common, out, timeout, time_limit=0.0):
+        ran.append((row.key, row.round, row.module))
+        row.status, row.extra["wall_s"] = "ok", 1.0
+        row.summary = _summary(sps[(row.key, row.round)],
+                               "none" if row.key.startswith("ceiling") else "x")
+
+    def fake_emulated(spec):
+        specs.append((spec.rate_bps, spec.delay_s))
+        return contextlib.nullcontext(FakeCluster())
+
+    monkeypatch.setattr(cluster, "emulated", fake_emulated)
+    monkeypatch.setattr(bp, "probe_link", lambda c, out, timeout: (None, "probe: stubbed"))
+    monkeypatch.setattr(bp, "run_row", fake_run_row)
+    monkeypatch.setattr(bp, "tune_nodes", lambda *a: None)
+    monkeypatch.setattr(bp, "_available", lambda strategy: True)
+    args = argparse.Namespace(nodes=2, steps=30, rows="ddp,auto,localsgd_8", model="tiny",
+                              batch_size=4, eval_size=0, row_timeout=10, rounds=2,
+                              profiles="100mbit+50ms", output_dir=str(tmp_path),
+                              workload="smollm2-h200", row_time_limit=0.0)
+    assert bp.run_progressive(args) == 0
+    # calibration (unshaped), then the one profile; ceilings once, rows interleaved
+    assert specs[0] == (None, 0.0)
+    assert [(k, r) for k, r, _ in ran] == [
+        ("ceiling", 0), ("ddp", 0), ("auto", 0), ("localsgd_8", 0),
+        ("ddp", 1), ("auto", 1), ("localsgd_8", 1), ("ceiling_end", 0)]
+    assert ("localsgd_8", 0, "lorasync.bench.peers") in ran
+    # no-sync step here: 2 ranks x 4 samples / 2.0 samples/s = 4 s; the workload's 0.18 s
+    # with the same adapter: rate / 22.2, delay x 22.2
+    rate, delay = specs[1]
+    assert rate == pytest.approx(100e6 * 0.18 / 4.0, rel=1e-3)
+    assert delay == pytest.approx(0.050 * 4.0 / 0.18, rel=1e-3)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["workload"]["rate_div"] == pytest.approx(4.0 / 0.18)
+    cells = {c.get("key"): c for c in res["results"]["100mbit+50ms"]["cells"]}
+    assert cells["auto"]["spread"]["efficiency"]["n"] == 2
+    md = (tmp_path / "results.md").read_text()
+    assert "### 100mbit+50ms user link, workload smollm2-h200: emulated 4.500 Mbit/s + 1111 ms" in md
+    assert "each user link is emulated at rate / 22.2 and delay x 22.2" in md
+    # auto 89-91% of the 2.2 ceiling, LocalSGD 73-77%: beyond the spread
+    assert "| auto | 1.98 (1.95-2.00) |" in md
+    assert "auto vs the best peer (accelerate LocalSGD, every 8 steps): 90% vs 75%" in md
+    assert "ahead by more than the spread; 2 and 2 rounds" in md
+
+
+def test_peer_rows_need_thirty_steps_and_a_known_name():
+    import argparse
+
+    import lorasync.bench.progressive as bp
+
+    rows = select_rows("ddp,localsgd_8,torchft_streaming", 30)
+    peers = [r for r in rows if r.peer]
+    assert [r.key for r in peers] == ["localsgd_8", "torchft_streaming"]
+    assert rows[-1].key == "ceiling_end"
+    assert peers[0].args[:4] == ["--peer", "accelerate_localsgd", "--peer-opt",
+                                 "local_sgd_steps=8"]
+    with pytest.raises(ConfigError, match="localsgd_K"):
+        select_rows("localsgd_x")
+    args = argparse.Namespace(nodes=2, steps=9, rows="localsgd_8", model="tiny", batch_size=4,
+                              eval_size=0, row_timeout=10, rounds=1, profiles="10mbit",
+                              output_dir="", workload="", row_time_limit=0.0)
+    with pytest.raises(ConfigError, match="--steps"):
+        bp.run_progressive(args)
+    args.steps, args.workload = 30, "nope"
+    with pytest.raises(ConfigError, match="--workload"):
+        bp.run_progressive(args)
+
+
+def test_a_capped_row_is_scored_on_its_finished_steps(tmp_path):
+    import json
+
+    from lorasync.bench.rows import partial_summary
+
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for rank in (0, 1):
+        recs = [{"event": "start"}] + [
+            {"step": s, "samples": 4, "step_s": 10.0 + rank, "comm_s": 8.0, "wire_bytes": 3e6,
+             "strategy": "allreduce"} for s in (1, 2, 3, 4)]
+        if rank == 0:
+            recs.append({"step": 5, "samples": 4, "step_s": 1.0, "comm_s": 0.0,
+                         "wire_bytes": 0, "strategy": "allreduce"})   # rank 1 never finished it
+        (ranks / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = partial_summary(str(tmp_path), 2)
+    # steps 2-4 of both ranks: 8 samples each, 11 s each (the slower rank)
+    assert s["steps"] == 4 and s["samples_per_s"] == pytest.approx(24 / 33)
+    assert s["wire_bytes_per_step"] == pytest.approx(3e6) and s["partial"]
+    (ranks / "rank1.jsonl").write_text(json.dumps({"step": 1, "samples": 4, "step_s": 1,
+                                                   "comm_s": 0}) + "\n")
+    assert partial_summary(str(tmp_path), 2) is None

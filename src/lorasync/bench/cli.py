@@ -41,6 +41,15 @@ strategy's quality; ``bench/strategies.py --steps 60`` measures that.
     lorasync bench                                   # default profiles
     lorasync bench --profiles 10mbit,100mbit+20ms --steps 12
 
+A GPU user's links (``--workload``, lorasync.bench.workloads): the profiles
+are the links the user has; each is emulated dilated so that sync bytes per
+second of compute match the workload (its GPU step, its adapter), from a
+no-sync step measured first on an unshaped cluster.  Peers as rows, several
+rounds with the spread beside every figure:
+
+    lorasync bench --workload smollm2-h200 --profiles 100mbit --steps 30 \\
+        --rows ddp,torch_fp16,torch_powersgd,auto,localsgd_8 --rounds 2
+
 Several workers per node (``--nproc-per-node G``): flat against
 hierarchical sync for each strategy on N x G workers, with the links dilated
 by the measured compute slowdown (:mod:`lorasync.bench.topology`):
@@ -56,7 +65,7 @@ import sys
 
 from lorasync.bench.progressive import run_progressive
 from lorasync.bench.topology import rescore, run_topology
-from lorasync.errors import EnvironmentProblem
+from lorasync.errors import ConfigError, EnvironmentProblem
 
 __all__ = ["add_arguments", "run"]
 
@@ -82,11 +91,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eval examples for loss/exact-match after training (0: skip)")
     p.add_argument("--rows", default="all",
                    help="comma-separated row keys to run (ceiling is always run): "
-                        "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd "
+                        "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd, "
+                        "and peers: localsgd_K (accelerate's LocalSGD every K steps), "
+                        "torchft_diloco, torchft_streaming (need --steps 30 or more) "
                         "(topology bench: strategy names, NAME/flat, NAME/node, auto, "
                         "torch_powersgd)")
     p.add_argument("--row-timeout", type=float, default=240.0,
                    help="seconds before a row is stopped and reported as hung")
+    p.add_argument("--workload", default="", metavar="NAME",
+                   help="2-node bench: the profiles are a GPU user's links for this workload "
+                        "(smollm2-h200, llama2-7b-r16-h100; docs/benchmarks.md): each is "
+                        "emulated at the rate and delay that keep the workload's sync bytes per "
+                        "second of compute, from a no-sync step measured first")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="2-node bench: run the rows this many times, interleaved; each figure "
+                        "is then the median with its range, and a row is called ahead of "
+                        "another only beyond the spread")
+    p.add_argument("--row-time-limit", type=float, default=0.0, metavar="S",
+                   help="2-node bench: stop a row (not a no-sync ceiling) still running after "
+                        "S seconds and score it on the steps it finished (marked capped); "
+                        "0: none")
+    p.add_argument("--closing-ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="2-node bench: run the no-sync ceiling again at the very end (the "
+                        "faster of the two is the reference); --no-closing-ceiling saves a row "
+                        "(with --workload the calibration run is then the only ceiling)")
     p.add_argument("--output-dir", default="",
                    help="where results go (default: bench/results/<date>-<time>)")
     p.add_argument("--rescore", default="", metavar="DIR",
@@ -105,5 +133,9 @@ def run(args) -> int:
         raise EnvironmentProblem("lorasync bench: emulated clusters need root (network "
                                  "namespaces); run it as root")
     if getattr(args, "nproc_per_node", 1) > 1:
+        if getattr(args, "workload", ""):
+            raise ConfigError("--workload", args.workload, "the topology bench dilates its "
+                              "links by its own measured slowdown: drop --workload or "
+                              "--nproc-per-node")
         return run_topology(args)
     return run_progressive(args)

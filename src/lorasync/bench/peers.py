@@ -38,7 +38,9 @@ import socket
 import sys
 import time
 
-__all__ = ["PEERS", "parse_peer_options", "AccelerateLocalSGD", "TorchftDiLoCo", "main"]
+__all__ = ["PEERS", "parse_peer_options", "AccelerateLocalSGD", "TorchftDiLoCo", "main",
+           "TORCHFT_ROWS", "LOCALSGD_PREFIX", "LIGHTHOUSE_PORT", "is_peer_row", "peer_row",
+           "start_lighthouse"]
 
 #: peer -> its options and their defaults
 PEERS: dict[str, dict] = {
@@ -50,6 +52,64 @@ PEERS: dict[str, dict] = {
                        "outer_lr": 0.7, "outer_momentum": 0.9, "lighthouse": "",
                        "timeout_s": 120.0},
 }
+
+
+#: a bench's peer rows (bench/time_to_quality.py and ``lorasync bench --rows``;
+#: docs/peers.md): ``localsgd_K`` is accelerate's LocalSGD averaging the adapter
+#: every K steps; the torchft rows use the DiLoCo paper's outer optimizer, 8
+#: inner steps per outer sync (torchft's example uses 20 over 10,000 steps: one
+#: sync in a 30-step row) and, for Streaming DiLoCo, 2 fragments each sent one
+#: step before it is applied (the example's delay 1)
+LOCALSGD_PREFIX = "localsgd_"
+TORCHFT_ROWS = {
+    "torchft_diloco": ("torchft DiLoCo, every 8 steps",
+                       {"sync_every": 8, "fragments": 1, "fragment_sync_delay": 0}),
+    "torchft_streaming": ("torchft Streaming DiLoCo, every 8 steps, 2 fragments, 1 step late",
+                          {"sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}),
+}
+LIGHTHOUSE_PORT = 29510
+
+
+def is_peer_row(key: str) -> bool:
+    """Whether ``key`` names a peer row: ``localsgd_K`` (K >= 1) or a torchft one."""
+    k = key[len(LOCALSGD_PREFIX):]
+    return key in TORCHFT_ROWS or key.startswith(LOCALSGD_PREFIX) and k.isdigit() and int(k) >= 1
+
+
+def peer_row(key: str, lighthouse: str = "") -> tuple[str, list[str], dict]:
+    """(label, arguments of ``python -m lorasync.bench.peers`` before the train
+    flags, options) of the peer row ``key`` (``lighthouse``: the URL of the
+    torchft lighthouse the bench started, for the torchft rows)."""
+    if key in TORCHFT_ROWS:
+        label, opts = TORCHFT_ROWS[key]
+        args = ["--peer", "torchft_diloco", *[x for k, v in {**opts, "lighthouse": lighthouse}
+                                              .items() for x in ("--peer-opt", f"{k}={v}")],
+                "--"]
+        return label, args, opts
+    k = int(key[len(LOCALSGD_PREFIX):])
+    return (f"accelerate LocalSGD, every {k} steps",
+            ["--peer", "accelerate_localsgd", "--peer-opt", f"local_sgd_steps={k}", "--"],
+            {"local_sgd_steps": k})
+
+
+def start_lighthouse(cluster, nodes: int, folder: str, port: int = LIGHTHOUSE_PORT):
+    """torchft's lighthouse (the quorum server of its Manager) on node 0 of an
+    emulated cluster, for a torchft row: every node's replica must join a
+    quorum.  The caller stops it (``kill``, ``wait``) after the row."""
+    import os
+    import subprocess
+
+    lh = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    if not os.path.exists(lh):
+        raise FileNotFoundError("the torchft rows need torchft==0.2.0 in this interpreter's "
+                                "environment (pip install torchft==0.2.0; docs/peers.md)")
+    log = open(os.path.join(folder, "lighthouse.log"), "a")
+    p = subprocess.Popen(cluster.exec_argv(0, [
+        lh, "--min_replicas", str(nodes), "--bind", f"{cluster.nodes[0].address}:{port}",
+        "--join_timeout_ms", "1000", "--quorum_tick_ms", "50"]),
+        stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    return p
 
 
 def parse_peer_options(peer: str, items: list[str]) -> dict:

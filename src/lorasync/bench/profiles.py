@@ -2,7 +2,8 @@
 
 Owns reading a ``--profiles`` list into emulated-link specs, the round-trip
 time of a profile's one-way delay, and time dilation (a link slowed by the
-compute slowdown of a larger emulated cluster).
+compute slowdown of a larger emulated cluster, or the compute and sync
+size of a target workload).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ def round_trip(delay: str) -> str:
     return f"{2 * delay_s(delay) * 1000:g}ms"
 
 
-def dilate(rate: str, delay: str, s: float) -> tuple[str, str]:
-    """``rate`` / s and ``delay`` x s, as --emulate values."""
+def dilate(rate: str, delay: str, s: float, delay_mul: float | None = None) -> tuple[str, str]:
+    """``rate`` / s and ``delay`` x s (x ``delay_mul`` where given: a workload's
+    links scale rate and delay apart, lorasync.bench.workloads), as --emulate values."""
     r = max(8000, int(rate_bps(rate) / s))
-    d = f"{delay_s(delay) * s * 1000:.3f}ms" if delay else ""
+    m = s if delay_mul is None else delay_mul
+    d = f"{delay_s(delay) * m * 1000:.3f}ms" if delay else ""
     return f"{r}bit", d
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from lorasync.bench.profiles import round_trip
 from lorasync.errors import ConfigError, EnvironmentProblem
 
-__all__ = ["Row", "prepare_run", "run_row", "tune_nodes", "probe_link", "describe_net",
+__all__ = ["Row", "prepare_run", "run_row", "partial_summary", "cluster_world", "tune_nodes", "probe_link", "describe_net",
            "after_last_switch", "row_strategy", "measured_step_s", "predict_rows"]
 
 
@@ -37,6 +37,17 @@ class Row:
     status: str = "pending"
     summary: dict | None = None
     extra: dict = field(default_factory=dict)
+    #: what torchrun runs: ``lorasync`` (``lorasync train``) or a peer row's
+    #: worker, ``lorasync.bench.peers`` (its ``args`` come before the train flags)
+    module: str = "lorasync"
+    #: the round of an interleaved run (``--rounds``): its own run folder
+    round: int = 0
+    #: a peer row (another system's sync): compared with auto
+    peer: bool = False
+
+    @property
+    def run_name(self) -> str:
+        return self.key + (f"-r{self.round + 1}" if self.round else "")
 
 
 def prepare_run(args, prefix: str = "") -> tuple[str, list[str]]:
@@ -55,24 +66,85 @@ def prepare_run(args, prefix: str = "") -> tuple[str, list[str]]:
     return out, common
 
 
-def run_row(cluster, row: Row, common: list[str], out: str, timeout: float) -> None:
+def run_row(cluster, row: Row, common: list[str], out: str, timeout: float,
+            time_limit: float = 0.0) -> None:
     """Train ``row`` on the emulated cluster: its summary, status and wall time
-    into ``row`` (a run past ``timeout`` is stopped and reported as hung)."""
+    into ``row`` (a run past ``timeout`` is stopped and reported as hung).
+    With ``time_limit`` (shorter than ``timeout``) a row still running then is
+    stopped and scored on the steps it finished ("capped"), if it finished at
+    least two after its first."""
     from lorasync.emulate.cluster import launch_on_cluster
 
-    run_dir = os.path.join(out, row.key)
+    run_dir = os.path.join(out, row.run_name)
+    argv = (["train", *common, *row.args, "--output-dir", run_dir] if row.module == "lorasync"
+            else [*row.args, *common, "--output-dir", run_dir])
+    limit = min(timeout, time_limit) if time_limit else timeout
     t0 = time.time()
-    rc = launch_on_cluster(cluster, ["train", *common, *row.args, "--output-dir", run_dir],
-                           timeout=timeout, log_dir=os.path.join(out, f"{row.key}-logs"))
+    rc = launch_on_cluster(cluster, argv, timeout=limit, module=row.module,
+                           log_dir=os.path.join(out, f"{row.run_name}-logs"))
     row.extra["wall_s"] = time.time() - t0
-    if rc == 124:
-        row.status = f"hung: stopped after {timeout:.0f} s"
+    partial = partial_summary(run_dir, cluster_world(cluster)) if rc == 124 and \
+        limit < timeout else None
+    if partial:
+        row.status = (f"capped: stopped after {limit:.0f} s (--row-time-limit), "
+                      f"{partial['steps']} steps")
+        row.summary = partial
+        row.extra["capped_steps"] = partial["steps"]
+    elif rc == 124 and limit < timeout:
+        n = finished_steps(run_dir, cluster_world(cluster))
+        row.status = (f"capped: stopped after {limit:.0f} s (--row-time-limit) with {n} "
+                      f"step(s) done, too few to score (3 needed)")
+    elif rc == 124:
+        row.status = f"hung: stopped after {limit:.0f} s"
     elif rc != 0:
         row.status = f"failed (exit {rc}; see {row.key}-logs)"
     else:
         row.status = "ok"
         row.summary = _read_json(os.path.join(run_dir, "summary.json"))
         row.extra.update(after_last_switch(os.path.join(run_dir, "metrics.jsonl")))
+
+
+def cluster_world(cluster) -> int:
+    """Ranks of an emulated cluster (one per node unless it says otherwise)."""
+    return len(cluster.nodes) * (getattr(getattr(cluster, "spec", None), "nproc_per_node", 1)
+                                 or 1)
+
+
+def _step_records(run_dir: str, world: int) -> list[dict]:
+    from lorasync.monitor.metrics import read_jsonl_records
+
+    return [{r["step"]: r for r in read_jsonl_records(os.path.join(run_dir, "ranks",
+                                                                   f"rank{i}.jsonl"))
+             if "event" not in r and "step" in r} for i in range(world)]
+
+
+def finished_steps(run_dir: str, world: int) -> int:
+    """Steps every rank of a (stopped) run finished."""
+    per = _step_records(run_dir, world)
+    return len(set.intersection(*(set(p) for p in per))) if per else 0
+
+
+def partial_summary(run_dir: str, world: int) -> dict | None:
+    """The figures of ``summary.json`` (samples/s, sync share, wire bytes per
+    step, all over the steps after the first, every step as slow as its
+    slowest rank) from the per-rank step records of a run that was stopped;
+    None with fewer than two steps after the first finished by every rank."""
+    import statistics
+
+    per = _step_records(run_dir, world)
+    common = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    if len(common) < 3:
+        return None
+    steady = common[1:]
+    rows = [[p[s] for p in per] for s in steady]
+    wall = sum(max(r["step_s"] for r in rs) for rs in rows)
+    r0 = [per[0][s] for s in steady]
+    return {"world_size": world, "strategy": r0[-1].get("strategy"), "steps": len(common),
+            "samples_per_s": sum(sum(r["samples"] for r in rs) for rs in rows) / wall,
+            "step_s_median": statistics.median(r["step_s"] for r in r0),
+            "sync_share": sum(r["comm_s"] for r in r0) / sum(r["step_s"] for r in r0),
+            "wire_bytes_per_step": statistics.fmean(r.get("wire_bytes", 0) for r in r0),
+            "eval_after": None, "partial": True}
 
 
 def tune_nodes(cluster, rate: str, delay: str, out: str, action: str) -> None:
@@ -159,6 +231,8 @@ def row_strategy(row: Row) -> tuple[str, dict, float] | None:
     from lorasync.catalog import NONE, STRATEGIES
 
     a = row.args
+    if "--comm" not in a:
+        return None   # a peer row: the peer's own sync, no cost model of it
     name = a[a.index("--comm") + 1]
     if name not in STRATEGIES and name != NONE:
         return None  # auto (switches), torch's hooks

@@ -10,7 +10,8 @@ in results.json) in, text out.
 from __future__ import annotations
 
 __all__ = ["fmt_number", "progressive_table", "progressive_verdicts", "topology_table",
-           "topology_verdicts"]
+           "topology_verdicts", "median_range", "fmt_spread", "gap_verdict",
+           "peer_share_verdict"]
 
 #: rows of fixed lorasync strategies in the progressive bench (auto is compared
 #: with the best of them)
@@ -24,6 +25,66 @@ def fmt_number(v, digits=2, pct=False) -> str:
     if v is None:
         return "-"
     return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
+
+
+def median_range(values) -> dict | None:
+    """A figure over interleaved rounds: median, lowest, highest and how many
+    rounds gave it (None where none did)."""
+    import statistics
+
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "n": len(vals)}
+
+
+def fmt_spread(fig: dict | None, fmt: str) -> str:
+    """'median (min-max)' of a :func:`median_range` figure; the value alone for one round."""
+    if fig is None:
+        return "-"
+    if fig["n"] == 1:
+        return fmt.format(fig["median"])
+    return f"{fmt.format(fig['median'])} ({fmt.format(fig['min'])}-{fmt.format(fig['max'])})"
+
+
+def gap_verdict(a: dict, b: dict, higher_is_better: bool) -> str:
+    """``a`` against ``b`` (:func:`median_range` figures): "ahead" or "behind"
+    by more than the spread only where every round of one beats every round
+    of the other; with one round of either there is no spread to beat."""
+    if a["n"] < 2 or b["n"] < 2:
+        return "one round: no spread measured, no verdict"
+    lo_a, hi_a, lo_b, hi_b = a["min"], a["max"], b["min"], b["max"]
+    if not higher_is_better:
+        lo_a, hi_a, lo_b, hi_b = -hi_a, -lo_a, -hi_b, -lo_b
+    if lo_a > hi_b:
+        return "ahead by more than the spread"
+    if hi_a < lo_b:
+        return "behind by more than the spread"
+    return "within the spread"
+
+
+def _figure(cell: dict, name: str) -> dict | None:
+    """A cell's figure as a :func:`median_range` (one round: its value, n = 1)."""
+    fig = (cell.get("spread") or {}).get(name)
+    if fig is None and cell.get(name) is not None:
+        v = cell[name]
+        fig = {"median": v, "min": v, "max": v, "n": 1}
+    return fig
+
+
+def peer_share_verdict(cells: list[dict]) -> list[str]:
+    """auto against the best peer row (cells with ``peer`` set) by share of the
+    no-sync ceiling, median over rounds, "ahead" only beyond the spread."""
+    peers = [c for c in cells if c.get("peer") and _figure(c, "efficiency")]
+    auto = next((c for c in cells if c.get("key") == "auto" and _figure(c, "efficiency")), None)
+    if not peers or auto is None:
+        return []
+    best = max(peers, key=lambda c: _figure(c, "efficiency")["median"])
+    a, b = _figure(auto, "efficiency"), _figure(best, "efficiency")
+    return [f"auto vs the best peer ({best['row']}): {a['median']:.0%} vs {b['median']:.0%} "
+            f"of the no-sync ceiling = {a['median'] / b['median']:.2f}x "
+            f"({gap_verdict(a, b, higher_is_better=True)}; {a['n']} and {b['n']} rounds)"]
 
 
 def _plan_accuracy(errors: list[tuple[str, float]]) -> str:
@@ -47,11 +108,20 @@ def progressive_table(title: str, cells: list[dict]) -> str:
         em = "-" if c["exact_match"] is None else \
             f"{100 * c['exact_match']:.0f}% (n={c['eval_n']})"
         label = c["row"] + (f" [{c['strategy']}]" if c["row"].startswith("+ best") else "")
+        if c.get("capped_steps"):
+            label += f" (capped: {c['capped_steps']} steps)"
+        if c.get("rounds", 1) > 1 and c.get("rounds_ok") != c.get("rounds"):
+            label += f" ({c['rounds_ok']}/{c['rounds']} rounds ran)"
+        sp = c.get("spread") or {}
         plan = "-" if c.get("predicted_step_s") is None else (
             f"{c['measured_step_s']:.2f} / {c['predicted_step_s']:.2f} "
             f"({100 * c['plan_error']:+.0f}%)")
-        lines.append(f"| {label} | {fmt_number(c['samples_per_s'])} | "
-                     f"{fmt_number(c['speedup'])}x | {fmt_number(c['efficiency'], pct=True)} | "
+        sps = (fmt_spread(sp["samples_per_s"], "{:.2f}") if sp.get("samples_per_s")
+               else fmt_number(c["samples_per_s"]))
+        eff = (fmt_spread(sp["efficiency"], "{:.0%}") if sp.get("efficiency")
+               else fmt_number(c["efficiency"], pct=True))
+        lines.append(f"| {label} | {sps} | "
+                     f"{fmt_number(c['speedup'])}x | {eff} | "
                      f"{fmt_number(c['sync_share'], pct=True)} | "
                      f"{fmt_number(c['wire_mb'], digits=3)} | "
                      f"{plan} | {fmt_number(c['eval_loss'], digits=3)} | {em} |")
