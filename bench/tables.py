@@ -698,6 +698,13 @@ def _peers_table(name: str) -> str:
                      f"{ratio} | "
                      f"{_fig(r.get('efficiency'), '{:.0%}')} | {_fig(r.get('sync_share'), '{:.0%}')} | "
                      f"{_fig(r.get('eval_at_steps'), '{:.4f}')} |")
+    if d.get("workload"):   # --workload: the link is a GPU user's, emulated dilated
+        w = d["workload"]
+        lines += ["", f"- {w['text']}", f"- {d['links'][link]['probe']}"]
+    if d.get("workload") or a.get("rounds", 1) > 1:
+        from time_to_quality import peer_verdicts
+
+        lines += [f"- {v}" for v in peer_verdicts(link, d["links"][link]["rows"])]
     return "\n".join(lines)
 
 
@@ -918,6 +925,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers": lambda: _peers_table("peers-10mbit.json"),
     "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
     "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
+    "peers-gpu-eq-10mbit": lambda: _peers_table("peers-gpu-eq-10mbit.json"),
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "headline-gpu": headline_gpu,
