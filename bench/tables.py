@@ -929,6 +929,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "headline-gpu": headline_gpu,
+    # the 7B-class workload (llama2-7b-r16-h100) at a GPU user's 1 Gbit/s
+    "gpu-eq-llama7b-1gbit": lambda: gpu_eq_profile("1gbit", "gpu-eq-llama7b-1gbit"),
 }
 
 
