@@ -709,7 +709,7 @@ def _peers_table(name: str) -> str:
 
 
 #: the headline on a GPU user's links (lorasync bench --workload, one invocation a link)
-GPU_EQ_LINKS = ("1gbit", "100mbit", "10mbit", "100mbit+50ms")
+GPU_EQ_LINKS = ("1gbit", "100mbit", "10mbit", "1mbit", "100mbit+50ms")
 
 
 def _gpu_eq(prof: str, folder: str = "") -> dict:
@@ -731,7 +731,7 @@ def _gpu_eq_cell(c: dict | None) -> str:
 
 
 def headline_gpu() -> str:
-    """lorasync bench --workload smollm2-h200 on a GPU user's four links:
+    """lorasync bench --workload smollm2-h200 on a GPU user's links:
     share of the no-sync ceiling per row, the emulated link beside the user's."""
     lines = ["| user link (emulated here) | plain DDP | torch fp16 hook | torch PowerSGD "
              "(rank 1) | accelerate LocalSGD (every 8) | lorasync `auto` (its pick) |",
@@ -748,8 +748,12 @@ def headline_gpu() -> str:
         w = r["workload"]
         emu = r["link"].partition("emulated as ")[2]
         row = [f"{_user(prof)} ({emu})"]
-        row += [_gpu_eq_cell(by.get(k)) for k in ("ddp", "torch_fp16", "torch_powersgd",
-                                                  "localsgd_8")]
+        row += [_gpu_eq_cell(by.get(k)) for k in ("ddp", "torch_fp16", "torch_powersgd")]
+        lsgd = by.get("localsgd_8")
+        # stopped before its first average (every 8 steps): its share is of no sync at all
+        row.append(f"no sync within the cap ({lsgd['capped_steps']} steps)"
+                   if lsgd and lsgd.get("capped_steps") and lsgd["capped_steps"] < 8
+                   else _gpu_eq_cell(lsgd))
         a = by.get("auto")
         row.append(f"**{_gpu_eq_cell(a)}** ({a.get('final_strategy') or a.get('strategy')})"
                    if a and a.get("efficiency") is not None else _gpu_eq_cell(a))

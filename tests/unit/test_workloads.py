@@ -69,3 +69,31 @@ def test_unknown_workload_names_the_presets():
     assert "smollm2-h200" in str(e.value) and "--workload" in str(e.value)
     with pytest.raises(ConfigError):
         dilation(PRESETS["smollm2-h200"], 0.0, 921_600)
+
+
+def test_headline_gpu_says_a_peer_stopped_before_its_first_average(tmp_path, monkeypatch):
+    """A LocalSGD row capped before step 8 never averaged: its share is of steps
+    without any sync, so the headline says so instead of printing it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import tables
+
+    w = {"workload": {"name": "smollm2-h200", "description": "d", "sync_bytes": 3686400,
+                      "gpu_step_s": 0.18, "source": "s"},
+         "cpu_step_s": 1.2, "rate_div": 6.5, "delay_mul": 6.5}
+    for prof, capped in (("1mbit", 7), ("10mbit", 23)):
+        cells = [{"key": "auto", "efficiency": 0.98, "final_strategy": "diloco"},
+                 {"key": "localsgd_8", "efficiency": 0.87, "capped_steps": capped}]
+        d = tmp_path / f"gpu-eq-{prof}"
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({
+            "workload": w, "args": {},
+            "results": {prof: {"cells": cells, "link": "user link, emulated as 0.157 Mbit/s"}}}))
+    monkeypatch.setattr(tables, "REF", tmp_path)
+    rows = {line.split(" (")[0]: line for line in tables.headline_gpu().splitlines()
+            if line.startswith("| 1")}
+    assert "no sync within the cap (7 steps)" in rows["| 1 Mbit/s"]
+    assert "87% (23 steps, capped)" in rows["| 10 Mbit/s"]
