@@ -730,9 +730,11 @@ def _gpu_eq_cell(c: dict | None) -> str:
     return cell
 
 
-def headline_gpu() -> str:
+def headline_gpu(notes_too: bool = True) -> str:
     """lorasync bench --workload smollm2-h200 on a GPU user's links:
-    share of the no-sync ceiling per row, the emulated link beside the user's."""
+    share of the no-sync ceiling per row, the emulated link beside the user's;
+    ``notes_too``: also the workload and each run's dilation (docs; the README
+    says them in a sentence)."""
     lines = ["| user link (emulated here) | plain DDP | torch fp16 hook | torch PowerSGD "
              "(rank 1) | accelerate LocalSGD (every 8) | lorasync `auto` (its pick) |",
              "|---|---|---|---|---|---|"]
@@ -762,6 +764,8 @@ def headline_gpu() -> str:
                      f"{w['rate_div']:.1f}, delay x {w['delay_mul']:.1f}")
     if not notes:
         raise Missing("bench/reference/gpu-eq-*/results.json")
+    if not notes_too:
+        return "\n".join(lines)
     w = _gpu_eq(next(p for p in GPU_EQ_LINKS if (REF / f"gpu-eq-{p.replace('+', '_')}")
                      .is_dir()))["workload"]["workload"]
     return "\n".join(lines) + (
@@ -933,6 +937,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "headline-gpu": headline_gpu,
+    "headline-gpu-short": lambda: headline_gpu(notes_too=False),
     # the 7B-class workload (llama2-7b-r16-h100) at a GPU user's 1 Gbit/s
     "gpu-eq-llama7b-1gbit": lambda: gpu_eq_profile("1gbit", "gpu-eq-llama7b-1gbit"),
 }
