@@ -319,3 +319,35 @@ def test_a_stale_beat_of_a_peer_waiting_at_a_point_passed_is_not_stuck():
         peer = dict(peer, i=0, w="", q=False)
         d2._check_stuck({1: peer}, {1: ((4, "checkpoint", 0, 0), 100.0)}, now=104.0)
         assert fired["event"]["peer"] == 1 and fired["event"]["kind"] == "stuck"
+
+
+def test_a_peer_leaving_a_long_bulk_wait_late_is_not_stuck():
+    """At 0.3 Mbit/s the replicas' 3.7 MB mean ended on this rank about 50 s
+    before on the peer (this rank's last chunk still queued on the link), and
+    the peer's beat then showed it leaving that wait with the same point and
+    marks: it was named stuck for the 124 s since it entered the wait.  Now
+    the peer may lag by this rank's own wait there, and leaving a wait is
+    progress.  A peer that stays stuck after it is still named."""
+    fired = {}
+    d = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
+                    min_timeout_s=3, steps=10,
+                    on_fault=lambda e: fired.setdefault("event", e),
+                    next_action=lambda: ("give up", "giving up"),
+                    exit=lambda code: fired.setdefault("code", code))
+    d.mark("eval", 10)
+    d._waited[("eval", 1)] = 75.0      # this rank's own wait in the bulk all-reduce
+    d._point = 1
+    with d.waiting("the evaluation's all-reduce"):
+        peer = {"s": 10, "p": "eval", "i": 1, "t": 0, "w": "the mean", "q": True,
+                "b": 3.0, "x": ""}
+        pos = {1: (wd._progress(peer), 100.0)}
+        d._check_stuck({1: peer}, pos, now=175.0)    # seen behind from 175 s
+        d._check_stuck({1: peer}, pos, now=225.0)    # 50 s behind, waiting: in bounds
+        assert not fired, fired
+        left = dict(peer, q=False, x="train/evaluate.py:50 evaluate")
+        assert wd._progress(left) != pos[1][0]       # leaving the wait is progress
+        pos = {1: (wd._progress(left), 226.0)}
+        d._check_stuck({1: left}, pos, now=227.0)
+        assert not fired, fired
+        d._check_stuck({1: left}, pos, now=226.0 + 3.0 + 1.0)   # then working, no progress
+        assert fired["event"]["peer"] == 1 and fired["event"]["kind"] == "stuck"

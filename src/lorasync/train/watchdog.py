@@ -175,6 +175,13 @@ class Pace:
         pass
 
 
+def _progress(info: dict) -> tuple:
+    """What counts as a peer's progress in its beat: step, phase, common point,
+    progress marks, and whether it waits (leaving a collective is progress too:
+    the main thread moves on with the same point and marks)."""
+    return (info["s"], info["p"], info["i"], info["t"], bool(info.get("q")))
+
+
 def stall_here(phase: str, point: str | None = None) -> None:
     """Test hook, off unless ``LORASYNC_TEST_STALL`` is set: block the calling
     (main) thread of one rank for good, as a hung disk or an endless loop would,
@@ -273,6 +280,7 @@ class Watchdog(Pace):
         self._point, self._ticks, self._what, self._waits, self._allow = 0, 0, "", False, 0.0
         self._moved = self._since               # the main thread's last progress mark
         self._pauses: dict[tuple[str, int], float] = {}  # (phase, point) -> longest pause
+        self._waited: dict[tuple[str, int], float] = {}  # (phase, point) -> this rank's last wait
         self._step_times: collections.deque = collections.deque(maxlen=20)
         self._stop = threading.Event()
         self._fired = threading.Lock()
@@ -324,6 +332,7 @@ class Watchdog(Pace):
         finally:
             # the wait is no pause of this rank's own work
             self._waits, self._moved = False, time.monotonic()
+            self._waited[(self.phase, self._point)] = self._moved - now
 
     def _pause_ends(self, now: float) -> None:
         if not self._waits:
@@ -444,7 +453,7 @@ class Watchdog(Pace):
                                f"for {silent:.0f} s", silent_s=silent)
                 try:
                     info = json.loads(where)
-                    progress = (info["s"], info["p"], info["i"], info["t"])
+                    progress = _progress(info)
                 except (ValueError, KeyError, TypeError):
                     continue
                 if r not in pos or pos[r][0] != progress:
@@ -483,6 +492,11 @@ class Watchdog(Pace):
                 if since is None or since[0] != pos[m["rank"]][0]:
                     since = self._behind[m["rank"]] = (pos[m["rank"]][0], now)
                 still = min(still, now - since[1])
+                # a bulk collective ends on each rank when its own receiving is done:
+                # what this rank sent last may still be on a slow link (socket
+                # buffers, the queue of a narrow link) for about as long as this
+                # rank's own wait there lasted
+                b = max(b, self.bound() + self._waited.get((info["p"], info["i"]), 0.0))
             if still > b:
                 stuck.append((at, m, info, still, b))
         if not stuck:

@@ -199,7 +199,10 @@ class Switcher:
     def start(self, child: Sync, options: Mapping[str, Any]) -> None:
         """Run ``child`` (built with ``options``) from now on, as the first."""
         self.child, self.options = child, dict(options)
-        self.may_differ = not child.per_step
+        # every rank starts from the same adapter: nothing differs before a step
+        # (an evaluation of the replicas' mean at step 0 would move the whole
+        # adapter for nothing; the child says so itself once it has trained)
+        self.may_differ = False
 
     def _chooser(self):
         """The flat children's all-reduce algorithm (``allreduce_algo``);
