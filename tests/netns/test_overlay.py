@@ -68,8 +68,10 @@ def _sweep():
 
 @pytest.fixture(scope="module")
 def relay():
-    """Three nodes, node1 and node2 behind NAT (their pair relayed through the hub node0)."""
-    c = Cluster.up(parse_emulate(f"nodes=3,rate=50mbit,nat=node1,node2,overlay=wireguard,name={NAMES[0]}"))
+    """Three nodes, node1 and node2 behind symmetric NAT: no hole punching between them
+    (tests/netns/test_punch_netns.py), their pair relayed through the hub node0."""
+    c = Cluster.up(parse_emulate(f"nodes=3,rate=50mbit,symmetric_nat=node1,node2,overlay=wireguard,"
+                                 f"name={NAMES[0]}"))
     try:
         yield c
     finally:

@@ -349,16 +349,19 @@ def format_status(sts: list[dict]) -> str:
                          + (f": {t['reason']}" if t.get("reason") else ""))
         if t.get("error"):
             lines.append(f"  error: {t['error']}")
-        lines.append(f"  {'peer':12} {'address':12} {'route':14} {'endpoint':22} {'handshake':11} "
+        lines.append(f"  {'peer':12} {'address':12} {'route':21} {'endpoint':22} {'handshake':11} "
                      f"{'rx':>9} {'tx':>9} {'RTT':>9} {'rate':>13}")
         for p in t["peers"]:
             hs = "(hub's)" if p["relayed"] else _ago(p["handshake_age_s"])
             rtt = f"{p['rtt_s'] * 1e3:.2f} ms" if p.get("rtt_s") is not None else "-"
             rate = fmt_rate(p["rate_bps"], unit="bit") if p.get("rate_bps") is not None else \
                 ("unreachable" if p.get("measure_error") else "-")
-            lines.append(f"  {p['name']:12} {p['address']:12} {p['route']:14} "
+            lines.append(f"  {p['name']:12} {p['address']:12} {p['route']:21} "
                          f"{(p['endpoint'] or '-'):22} {hs:11} {fmt_bytes(p['rx_bytes']) if p['rx_bytes'] is not None else '-':>9} "
                          f"{fmt_bytes(p['tx_bytes']) if p['tx_bytes'] is not None else '-':>9} {rtt:>9} {rate:>13}")
+        for p in t["peers"]:   # a pair behind NAT: direct (hole punched) or why not
+            if p.get("path"):
+                lines.append(f"  path to {p['name']}: {p['path']['path']}: {p['path']['reason']}")
         for p in t["peers"]:   # how each node joins the overlay, where one was chosen for it
             if p.get("transport") and p["transport"] != "wireguard" or p.get("reason"):
                 lines.append(f"  {p['name']} joins over {p.get('transport', 'wireguard')}"

@@ -16,6 +16,10 @@ Protocol, one TCP connection per part, the first byte saying which:
 - ``D`` + 4 bytes: the same with the window (milliseconds, big-endian, at
   most 10 s) chosen by the client, for a long-running server (the overlay's
   supervisor serves ``lorasync tunnel status`` this way).
+- ``e``: endpoints (a hub's long-running server only). The server answers
+  one JSON object, each node's outside ``ADDRESS:PORT`` as its WireGuard
+  sees it, and closes: what nodes behind NAT punch holes with
+  (:mod:`lorasync.overlay.punch`).
 
 Run as ``python -m lorasync.overlay.linktest serve ADDR WINDOW MAX_BYTES`` (prints
 its port, serves pings until one data connection has been measured, exits)
@@ -94,12 +98,16 @@ def _recv_exact(c: socket.socket, n: int) -> bytes:
     return buf
 
 
-def handle(c: socket.socket, window: float, max_bytes: int) -> str:
-    """Serve one accepted connection (any part); returns its mode letter."""
+def handle(c: socket.socket, window: float, max_bytes: int, endpoints=None) -> str:
+    """Serve one accepted connection (any part); returns its mode letter.
+    ``endpoints``: a callable giving the ``e`` answer (None: ``e`` is refused
+    by closing)."""
     c.settimeout(window + 20)
     try:
         mode = c.recv(1)
-        if mode == b"p":
+        if mode == b"e" and endpoints is not None:
+            c.sendall(json.dumps(endpoints()).encode())
+        elif mode == b"p":
             _serve_ping(c)
         elif mode == b"d":
             _serve_data(c, window, max_bytes)
@@ -183,12 +191,14 @@ def measure(addr: str, port: int, window: float, pings: int = PINGS,
     return res
 
 
-def serve_in_background(address: str, port: int, stop, *, freebind: bool = False) -> socket.socket:
+def serve_in_background(address: str, port: int, stop, *, freebind: bool = False,
+                        endpoints=None) -> socket.socket:
     """A link-test server on ``address:port`` in a daemon thread, one thread per
     connection, until ``stop`` (a threading.Event) is set or the socket closed:
     what ``tunnel status --measure`` talks to on every overlay node.
     ``freebind``: bind before the address exists (it goes away while a
-    transport restarts; the socket must outlive that)."""
+    transport restarts; the socket must outlive that); ``endpoints``: what
+    mode ``e`` answers (the hub's)."""
     import threading
 
     srv = socket.socket()
@@ -200,8 +210,8 @@ def serve_in_background(address: str, port: int, stop, *, freebind: bool = False
 
     def quietly(c: socket.socket) -> None:
         try:
-            handle(c, 1.0, 1 << 30)
-        except (OSError, ValueError):
+            handle(c, 1.0, 1 << 30, endpoints)
+        except (OSError, ValueError, LookupError):
             pass
 
     def loop():

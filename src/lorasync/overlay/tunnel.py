@@ -19,7 +19,10 @@ Supervision (:class:`Supervisor`, run in the background by ``up``): starts
 ``wireguard-go``, configures it, serves the link test on the overlay address
 (for ``status``'s RTT and rate), restarts the daemon when it dies and, for a
 peer with an endpoint whose handshake goes stale, re-resolves the endpoint and
-forces a new handshake, with exponential backoff; every event goes to the log
+forces a new handshake, with exponential backoff; on a node behind NAT,
+tries a direct path to each node it reaches only through the hub
+(:mod:`lorasync.overlay.punch`; the hub's link-test server tells the
+endpoints it sees); every event goes to the log
 ``/run/lorasync/tunnels/IFNAME.log``.
 """
 
@@ -44,7 +47,7 @@ from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
 from lorasync.hostops import TUNNELS_DIR, as_root, pid_alive, require_root, stop_process
-from lorasync.overlay import linktest
+from lorasync.overlay import linktest, punch
 from lorasync.overlay import wireguard as wg
 
 __all__ = [
@@ -652,6 +655,9 @@ class Supervisor:
         self._stop = threading.Event()
         self._server: socket.socket | None = None
         self._last_error: str | None = None
+        self.cands = punch.candidates(cfg)
+        self.paths: dict[str, punch.Track] = {}
+        self._punch_error: str | None = None
 
     # -- events
 
@@ -696,8 +702,22 @@ class Supervisor:
         self.since = time.time()
 
     def _serve_linktest(self) -> None:
-        self._server = linktest.serve_in_background(self.cfg.address, self.cfg.listen_port,
-                                                    self._stop, freebind=True)
+        self._server = linktest.serve_in_background(
+            self.cfg.address, self.cfg.listen_port, self._stop, freebind=True,
+            endpoints=self._endpoints if self.cfg.is_hub else None)
+
+    def _endpoints(self) -> dict[str, str]:
+        """The hub's answer to a node's ``e``: each node's outside IPv4
+        endpoint with a live handshake, as WireGuard sees it."""
+        try:
+            dev = wg.show(self.cfg.ifname)
+        except (LorasyncError, ValueError):
+            return {}
+        names = {n["public_key"]: n["name"] for n in self.cfg.nodes}
+        now = time.time()
+        return {names[p.public_key]: p.endpoint for p in dev.peers
+                if p.public_key in names and p.endpoint and not p.endpoint.startswith("[")
+                and p.handshake_age(now) is not None and p.handshake_age(now) < self.cfg.stale_s}
 
     def _save_state(self) -> None:
         netns = linktest.current_netns()
@@ -706,7 +726,8 @@ class Supervisor:
                  "netns": netns, "cluster": self.cluster, "started": self.since,
                  "address": self.cfg.address, "prefixlen": self.cfg.prefixlen, "mtu": self.mtu,
                  "listen_port": self.cfg.listen_port, "hub": self.cfg.hub, "is_hub": self.cfg.is_hub,
-                 "restarts": self.restarts, "log": str(self.log_path)}
+                 "restarts": self.restarts, "log": str(self.log_path),
+                 "paths": {name: t.public() for name, t in self.paths.items()}}
         tmp = TUNNELS_DIR / f".{self.cfg.ifname}.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(TUNNELS_DIR / f"{self.cfg.ifname}.json")
@@ -737,6 +758,52 @@ class Supervisor:
                 self.event(a.message)
                 if a.kind == "rehandshake":
                     self._rehandshake(a.peer)
+            self._punch(state)
+
+    def _punch(self, state: wg.DeviceState) -> None:
+        """Direct paths to the nodes reached through the hub (:mod:`punch`)."""
+        if not self.cands:
+            return
+        now = time.time()
+        endpoints = None
+        if punch.due(self.paths, now) or not self.paths:
+            hub = self.cfg.hub_peer
+            hs = state.peer(hub["public_key"]) if hub else None
+            if hs is None or not hs.latest_handshake:
+                return  # nothing to ask before the hub answers
+            try:
+                endpoints = punch.fetch_endpoints(self.cfg.hub_address(), self.cfg.listen_port)
+                self._punch_error = None
+            except (OSError, ValueError) as exc:
+                msg = f"asking the hub {self.cfg.hub} for endpoints failed: {exc}; relayed for now"
+                if msg != self._punch_error:
+                    self.event(msg)
+                self._punch_error = msg
+                for t in self.paths.values():
+                    if t.path == "relayed":
+                        t.next_try = now + punch.RETRY_S[0]
+                if self.paths:
+                    return
+        keys = {n["name"]: n["public_key"] for n in self.cands}
+        acts = punch.punch_step(self.cands, self.paths, {p.public_key: p for p in state.peers},
+                                endpoints, now)
+        for a in acts:
+            try:
+                if a.kind == "try":
+                    wg.add_probe_peer(self.cfg.ifname, keys[a.peer], a.endpoint, punch.KEEPALIVE_S)
+                elif a.kind == "direct":
+                    addr = next(n["address"] for n in self.cands if n["name"] == a.peer)
+                    wg.set_allowed_ips(self.cfg.ifname, keys[a.peer], [f"{addr}/32"])
+                else:  # give_up, lost: the hub's peer carries the address again
+                    hub = self.cfg.hub_peer
+                    wg.set_allowed_ips(self.cfg.ifname, hub["public_key"], hub["allowed_ips"])
+                    wg.remove_peer(self.cfg.ifname, keys[a.peer])
+            except LorasyncError as exc:
+                self.event(f"peer {a.peer}: {a.kind} failed: {exc}")
+                continue
+            self.event(a.message)
+        if acts or endpoints is not None:
+            self._save_state()
 
     def _restart(self, now: float, backoff: float) -> tuple[float | None, float]:
         """Start the daemon again; (next restart time or None, next backoff)."""
@@ -750,6 +817,7 @@ class Supervisor:
             return now + backoff, backoff
         self.restarts += 1
         self.tracks.clear()
+        self.paths.clear()  # the device came back with the config's peers only
         self._save_state()
         self.event(f"wireguard-go restarted (pid {self.proc.pid}, restart {self.restarts}); "
                    f"interface configured again")
@@ -1127,10 +1195,14 @@ def _status_one(st: dict, measure: bool, seconds: float) -> dict:
         route = cfg.routes.get(n["name"], "direct")
         via = cfg.hub_peer if route != "direct" else next(
             (p for p in cfg.peers if p["name"] == n["name"]), None)
+        path = (st.get("paths") or {}).get(n["name"])
+        if path and path.get("path") == "direct":  # hole punched (punch.py)
+            route, via = "direct (hole punched)", {"public_key": n["public_key"]}
         ps = by_key.get(via["public_key"]) if via else None
         row = {"name": n["name"], "address": n["address"], "route": route,
                "transport": n.get("transport", "wireguard"), "reason": n.get("reason", ""),
-               "relayed": route != "direct", "endpoint": ps.endpoint if ps else None,
+               "relayed": not route.startswith("direct"), "path": path,
+               "endpoint": ps.endpoint if ps else None,
                "handshake_age_s": ps.handshake_age(now) if ps else None,
                "rx_bytes": ps.rx_bytes if ps else None, "tx_bytes": ps.tx_bytes if ps else None,
                "is_hub": n["name"] == cfg.hub}

@@ -341,6 +341,23 @@ def set_peer(ifname: str, peer: PeerConfig) -> None:
     _wg(["set", ifname, *peer_args(peer)], what=f"wg set {ifname}")
 
 
+def add_probe_peer(ifname: str, public_key: str, endpoint: str, keepalive_s: int) -> None:
+    """A peer at ``endpoint`` with no allowed IPs (nothing is routed to it) whose
+    keepalive makes WireGuard handshake with it: a hole-punching try."""
+    _wg(["set", ifname, "peer", public_key, "allowed-ips", "", "endpoint", endpoint,
+         "persistent-keepalive", str(keepalive_s)], what=f"wg set {ifname}")
+
+
+def set_allowed_ips(ifname: str, public_key: str, allowed_ips: Sequence[str]) -> None:
+    """Replace a peer's allowed IPs (WireGuard takes each from the peer that had it)."""
+    _wg(["set", ifname, "peer", public_key, "allowed-ips", ",".join(allowed_ips)],
+        what=f"wg set {ifname}")
+
+
+def remove_peer(ifname: str, public_key: str) -> None:
+    _wg(["set", ifname, "peer", public_key, "remove"], what=f"wg set {ifname}")
+
+
 def _ip(args: Sequence[str]) -> None:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True)
     if proc.returncode != 0:
