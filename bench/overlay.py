@@ -15,7 +15,7 @@ nat     the bench profile 100mbit+20ms on 2 nodes: auto's scaling efficiency
         start and one at the end) without NAT, and with node1 behind NAT on
         the overlay, interleaved (--repeats rounds).  Target: within 3%.
 relay   3 nodes at 100 Mbit/s on the overlay: all direct, and with node1 and
-        node2 behind NAT (their pair relayed through node0, whose link then
+        node2 behind symmetric NAT (their pair relayed through node0, whose link then
         carries that leg twice): the probe's bus bandwidth against the cost
         model's ``ring_link_load`` prediction (direct busbw / load).
 
@@ -143,7 +143,10 @@ def part_relay(args, out: str) -> dict:
     from lorasync.plan.costmodel import ring_link_load
 
     rows = []
-    for label, extra in (("all direct", ""), ("node1, node2 behind NAT (relayed via node0)", ",nat=node1,node2")):
+    # symmetric NAT: behind plain NAT the two would punch a direct path (overlay/punch.py)
+    for label, extra in (("all direct", ""),
+                         ("node1, node2 behind symmetric NAT (relayed via node0)",
+                          ",symmetric_nat=node1,node2")):
         spec = f"nodes=3,rate=100mbit,overlay=wireguard,name={TAG}{extra}"
         _log(f"== relay: {label}")
         d = os.path.join(out, "relay-" + ("nat" if extra else "direct"))

@@ -21,7 +21,8 @@ into device ``tun(100+I)``; no WireGuard.  ``overlay=auto`` tries, from each
 node, the paths to the hub (:func:`probe`, with :mod:`lorasync.overlay.probe`:
 UDP to its WireGuard port, TCP to its SSH port) and picks per node: WireGuard
 where UDP reaches the hub (direct, or relayed through the hub between two nodes
-behind NAT, as with ``overlay=wireguard``), SSH where only TCP does; each choice and its reason
+behind NAT until they punch a direct path, :mod:`lorasync.overlay.punch`, as
+with ``overlay=wireguard``), SSH where only TCP does; each choice and its reason
 go into the overlay's configs (``tunnel status`` and ``cluster status``
 show them).  sshd runs only when some node uses the SSH path, and goes with
 the cluster (its namespace, ``down``, a failed build).

@@ -118,8 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--alltoall-fallback", action="store_true",
                    help="the backend has no all-to-all: int8/onebit use an all-gather")
     g.add_argument("--behind-nat", type=int, default=0, metavar="K",
-                   help="what-if: the last K nodes sit behind NAT and reach each other through "
-                        "the overlay's hub (node 0), which carries their ring legs too")
+                   help="what-if: the last K nodes sit behind NAT that hole punching cannot "
+                        "cross (symmetric NAT, CGNAT) and reach each other through the "
+                        "overlay's hub (node 0), which carries their ring legs too; behind "
+                        "plain NAT the overlay punches direct paths: leave it at 0")
     g.add_argument("--tcp-nodes", type=int, default=0, metavar="K",
                    help="what-if: the last K nodes reach the overlay over TCP (SSH to the hub, "
                         "UDP blocked): their ring legs go through node 0, at "
