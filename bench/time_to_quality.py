@@ -363,7 +363,8 @@ def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceil
     else:
         t = train_time(st)
         cell.update(reached_step=None, time_to_target_s=None, samples_to_target=None,
-                    ratio_to_ideal=None, ratio_lower_bound=t / ideal_s if ideal_s else None)
+                    ratio_to_ideal=None, ratio_lower_bound=t / ideal_s if ideal_s else None,
+                    time_lower_bound_s=t)
     cell.update(speed_of(run.speed, cell["reached_step"], ideal_s, ceiling_sps))
     return cell
 
@@ -430,7 +431,7 @@ def table(link: str, cells: list[dict], probe_text: str) -> str:
 
 
 ROUND_FIGURES = ("time_to_target_s", "ratio_to_ideal", "efficiency", "sync_share",
-                 "eval_at_steps", "reached_step")
+                 "eval_at_steps", "reached_step", "time_lower_bound_s")
 
 
 def aggregate(cells: list[dict]) -> list[dict]:
@@ -479,6 +480,8 @@ def peer_verdicts(link: str, rows: list[dict]) -> list[str]:
     peers = [r for r in rows if is_peer(r["key"]) and r["time_to_target_s"]
              and r["reached"] == r["rounds"]]
     auto = next((r for r in rows if r["key"] == "auto"), None)
+    if not peers and auto is not None:
+        return _unreached_peer_verdict(rows, auto)
     if not peers or auto is None:
         return []
     best = min(peers, key=lambda r: r["time_to_target_s"]["median"])
@@ -492,6 +495,28 @@ def peer_verdicts(link: str, rows: list[dict]) -> list[str]:
     return [f"auto vs the best peer ({best['label']}): time to target {t['median']:.0f} s vs "
             f"{b['median']:.0f} s = {ratio:.2f}x ({ahead}; target <= {PEER_TTQ_TARGET}x: "
             f"{'met' if ratio <= PEER_TTQ_TARGET else 'NOT met'})"]
+
+
+def _unreached_peer_verdict(rows: list[dict], auto: dict) -> list[str]:
+    """No peer reached the target in any round: each was stopped after at least
+    its ``time_lower_bound_s`` of training (its budget).  auto's slowest round
+    against the shortest of those is an upper bound on the ratio."""
+    out = [r for r in rows if is_peer(r["key"]) and r["reached"] == 0
+           and (r.get("time_lower_bound_s") or {}).get("n")]
+    if not out:
+        return []
+    lb = min(r["time_lower_bound_s"]["min"] for r in out)
+    names = ", ".join(r["label"] for r in out)
+    if not auto["time_to_target_s"] or auto["reached"] < auto["rounds"]:
+        return [f"neither auto ({auto['reached']}/{auto['rounds']} rounds) nor the peers "
+                f"({names}) reached the target in every round"]
+    t = auto["time_to_target_s"]
+    ratio = t["max"] / lb
+    return [f"auto vs the peers: time to target {t['median']:.0f} s (slowest round "
+            f"{t['max']:.0f} s); no peer reached the target ({names}: stopped unreached after "
+            f"at least {lb:.0f} s of training), so auto <= {ratio:.2f}x of the best peer's "
+            f"(an upper bound; target <= {PEER_TTQ_TARGET}x: "
+            f"{'met' if ratio <= PEER_TTQ_TARGET else 'not shown'})"]
 
 
 def verdicts(link: str, cells: list[dict]) -> list[str]:
