@@ -428,6 +428,26 @@ def shares(rows: list[dict], direct: list[dict], within: float = 0.05) -> dict:
             "train_measured": sum(r["train_share"] is not None for r in rows)}
 
 
+def _pair_path(c) -> dict:
+    """node1's path to node2 once any hole-punching try has settled (direct,
+    or relayed by the hub, and why): at most one try's time."""
+    from lorasync.overlay import punch, tunnel
+
+    deadline = time.monotonic() + punch.TRY_S + 10
+    while True:
+        st = {t["node"]: t for t in tunnel.status(cluster=c.spec.name, measure=False)}
+        p = next((q for q in st.get("node1", {}).get("peers", []) if q["name"] == "node2"), None)
+        if p is None:
+            return {}
+        path = p.get("path") or {}
+        settled = (p.get("route") == "direct" or path.get("path") == "direct"
+                   or (path.get("path") == "relayed" and path.get("tries"))
+                   or p.get("transport") != "wireguard" or st["node1"].get("transport") != "wireguard")
+        if settled or time.monotonic() > deadline:
+            return {"route": p.get("route"), "relayed": p.get("relayed"), "reason": path.get("reason", "")}
+        time.sleep(0.5)
+
+
 def part_matrix(args, out: str) -> dict:
     cells = [(k, *CELLS[k]) for k in _cells(args.cells)]
     speed = not args.no_matrix_speed
@@ -444,6 +464,7 @@ def part_matrix(args, out: str) -> dict:
             with emulated(parse_emulate(spec)) as c:
                 row["up_s"] = time.monotonic() - t0
                 row["transports"] = {c.nodes[i].name: v for i, v in sorted(c.overlay_choice.items())}
+                row["pair"] = _pair_path(c)
                 rc = launch_on_cluster(c, ["train", "--model", "tiny", "--batch-size", "2",
                                            "--eval-size", "0", "--max-steps", str(args.matrix_steps),
                                            "--no-progress", "--ckpt-interval", "0",

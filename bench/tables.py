@@ -843,12 +843,18 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
     m0 = parts[0]
     pct = f"{m0['direct_figures']['within']:.0%}"
     ar_rate, tr_rate = (fmt_rate(parse_rate_bps(m0[k]), unit="bit") for k in ("allreduce_rate", "train_rate"))
-    lines = ["| node1 / node2 | node1 joins over | node2 joins over | trains (tiny, 3 ranks) | "
+    lines = ["| node1 / node2 | node1 joins over | node2 joins over | node1 to node2 | "
+             "trains (tiny, 3 ranks) | "
              "negative control (without the overlay) | all-reduce bus bandwidth, 16 MB at "
              f"{ar_rate} (share of direct) | auto on the embedded default at "
              f"{tr_rate}, samples/s (share of direct) | within {pct} of direct |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     rows, verdicts, runs = [], [], []
+    # a later invocation may supersede a cell's earlier runs (the code it measured changed)
+    gone: dict[int, tuple[int, str]] = {}
+    for k, m in enumerate(parts, 1):
+        for cell in (m.get("supersedes") or {}).get("cells", []):
+            gone[cell] = (k, m["supersedes"]["why"])
     for k, m in enumerate(parts, 1):
         # a verdict only where the invocation's direct runs agree within the margin
         f = m["direct_figures"]
@@ -856,7 +862,9 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
         for r in m["rows"]:
             rows.append(r)
             runs.append(k)
+            old = r["index"] in gone and k < gone[r["index"]][0]
             verdicts.append("-" if r.get("train_within") is None else
+                            f"superseded ({gone[r['index']][1]})" if old else
                             f"unresolved (direct runs {f['samples_per_s_spread']:.0%} apart)"
                             if not resolved else "yes" if r["train_within"] else "no")
     # a cell run in several invocations: its rows together, each with its invocation
@@ -874,7 +882,10 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
         t = r.get("train", {})
         t_text = (f"{t['samples_per_s']:.2f} ({_fig(r.get('train_share'), '{:.2f}')})"
                   if t.get("samples_per_s") is not None else t.get("status", "-"))
-        lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {ok} | {_matrix_negative(r.get('negative'))} "
+        pair = r.get("pair") or {}
+        pair_text = "not recorded" if not pair else pair.get("route") or "-"
+        lines.append(f"| {r['cell']} | {tr[0]} | {tr[1]} | {pair_text} | {ok} | "
+                     f"{_matrix_negative(r.get('negative'))} "
                      f"| {bw_text} | {t_text} | {within} |")
     lines += ["", "| invocation (cells) | direct link | all-reduce bus bandwidth | auto, samples/s |",
               "|---|---|---|---|"]
@@ -893,11 +904,12 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
     # per cell: "no" if any resolved run missed, "yes" if every resolved run met it
     per_cell: dict[int, list[str]] = {}
     for r, v in zip(rows, verdicts):
-        if v != "-":
+        if v != "-" and not v.startswith("superseded"):
             per_cell.setdefault(r["index"], []).append(v.split(" ")[0])
     cell_verdict = ["no" if "no" in v else "yes" if "yes" in v else "unresolved"
                     for v in per_cell.values()]
-    shares = [r["busbw_share"] for r in rows if r.get("busbw_share") is not None]
+    shares = [r["busbw_share"] for r, v in zip(rows, verdicts)
+              if r.get("busbw_share") is not None and not v.startswith("superseded")]
     lines += ["", f"{trained} of {len(rows)} cell runs trained; auto within {pct} of the direct "
               f"link (a cell run in several invocations: every run with a verdict): "
               f"yes in {cell_verdict.count('yes')}, no in {cell_verdict.count('no')}, unresolved in "

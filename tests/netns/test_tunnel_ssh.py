@@ -194,6 +194,21 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
     assert all(r.returncode == 0 for r in ranks), outs
     assert all("sum 3.0" in o for o, _ in outs), outs
 
+    # what a user runs on each host: `tunnel launch` (torchrun) over the SSH path, the
+    # rendezvous on the hub's overlay address, gloo on each node's overlay device
+    out_probe = tmp_path / "probe.json"
+    procs = [subprocess.Popen(c.exec_argv(i, [
+        sys.executable, "-m", "lorasync", "tunnel", "launch", "--ifname", IFNAME, "--port", "29412",
+        "--run-id", f"s{TAG}", "--rdzv-wait", "60", "--", "probe", "--quick", "--no-pairs",
+        "--output", str(out_probe)]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(_env(i), OMP_NUM_THREADS="1")) for i in (0, 1)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
+    probe = json.loads(out_probe.read_text())
+    assert probe["world_size"] == 2
+    assert sorted(r["ifname"] for r in probe["ranks"]) == sorted([IFNAME, "tun101"])
+    assert "rendezvous 10.79.0.1:29412 (here)" in outs[0], outs[0][-1500:]
+
     # ssh killed: the supervisor starts it again, and a TCP connection through the overlay
     # carries on (the tun devices stay: a drop loses packets, not connections)
     echo = subprocess.Popen(c.exec_argv(1, [sys.executable, "-c", _ECHO_SERVER, "10.79.0.2"]),

@@ -143,7 +143,8 @@ def decide(udp: bool, tcp: bool, *, host: str, udp_port: int, ssh_port: int | No
     EnvironmentProblem when neither does (``ssh_port`` None: the SSH path is
     not offered)."""
     if udp:
-        how = "relayed through the hub to the other nodes behind NAT" if relayed else "direct"
+        how = ("relayed through the hub to the other nodes behind NAT until a direct path is "
+               "punched" if relayed else "direct")
         return "wireguard", f"UDP to the hub {host}:{udp_port} answers: WireGuard over UDP, {how}"
     if tcp and ssh_port is not None:
         return "ssh", (f"UDP to the hub {host}:{udp_port} got no answer ({tries} tries), TCP to "
