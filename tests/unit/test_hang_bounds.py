@@ -282,6 +282,15 @@ def test_a_round_after_a_failure_is_bounded_and_names_the_node_not_back(monkeypa
             h.shutdown()
 
 
+def _judge(fired: dict):
+    """Rank 0 of 2 with a 3 s bound; a verdict lands in ``fired``."""
+    return wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
+                       min_timeout_s=3, steps=10,
+                       on_fault=lambda e: fired.setdefault("event", e),
+                       next_action=lambda: ("give up", "giving up"),
+                       exit=lambda code: fired.setdefault("code", code))
+
+
 def test_a_stale_beat_of_a_peer_waiting_at_a_point_passed_is_not_stuck():
     """The race CI met: both ranks waited 5 s at one barrier; this rank left it
     and waits at the next one before the peer's next beat says it left too.
@@ -289,11 +298,7 @@ def test_a_stale_beat_of_a_peer_waiting_at_a_point_passed_is_not_stuck():
     wait counts from when this rank saw it behind, not from 5 s ago.  A peer
     that stays behind, waiting, is still named once the bound has passed."""
     fired = {}
-    d = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
-                    min_timeout_s=3, steps=10,
-                    on_fault=lambda e: fired.setdefault("event", e),
-                    next_action=lambda: ("give up", "giving up"),
-                    exit=lambda code: fired.setdefault("code", code))
+    d = _judge(fired)
     d.mark("checkpoint", 4)
     with d.waiting("a barrier"):
         pass
@@ -309,11 +314,7 @@ def test_a_stale_beat_of_a_peer_waiting_at_a_point_passed_is_not_stuck():
         assert fired["code"] == wd.EXIT_FAULT and fired["event"]["peer"] == 1
         # working (not waiting) and behind: counted from its last progress, as before
     fired.clear()
-    d2 = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
-                     min_timeout_s=3, steps=10,
-                     on_fault=lambda e: fired.setdefault("event", e),
-                     next_action=lambda: ("give up", "giving up"),
-                     exit=lambda code: fired.setdefault("code", code))
+    d2 = _judge(fired)
     d2.mark("checkpoint", 4)
     with d2.waiting("a barrier"):
         peer = dict(peer, i=0, w="", q=False)
@@ -329,11 +330,7 @@ def test_a_peer_leaving_a_long_bulk_wait_late_is_not_stuck():
     the peer may lag by this rank's own wait there, and leaving a wait is
     progress.  A peer that stays stuck after it is still named."""
     fired = {}
-    d = wd.Watchdog(rank=0, members=_members(2), store_addr="", store_port=0, prefix="",
-                    min_timeout_s=3, steps=10,
-                    on_fault=lambda e: fired.setdefault("event", e),
-                    next_action=lambda: ("give up", "giving up"),
-                    exit=lambda code: fired.setdefault("code", code))
+    d = _judge(fired)
     d.mark("eval", 10)
     d._waited[("eval", 1)] = 75.0      # this rank's own wait in the bulk all-reduce
     d._point = 1
