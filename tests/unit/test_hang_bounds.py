@@ -348,3 +348,27 @@ def test_a_peer_leaving_a_long_bulk_wait_late_is_not_stuck():
         assert not fired, fired
         d._check_stuck({1: left}, pos, now=226.0 + 3.0 + 1.0)   # then working, no progress
         assert fired["event"]["peer"] == 1 and fired["event"]["kind"] == "stuck"
+
+
+def test_a_peer_still_in_a_long_periodic_average_is_not_stuck():
+    """LocalSGD's fp32 average at 0.3 Mbit/s: ~95 s in after_step on every rank.
+    This rank left it and went on two steps; the peer, still receiving this
+    rank's last chunk, waits in the same step's sync: within this rank's own
+    longest wait there (plus the 3 s bound), it is not stuck; past that it is.
+    Before, after_step was no common point and the peer was judged as working,
+    from its last progress, against the step bound."""
+    fired = {}
+    d = _judge(fired)
+    d.mark("train", 8)
+    d._waited[("train", 1)] = 95.0   # this rank's longest after_step wait
+    d.mark("train", 10)
+    with d.waiting("the step's sync (after_step)"):
+        pass
+    peer = {"s": 8, "p": "train", "i": 1, "t": 0, "w": "the step's sync (after_step)",
+            "q": True, "b": 30.0, "x": ""}
+    pos = {1: (wd._progress(peer), 0.0)}
+    d._check_stuck({1: peer}, pos, now=113.0)    # in it for 113 s, seen behind from now
+    d._check_stuck({1: peer}, pos, now=113.0 + 90.0)   # 90 s behind: within 3 + 95 s
+    assert not fired, fired
+    d._check_stuck({1: peer}, pos, now=113.0 + 3.0 + 95.0 + 1.0)
+    assert fired["event"]["peer"] == 1

@@ -706,7 +706,10 @@ class Trainer:
             self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        sync.after_step()
+        # a common point: a periodic strategy's average waits here on every rank, and on a
+        # slow link one rank may leave it long after another (the watchdog allows that)
+        with self.pace.waiting("the step's sync (after_step)"):
+            sync.after_step()
         self._eval_now = self._evaluation_due(step, sync)
         if self._eval_now:
             # an evaluation must not give a streamed sync free link time:

@@ -280,7 +280,7 @@ class Watchdog(Pace):
         self._point, self._ticks, self._what, self._waits, self._allow = 0, 0, "", False, 0.0
         self._moved = self._since               # the main thread's last progress mark
         self._pauses: dict[tuple[str, int], float] = {}  # (phase, point) -> longest pause
-        self._waited: dict[tuple[str, int], float] = {}  # (phase, point) -> this rank's last wait
+        self._waited: dict[tuple[str, int], float] = {}  # (phase, point) -> longest wait here
         self._step_times: collections.deque = collections.deque(maxlen=20)
         self._stop = threading.Event()
         self._fired = threading.Lock()
@@ -332,7 +332,8 @@ class Watchdog(Pace):
         finally:
             # the wait is no pause of this rank's own work
             self._waits, self._moved = False, time.monotonic()
-            self._waited[(self.phase, self._point)] = self._moved - now
+            key = (self.phase, self._point)
+            self._waited[key] = max(self._waited.get(key, 0.0), self._moved - now)
 
     def _pause_ends(self, now: float) -> None:
         if not self._waits:
