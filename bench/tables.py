@@ -757,7 +757,11 @@ def headline_gpu(notes_too: bool = True) -> str:
                    if lsgd and lsgd.get("capped_steps") and lsgd["capped_steps"] < 8
                    else _gpu_eq_cell(lsgd))
         a = by.get("auto")
-        row.append(f"**{_gpu_eq_cell(a)}** ({a.get('final_strategy') or a.get('strategy')})"
+        # a pick auto no longer makes (the result file says why): shown, not in bold
+        gone = (r.get("superseded") or {}).get("auto")
+        row.append(f"{_gpu_eq_cell(a)} ({a.get('final_strategy') or a.get('strategy')}: {gone})"
+                   if a and gone else
+                   f"**{_gpu_eq_cell(a)}** ({a.get('final_strategy') or a.get('strategy')})"
                    if a and a.get("efficiency") is not None else _gpu_eq_cell(a))
         lines.append("| " + " | ".join(row) + " |")
         notes.append(f"{_user(prof)}: this host's no-sync step {w['cpu_step_s']:.2f} s, rate / "
