@@ -950,6 +950,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers-sweep": lambda: _peers_table("peers-sweep-10mbit.json"),
     "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
     "peers-gpu-eq-10mbit": lambda: _peers_table("peers-gpu-eq-10mbit.json"),
+    "peers-gpu-eq-1mbit": lambda: _peers_table("peers-gpu-eq-1mbit.json"),
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "headline-gpu": headline_gpu,

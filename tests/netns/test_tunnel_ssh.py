@@ -113,6 +113,16 @@ def _lorasync(c: Cluster, i: int, *args, check: bool = True, timeout: float = 60
     return p
 
 
+def _wait_log(open_log: str, text: str, after: int = 0, seconds: float = 60) -> None:
+    """Until ``text`` occurs more than ``after`` times in the log."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while open(open_log).read().count(text) <= after:
+        assert time.monotonic() < deadline, f"{text!r} not in {open_log}: {open(open_log).read()[-1500:]}"
+        time.sleep(0.3)
+
+
 def _ours_left(c: Cluster) -> list[str]:
     """Processes, devices and state files of this overlay still there."""
     left = []
@@ -233,6 +243,22 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
         echo.kill()
         client.wait()
         echo.wait()
+
+    # the hub's sshd killed: its supervisor starts it again; the open session (sshd's own
+    # child) carries on, and the node's next ssh logs in to the new sshd
+    hub = [json.loads(open(f"{STATE}/node0/{f}").read()) for f in os.listdir(f"{STATE}/node0")
+           if f.endswith(".json") and not f.startswith(".")]
+    hub = next(h for h in hub if h.get("is_hub") and h.get("ssh_pid"))
+    os.kill(hub["ssh_pid"], 9)
+    _wait_log(open_log=hub["log"], text="sshd started again")
+    state = json.loads(open(f"{STATE}/node1/{IFNAME}.json").read())
+    os.kill(state["ssh_pid"], 9)
+    _wait_log(open_log=f"{STATE}/node1/{IFNAME}.log", text="ssh started again (pid",
+              after=state["restarts"])
+    conn = subprocess.run(c.exec_argv(1, [sys.executable, "-c", code.replace("timeout=5",
+                                                                               "timeout=30")]),
+                          capture_output=True, text=True)
+    assert conn.returncode == 0, conn.stderr
 
     st = _lorasync(c, 1, "tunnel", "status", "--ifname", IFNAME, "--seconds", "0.3")
     assert "transport: SSH over TCP: UDP to the hub" in st.stdout and "got no answer" in st.stdout
