@@ -223,10 +223,12 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
     # carries on (the tun devices stay: a drop loses packets, not connections)
     echo = subprocess.Popen(c.exec_argv(1, [sys.executable, "-c", _ECHO_SERVER, "10.79.0.2"]),
                             stdout=subprocess.PIPE, text=True)
-    client = subprocess.Popen(c.exec_argv(0, [sys.executable, "-c", _ECHO_CLIENT, "10.79.0.2"]),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    client = None
     try:
         assert echo.stdout.readline().strip() == "listening"
+        # the client only once the server listens (started together, it could connect first)
+        client = subprocess.Popen(c.exec_argv(0, [sys.executable, "-c", _ECHO_CLIENT, "10.79.0.2"]),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         client.stdin.write("before\n")
         client.stdin.flush()
         assert client.stdout.readline().strip() == "before"
@@ -239,10 +241,10 @@ def test_join_picks_ssh_where_udp_is_blocked_and_trains_over_it(hosts, tmp_path)
         assert state["restarts"] >= 1
         assert "ssh exited (code -9)" in open(f"{STATE}/node1/{IFNAME}.log").read()
     finally:
-        client.kill()
-        echo.kill()
-        client.wait()
-        echo.wait()
+        for proc in (client, echo):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
     # the hub's sshd killed: its supervisor starts it again; the open session (sshd's own
     # child) carries on, and the node's next ssh logs in to the new sshd
