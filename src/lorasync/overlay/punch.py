@@ -46,7 +46,7 @@ import socket
 from typing import Mapping, Sequence
 
 __all__ = ["KEEPALIVE_S", "LOST_S", "RETRY_S", "TRY_S", "Action", "Track", "candidates",
-           "due", "fetch_endpoints", "parse_endpoints", "punch_step"]
+           "due", "fetch_endpoints", "parse_endpoints", "punch_step", "tracks"]
 
 #: keepalive of a direct peer: keeps both NATs' mappings open (Linux keeps an
 #: unanswered UDP mapping 30 s) and shows a lost path quickly (32 bytes each)
@@ -104,6 +104,11 @@ def candidates(cfg) -> list[dict]:
             if n["name"] not in (cfg.node, cfg.hub)
             and n.get("transport", "wireguard") == "wireguard"
             and cfg.routes.get(n["name"], "direct") != "direct"]
+
+
+def tracks(cands: Sequence[dict]) -> dict[str, Track]:
+    """A fresh start: every candidate pair relayed, due for a try."""
+    return {n["name"]: Track(n["name"]) for n in cands}
 
 
 def due(tracks: Mapping[str, Track], now: float) -> bool:

@@ -656,7 +656,7 @@ class Supervisor:
         self._server: socket.socket | None = None
         self._last_error: str | None = None
         self.cands = punch.candidates(cfg)
-        self.paths: dict[str, punch.Track] = {}
+        self.paths = punch.tracks(self.cands)
         self._punch_error: str | None = None
 
     # -- events
@@ -766,7 +766,7 @@ class Supervisor:
             return
         now = time.time()
         endpoints = None
-        if punch.due(self.paths, now) or not self.paths:
+        if punch.due(self.paths, now):
             hub = self.cfg.hub_peer
             hs = state.peer(hub["public_key"]) if hub else None
             if hs is None or not hs.latest_handshake:
@@ -782,8 +782,7 @@ class Supervisor:
                 for t in self.paths.values():
                     if t.path == "relayed":
                         t.next_try = now + punch.RETRY_S[0]
-                if self.paths:
-                    return
+                return
         keys = {n["name"]: n["public_key"] for n in self.cands}
         acts = punch.punch_step(self.cands, self.paths, {p.public_key: p for p in state.peers},
                                 endpoints, now)
@@ -794,9 +793,10 @@ class Supervisor:
                 elif a.kind == "direct":
                     addr = next(n["address"] for n in self.cands if n["name"] == a.peer)
                     wg.set_allowed_ips(self.cfg.ifname, keys[a.peer], [f"{addr}/32"])
-                else:  # give_up, lost: the hub's peer carries the address again
-                    hub = self.cfg.hub_peer
-                    wg.set_allowed_ips(self.cfg.ifname, hub["public_key"], hub["allowed_ips"])
+                else:  # give_up (nothing was moved), lost: the hub's peer takes the address back
+                    if a.kind == "lost":
+                        hub = self.cfg.hub_peer
+                        wg.set_allowed_ips(self.cfg.ifname, hub["public_key"], hub["allowed_ips"])
                     wg.remove_peer(self.cfg.ifname, keys[a.peer])
             except LorasyncError as exc:
                 self.event(f"peer {a.peer}: {a.kind} failed: {exc}")
@@ -817,7 +817,7 @@ class Supervisor:
             return now + backoff, backoff
         self.restarts += 1
         self.tracks.clear()
-        self.paths.clear()  # the device came back with the config's peers only
+        self.paths = punch.tracks(self.cands)  # the device came back with the config's peers only
         self._save_state()
         self.event(f"wireguard-go restarted (pid {self.proc.pid}, restart {self.restarts}); "
                    f"interface configured again")
