@@ -40,7 +40,13 @@ matrix      issue 32's connectivity matrix: 3 nodes (node0 open, the hub;
             cell's share of the direct link (against the mean of the two)
             and the spread of the direct runs.  --cells picks cells (indices
             into CELLS) so that the matrix can be run in parts; each part
-            compares with its own direct runs.
+            compares with its own direct runs.  --train-rounds N runs auto's
+            training N times on each cluster (their mean and spread).
+            --rank-cores C holds the ranks of every training run, the
+            direct link's too, to C of the host's cores: the tunnels'
+            processes (wireguard-go, ssh, sshd) then run in what is left, as
+            on separate nodes, and a cell differs from the direct link only
+            in its network path.
 
 Results: ``throughput.json``, ``outage.json`` and ``matrix.json`` in --out
 (default bench/results/connectivity-DATE), and a table on stdout.  The
@@ -366,24 +372,50 @@ def _train_common(args, out: str) -> list[str]:
 
 def _speed(c, args, d: str, common: list[str]) -> dict:
     """The cluster's all-reduce bus bandwidth at --matrix-rate, then (every
-    link set to --matrix-train-rate) auto's training speed: the figures a cell
-    sets beside the direct link's."""
+    link set to --matrix-train-rate) auto's training speed, --train-rounds
+    times back to back (their mean and spread): the figures a cell sets beside
+    the direct link's.  With --rank-cores every run's ranks are held to that
+    many cores, the direct link's too."""
     from lorasync.bench.rows import Row, run_row
 
     got = {"allreduce": _busbw(c, d, args.row_timeout, ("--repeats", "3", "--time-budget", "40"))}
     c.set_rate(args.matrix_train_rate)
-    row = Row(key="auto", label="auto", args=[])
-    run_row(c, row, common, d, args.train_timeout)
-    tr = {"rate": args.matrix_train_rate, "status": row.status, "wall_s": row.extra.get("wall_s")}
-    if row.summary:
-        sm = row.summary
-        tr.update(samples_per_s=sm["samples_per_s"], steps=sm["steps"], world_size=sm["world_size"],
-                  sync_share=sm["sync_share"], step_s_median=sm["step_s_median"],
-                  compute_s_mean=sm["compute_s_mean"], comm_s_mean=sm["comm_s_mean"])
-        tr.update({k: row.extra[k] for k in ("final_strategy", "last_switch_step", "steps_after_switch",
-                                            "samples_per_s_after_switch") if k in row.extra})
-    got["train"] = tr
+    runs = []
+    for i in range(args.train_rounds):
+        row = Row(key="auto", label="auto", args=[], round=i)
+        run_row(c, row, common, d, args.train_timeout, cpu_cap=args.rank_cores)
+        tr = {"status": row.status, "wall_s": row.extra.get("wall_s")}
+        if row.summary:
+            sm = row.summary
+            tr.update(samples_per_s=sm["samples_per_s"], steps=sm["steps"], world_size=sm["world_size"],
+                      sync_share=sm["sync_share"], step_s_median=sm["step_s_median"],
+                      compute_s_mean=sm["compute_s_mean"], comm_s_mean=sm["comm_s_mean"])
+            tr.update({k: row.extra[k] for k in ("final_strategy", "last_switch_step", "steps_after_switch",
+                                                "samples_per_s_after_switch") if k in row.extra})
+        runs.append(tr)
+    got["train"] = _rounds_summary(runs, args)
     return got
+
+
+def _rounds_summary(runs: list[dict], args) -> dict:
+    """One run's figures as they are; several: the mean of each figure, every
+    run under ``rounds`` and the samples/s spread ((max - min) / mean)."""
+    base = {"rate": args.matrix_train_rate, "rank_cores": args.rank_cores}
+    if len(runs) == 1:
+        return {**base, **runs[0]}
+    ok = [r for r in runs if r.get("samples_per_s") is not None]
+    out = {**base, "rounds": runs, "status": "ok" if len(ok) == len(runs) else
+           f"{len(runs) - len(ok)} of {len(runs)} runs failed: " + "; ".join(
+               r["status"] for r in runs if r.get("samples_per_s") is None)}
+    if ok:
+        for k in ("samples_per_s", "step_s_median", "compute_s_mean", "comm_s_mean", "sync_share", "wall_s"):
+            vals = [r[k] for r in ok if r.get(k) is not None]
+            if vals:
+                out[k] = statistics.fmean(vals)
+        sps = [r["samples_per_s"] for r in ok]
+        out["samples_per_s_spread"] = (max(sps) - min(sps)) / statistics.fmean(sps) if len(sps) > 1 else None
+        out.update({k: ok[-1][k] for k in ("steps", "world_size", "final_strategy") if k in ok[-1]})
+    return out
 
 
 def _direct(args, out: str, k: int, common: list[str]) -> dict:
@@ -568,9 +600,22 @@ def main() -> int:
     ap.add_argument("--matrix-train-steps", type=int, default=16)
     ap.add_argument("--matrix-train-batch", type=int, default=4)
     ap.add_argument("--train-timeout", type=float, default=420.0)
+    ap.add_argument("--train-rounds", type=int, default=1,
+                    help="auto's training runs per cell and per direct link, back to back (mean and spread)")
+    ap.add_argument("--rank-cores", type=float, default=None,
+                    help="hold every speed run's ranks (the direct link's too) to this many cores, leaving "
+                         "the rest to the tunnels' processes, as separate nodes would (Linux CPU cgroup)")
     ap.add_argument("--out", default=os.path.join("bench", "results",
                                                   f"connectivity-{time.strftime('%Y%m%d-%H%M%S')}"))
     args = ap.parse_args()
+    if args.rank_cores:
+        from lorasync.emulate.cpucap import cpu_cap
+        from lorasync.errors import LorasyncError
+        try:
+            with cpu_cap(args.rank_cores, "connectivity-check"):
+                pass
+        except LorasyncError as exc:
+            raise SystemExit(f"connectivity: --rank-cores {args.rank_cores:g}: {exc}")
     os.makedirs(args.out, exist_ok=True)
     res = {}
     for part in args.parts.split(","):

@@ -278,3 +278,28 @@ def test_a_bench_killed_with_sigterm_takes_its_cluster_down(tmp_path):
             p.kill()
         down(name)
     assert not _namespaces(name)
+
+
+CGROUP = """
+import os, sys
+with open(os.path.join(sys.argv[1], "cg%s" % os.environ["RANK"]), "w") as f:
+    f.write(open("/proc/self/cgroup").read())
+"""
+
+
+def test_launch_on_cluster_holds_every_rank_to_the_cpu_cap_and_removes_it(tmp_path):
+    from lorasync.emulate import cpucap
+
+    if cpucap.hierarchy() is None:
+        pytest.skip("no CPU cgroup on this host")
+    script = tmp_path / "cg.py"
+    script.write_text(CGROUP)
+    name = _name("cap")
+    with emulated(ClusterSpec(nodes=2, name=name)) as c:
+        rc = launch_on_cluster(c, [str(script), str(tmp_path)], module=None, timeout=120,
+                               log_dir=tmp_path / "logs", cpu_cap=1.5)
+    assert rc == 0, (tmp_path / "logs" / "node0.log").read_text()[-2000:]
+    for r in (0, 1):
+        assert f"/lorasync-{name}" in (tmp_path / f"cg{r}").read_text()  # each node's rank, in the cap
+    root, _ = cpucap.hierarchy()
+    assert not (root / f"lorasync-{name}").exists()

@@ -67,12 +67,13 @@ def prepare_run(args, prefix: str = "") -> tuple[str, list[str]]:
 
 
 def run_row(cluster, row: Row, common: list[str], out: str, timeout: float,
-            time_limit: float = 0.0) -> None:
+            time_limit: float = 0.0, cpu_cap: float | None = None) -> None:
     """Train ``row`` on the emulated cluster: its summary, status and wall time
     into ``row`` (a run past ``timeout`` is stopped and reported as hung).
     With ``time_limit`` (shorter than ``timeout``) a row still running then is
     stopped and scored on the steps it finished ("capped"), if it finished at
-    least two after its first."""
+    least two after its first.  ``cpu_cap``: the ranks' cores (see
+    :func:`lorasync.emulate.cluster.launch_on_cluster`)."""
     from lorasync.emulate.cluster import launch_on_cluster
 
     run_dir = os.path.join(out, row.run_name)
@@ -81,7 +82,7 @@ def run_row(cluster, row: Row, common: list[str], out: str, timeout: float,
     limit = min(timeout, time_limit) if time_limit else timeout
     t0 = time.time()
     rc = launch_on_cluster(cluster, argv, timeout=limit, module=row.module,
-                           log_dir=os.path.join(out, f"{row.run_name}-logs"))
+                           log_dir=os.path.join(out, f"{row.run_name}-logs"), cpu_cap=cpu_cap)
     row.extra["wall_s"] = time.time() - t0
     partial = partial_summary(run_dir, cluster_world(cluster)) if rc == 124 and \
         limit < timeout else None

@@ -63,6 +63,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from lorasync.emulate import cpucap
 from lorasync.emulate.nat import BLACKHOLE_MTU as _BLACKHOLE_MTU
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import CLUSTERS_DIR, as_root, pid_alive, require_root
@@ -472,6 +473,7 @@ def down(name: str | None = "default") -> list[str]:
     for ns in namespaces:
         _run(["ip", "netns", "del", ns], check=False)
         removed.append(f"netns {ns}")
+    removed += [f"cgroup {p}" for p in cpucap.leftovers(name)]  # a capped launch that was killed
     states = ([CLUSTERS_DIR / f"{name}.json", CLUSTERS_DIR / f"{name}.delaylink.log"] if name
               else [*CLUSTERS_DIR.glob("*.json"), *CLUSTERS_DIR.glob("*.delaylink.log")])
     for path in states:
@@ -1056,7 +1058,8 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
                       port: int = 29400, env: dict | None = None, log_dir: str | Path | None = None,
                       fail_grace: float = 10.0, overlay: bool | None = None,
                       reach_timeout: float = 5.0, max_restarts: int = 0,
-                      min_nodes: int | None = None, last_call_s: float | None = None) -> int:
+                      min_nodes: int | None = None, last_call_s: float | None = None,
+                      cpu_cap: float | None = None) -> int:
     """Run one torchrun agent per node, each in its namespace; return an exit code.
 
     ``nproc_per_node`` workers per agent (default: the spec's); the workers of
@@ -1094,6 +1097,9 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     ``last_call_s``: how long a rendezvous that has ``min_nodes`` waits for
     the others (torch's ``last_call_timeout``, 30 s by default): the time
     the survivors give a lost node to come back before going on without it.
+    ``cpu_cap``: hold the agents and their workers, all nodes together, to that
+    many of this host's cores (:mod:`lorasync.emulate.cpucap`), leaving the
+    rest to the cluster's helpers (tunnel daemons).
     """
     nn = len(cluster.nodes)
     if nproc_per_node is None:
@@ -1127,7 +1133,9 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     logs = []
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
+    stack = contextlib.ExitStack()
     try:
+        cap = stack.enter_context(cpucap.cpu_cap(cpu_cap, cluster.spec.name)) if cpu_cap else None
         for n in cluster.nodes:
             addr, ifname = route[n.index]
             cmd = agent_argv(sys.executable, label=n.name, store_addr=addr,
@@ -1149,7 +1157,8 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
                 logs.append(out)
             procs.append(subprocess.Popen(cluster.exec_argv(n.index, cmd), env=e, stdout=out,
                                           stderr=subprocess.STDOUT if out else None,
-                                          start_new_session=True))
+                                          start_new_session=True,
+                                          preexec_fn=cap.enter if cap else None))
         deadline = None if timeout is None else time.monotonic() + timeout
         first_bad: int | None = None
         bad_since = None
@@ -1185,6 +1194,7 @@ def launch_on_cluster(cluster: Cluster, argv: Sequence[str], nproc_per_node: int
     finally:
         for f in logs:
             f.close()
+        stack.close()
 
 
 def _stop_agents(procs: Sequence[subprocess.Popen]) -> None:

@@ -691,7 +691,8 @@ class Supervisor:
         cfg = self.cfg
         log = open(self.daemon_log_path, "ab")
         try:
-            self.proc = wg.start_daemon(cfg.ifname, log)
+            # an emulated cluster's daemons share this host's cores: one Go thread each
+            self.proc = wg.start_daemon(cfg.ifname, log, go_threads=1 if self.cluster else None)
         finally:
             log.close()
         routes = [ip for p in cfg.peers for ip in p["allowed_ips"]
