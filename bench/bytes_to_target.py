@@ -44,9 +44,11 @@ one, docs/bytes.md's table is generated from it by bench/tables.py).  The
 issue's target: >= 500x fewer bytes than fp32 DDP with the quality rule met
 (anchors: DiLoCo 500x in pre-training, Covenant-72B 146x, Fed-SB 230x for
 LoRA, CocktailSGD 117x in fine-tuning).  ``--refs FILE`` takes the target
-and the references from an earlier run's JSON (same flags), and keeps its
-candidates that are not run again, so the candidates can run in a second
-session and the JSON holds them all.  Run it under ``flock
+and the references from an earlier run's JSON (same flags; its
+``--eval-interval`` or a multiple of it), and keeps its candidates that are
+not run again, so the candidates can run in a second session and the JSON
+holds them all.  A longer DiLoCo period than ``--period`` is a candidate
+option (``int2:period=16``); it must divide ``--eval-interval``.  Run it under ``flock
 /work/bench.lock`` on a shared machine.
 """
 
@@ -173,7 +175,7 @@ def run_references(a, out: str) -> dict:
             "reference": [{"seed": i, "eval_at_steps": x, "status": r.status,
                            "wall_s": r.extra["wall_s"]}
                           for i, (r, x) in enumerate(zip(refs, losses))],
-            "ddp_reached_step": reach["step"],
+            "ddp_reached_step": reach["step"], "eval_interval": a.eval_interval,
             "ddp_bytes_to_target": bytes_upto(per, reach["step"]),
             "ddp_bytes_per_step": bytes_upto(per, 1),
             "fp32_bytes_per_step": max(int(p[1].get("fp32_bytes") or 0) for p in per)}
@@ -198,6 +200,7 @@ def run_candidate(key: str, a, out: str, ref: dict) -> dict:
     hit = ttq.first_reach(evals, target)
     at = ttq.eval_at(evals, a.steps)
     cell = {"key": key, "label": label, "options": opts, "status": status, "wall_s": wall,
+            "eval_interval": a.eval_interval,
             "steps_run": len(steps), "eval_at_steps": at,
             "quality": None if at is None else at <= ref["quality_limit"],
             "final_strategy": steps[-1]["strategy"] if steps else None,
@@ -268,9 +271,13 @@ def main() -> int:
     keys = [k.strip() for k in a.candidates.split(",") if k.strip()]
     for k in keys:
         try:
-            parse_candidate(k, a.period)
+            _, _, opts = parse_candidate(k, a.period)
         except ValueError as e:
             raise SystemExit(f"--candidates: {k!r}: {e}") from None
+        if opts.get("period") and a.eval_interval % opts["period"]:
+            raise SystemExit(f"--candidates: {k!r}: its period ({opts['period']}) must divide "
+                             f"--eval-interval ({a.eval_interval}): DiLoCo is evaluated right "
+                             "after an outer step")
     out = os.path.abspath(a.output_dir or os.path.join(
         "bench", "results", "bytes-" + time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
@@ -281,9 +288,15 @@ def main() -> int:
     if a.refs:
         with open(a.refs) as fh:
             old = json.load(fh)
-        same = ("model", "nodes", "steps", "max_steps", "eval_interval", "eval_size",
-                "batch_size", "seeds")
+        same = ("model", "nodes", "steps", "max_steps", "eval_size", "batch_size", "seeds")
         diff = [k for k in same if old["args"].get(k) != getattr(a, k)]
+        # a coarser evaluation grid than the references' may use them: the target
+        # (their eval at --steps) is on both grids, and fp32 DDP's step to target,
+        # found on the finer grid, can only be earlier (its bytes fewer, the
+        # candidates' ratios lower) than the coarser grid would find it
+        oi = old["args"].get("eval_interval")
+        if not oi or a.eval_interval % oi:
+            diff.append("eval_interval (give a multiple of theirs)")
         if diff:
             raise SystemExit(f"--refs {a.refs}: made with other {', '.join(diff)}")
         ref = old["references"]

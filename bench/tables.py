@@ -543,16 +543,16 @@ def bytes_to_target(res: dict | None = None) -> str:
     res = res if res is not None else _load("bytes", "results.json")
     ref, a = res["references"], res["args"]
     mb = lambda b: "-" if b is None else f"{b / 1e6:.3f}"  # noqa: E731
-    curve = lambda ev: " ".join(f"{x:.2f}" for _, x in ev) if ev else "-"  # noqa: E731
+    curve = lambda ev: " ".join(f"{s_}: {x:.2f}" for s_, x in ev) if ev else "-"  # noqa: E731
     lines = [f"{a['nodes']} ranks over loopback, `{a['model']}`, batch {a['batch_size']} per "
-             f"rank, schedule {a['max_steps']} steps, DiLoCo every {a['period']} steps (not "
-             f"streamed); target: fp32 all-reduce's eval loss at step {a['steps']} "
+             f"rank, schedule {a['max_steps']} steps, DiLoCo not streamed; target: fp32 "
+             f"all-reduce's eval loss at step {a['steps']} "
              f"({ref['target']:.4f}); quality limit {ref['quality_limit']:.4f} (worst of "
-             f"{len(ref['reference'])} seeds + 5%); {a['eval_size']} eval examples every "
-             f"{a['eval_interval']} steps.", "",
+             f"{len(ref['reference'])} seeds + 5%); {a['eval_size']} eval examples after every "
+             f"outer step (the references every {ref.get('eval_interval', 8)} steps).", "",
              "| outer sync | MB per node to target | x fewer than fp32 DDP | steps to target | "
-             f"eval loss at step {a['steps']} (quality rule) | eval loss every "
-             f"{a['eval_interval']} steps |", "|---|---|---|---|---|---|",
+             f"eval loss at step {a['steps']} (quality rule) | eval loss (step: loss) |",
+             "|---|---|---|---|---|---|",
              f"| fp32 DDP (`--comm allreduce`, seed 0: the target) | "
              f"{mb(ref['ddp_bytes_to_target'])} | 1x | {ref['ddp_reached_step']} | "
              f"{ref['target']:.4f} (reference) | {curve(ref.get('evals_seed0'))} |"]
@@ -923,6 +923,82 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+def _runs_sps(train: dict) -> list[float]:
+    """The samples/s of every training run a matrix figure stands for."""
+    runs = train.get("rounds") or [train]
+    return [r["samples_per_s"] for r in runs if r.get("samples_per_s") is not None]
+
+
+def matrix_share(cell: list[float], direct: list[float], within: float = 0.05) -> dict:
+    """A cell's mean samples/s as a share of the direct link's mean, with two
+    standard errors of that ratio (from both sets of runs), and the verdict:
+    "yes" at or above 1 - ``within``; "no" where even the share plus two
+    standard errors stays below it; else "unresolved"."""
+    from statistics import fmean, stdev
+
+    if not cell or not direct:
+        return {"share": None, "two_se": None, "verdict": "-"}
+    mc, md = fmean(cell), fmean(direct)
+    rel = lambda xs, m: (stdev(xs) / m) ** 2 / len(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    share = mc / md
+    two_se = 2 * share * (rel(cell, mc) + rel(direct, md)) ** 0.5
+    verdict = ("yes" if share >= 1 - within else "no" if share + two_se < 1 - within
+               else "unresolved")
+    return {"share": share, "two_se": two_se, "verdict": verdict}
+
+
+def connectivity_matrix_capped(m: dict | None = None) -> str:
+    """bench/connectivity.py --parts matrix --rank-cores C --train-rounds N: the
+    matrix with every training run's ranks held to C cores (the direct link's
+    too), auto's speed as the mean of N runs per cell, its share of the direct
+    link's mean with two standard errors, and the 5% verdict on that."""
+    if m is None:
+        m = _load("connectivity", "matrix-5-capped.json")
+    from statistics import fmean
+
+    from lorasync.units import fmt_rate, parse_rate_bps
+
+    pct = m["direct_figures"]["within"]
+    ar_rate, tr_rate = (fmt_rate(parse_rate_bps(m[k]), unit="bit") for k in ("allreduce_rate", "train_rate"))
+    direct = [x for d in m["direct"] for x in _runs_sps(d.get("train", {}))]
+    d_compute = [d["train"]["compute_s_mean"] for d in m["direct"] if d.get("train", {}).get("compute_s_mean")]
+    cores = m["direct"][0].get("train", {}).get("rank_cores")
+    lines = [f"Every training run's ranks held to {cores:g} of the host's cores (the direct link's "
+             "too); the tunnels' processes ran on the rest. "
+             f"auto on the embedded default at {tr_rate}: {len(_runs_sps(m['rows'][0].get('train', {})))} "
+             f"runs per cell, {len(direct)} on the direct link (before and after the cells).", "",
+             "| node1 / node2 | joins over (node1, node2) | node1 to node2 | trains (tiny, 3 ranks) | "
+             f"negative control | all-reduce, 16 MB at {ar_rate} (share of direct) | auto, samples/s: "
+             "mean (lowest-highest) | share of direct (± 2 SE) | compute s/step | "
+             f"within {pct:.0%} of direct |", "|---|---|---|---|---|---|---|---|---|---|"]
+    counts = {"yes": 0, "no": 0, "unresolved": 0}
+    for r in m["rows"]:
+        tr = ", ".join(r.get("transports", {}).get(f"node{i}", {}).get("transport", "-") for i in (1, 2))
+        ok = f"yes ({r['steps']} steps)" if r["trained"] else f"NO ({r.get('error') or 'exit ' + str(r.get('rc'))})"
+        bw = r.get("allreduce", {}).get("busbw_Bps")
+        bw_text = "-" if bw is None else f"{bw * 8 / 1e6:.1f} Mbit/s ({_fig(r.get('busbw_share'), '{:.2f}')})"
+        t = r.get("train", {})
+        sps = _runs_sps(t)
+        sh = matrix_share(sps, direct, pct)
+        if sh["verdict"] in counts:
+            counts[sh["verdict"]] += 1
+        sps_text = (f"{fmean(sps):.2f} ({min(sps):.2f}-{max(sps):.2f})" if sps else t.get("status", "-"))
+        sh_text = "-" if sh["share"] is None else f"{sh['share']:.2f} ± {sh['two_se']:.2f}"
+        pair = (r.get("pair") or {}).get("route") or "-"
+        lines.append(f"| {r['cell']} | {tr} | {pair} | {ok} | {_matrix_negative(r.get('negative'))} | "
+                     f"{bw_text} | {sps_text} | {sh_text} | {_fig(t.get('compute_s_mean'), '{:.2f}')} | "
+                     f"{sh['verdict']} |")
+    lines.append(f"| direct link | - | - | - | - | "
+                 f"{_fig(m['direct_figures']['busbw_Bps_mean'] and m['direct_figures']['busbw_Bps_mean'] * 8 / 1e6, '{:.1f} Mbit/s')} | "
+                 f"{fmean(direct):.2f} ({min(direct):.2f}-{max(direct):.2f}) | 1 | "
+                 f"{_fig(fmean(d_compute) if d_compute else None, '{:.2f}')} | - |")
+    trained = sum(r["trained"] for r in m["rows"])
+    lines += ["", f"{trained} of {len(m['rows'])} cells trained; auto within {pct:.0%} of the direct link: "
+              f"yes in {counts['yes']}, no in {counts['no']}, unresolved (the margin within two standard "
+              f"errors) in {counts['unresolved']} of {len(m['rows'])} cells."]
+    return "\n".join(lines)
+
+
 def _rate_key(prof: str) -> float:
     from lorasync.units import parse_rate_bps
 
@@ -953,6 +1029,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers-gpu-eq-1mbit": lambda: _peers_table("peers-gpu-eq-1mbit.json"),
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
+    "connectivity-matrix-capped": connectivity_matrix_capped,
     "headline-gpu": headline_gpu,
     "headline-gpu-short": lambda: headline_gpu(notes_too=False),
     # the 7B-class workload (llama2-7b-r16-h100) at a GPU user's 1 Gbit/s

@@ -340,8 +340,14 @@ def test_ssh_jump_and_a_hub_serving_both_transports(hosts_and_jump, tmp_path):
         assert "transport: SSH over TCP: --ssh-jump jump" in p.stdout, p.stdout
         _lorasync(c, 0, "tunnel", "assemble", "--out", out)
         assert json.loads((out / "n1.tunnel.json").read_text())["ssh"]["proxy_jump"] == "jump"
-        p = _lorasync(c, 0, "tunnel", "up", "--config", out / "h.tunnel.json")
-        assert f"SSH path: sshd on {hub.outside}:443" in p.stdout, p.stdout
+        # the hub in the foreground (as under systemd): WireGuard here, its sshd's
+        # supervisor started once WireGuard is up, and stopped with it
+        hub_err = tmp_path / "hub-foreground.err"
+        fg = subprocess.Popen(c.exec_argv(0, [sys.executable, "-m", "lorasync", "tunnel", "up", "--foreground",
+                                              "--config", str(out / "h.tunnel.json")]),
+                              env=_env(0), stdout=subprocess.PIPE, stderr=open(hub_err, "w"), text=True)
+        assert fg.stdout.readline().strip() == "ready", hub_err.read_text()
+        _wait_log(str(hub_err), f"SSH path: sshd on {hub.outside}:443", seconds=10)
         # node1's root home holds its ssh config for the jump host (a private mount here)
         # (whatever else lives in /root, e.g. this Python, stays visible through a bind mount)
         old = tmp_path / "old-root"
@@ -382,12 +388,17 @@ def test_ssh_jump_and_a_hub_serving_both_transports(hosts_and_jump, tmp_path):
         assert direct.returncode != 0
         log = open(f"{d}/sshd.log").read()
         assert "Accepted publickey for root" in log, log
-        for i in (1, 2, 0):
+        for i in (1, 2):
             _lorasync(c, i, "tunnel", "down", "--ifname", IFNAME)
+        fg.terminate()   # systemd's stop: WireGuard and the sshd go, and all they made
+        assert fg.wait(timeout=30) == 0, hub_err.read_text()[-2000:]
         assert _ours_left(c) == []
         nft = subprocess.run(c.exec_argv(0, ["nft", "list", "tables"]), capture_output=True,
                              text=True)
         assert IFNAME not in nft.stdout
     finally:
+        if "fg" in locals() and fg.poll() is None:
+            fg.kill()
+            fg.wait()
         jsshd.terminate()
         jsshd.wait(timeout=10)

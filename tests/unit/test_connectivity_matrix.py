@@ -123,3 +123,48 @@ def test_a_cell_run_twice_is_shown_per_invocation_and_judged_on_every_verdict():
 
 def test_matrix_table_is_registered():
     assert tables.renderer("connectivity-matrix-targets") is tables.connectivity_matrix_targets
+
+
+def test_rounds_are_summarised_as_means_with_every_run_kept():
+    import argparse
+
+    a = argparse.Namespace(matrix_train_rate="10mbit", rank_cores=1.75)
+    runs = [{"status": "ok", "samples_per_s": 4.0, "compute_s_mean": 2.0, "steps": 16, "world_size": 3},
+            {"status": "ok", "samples_per_s": 5.0, "compute_s_mean": 1.0, "steps": 16, "world_size": 3},
+            {"status": "hung: stopped after 9 s"}]
+    got = conn._rounds_summary(runs, a)
+    assert got["rounds"] == runs and got["rank_cores"] == 1.75
+    assert got["samples_per_s"] == pytest.approx(4.5) and got["compute_s_mean"] == pytest.approx(1.5)
+    assert got["samples_per_s_spread"] == pytest.approx(1 / 4.5)
+    assert got["status"].startswith("1 of 3 runs failed: hung")
+    one = conn._rounds_summary(runs[:1], a)   # one run: its figures as they are
+    assert "rounds" not in one and one["samples_per_s"] == 4.0
+
+
+def test_a_capped_cell_is_judged_on_its_mean_with_two_standard_errors():
+    direct = [5.0, 5.2, 4.8, 5.0]
+    assert tables.matrix_share([4.9, 5.0, 5.1], direct)["verdict"] == "yes"        # 1.00
+    short = tables.matrix_share([4.0, 4.1, 3.9], direct)                               # 0.80 +- small
+    assert short["verdict"] == "no" and short["share"] == pytest.approx(0.8)
+    noisy = tables.matrix_share([3.5, 5.5, 4.3], direct)                              # 0.89 +- 0.27
+    assert noisy["verdict"] == "unresolved" and noisy["share"] + noisy["two_se"] >= 0.95
+    assert tables.matrix_share([], direct)["verdict"] == "-"
+
+
+def test_the_capped_matrix_table_shows_runs_shares_and_verdicts():
+    def train(*sps):
+        return {"rank_cores": 1.75, "compute_s_mean": 2.0, "samples_per_s": sum(sps) / len(sps),
+                "rounds": [{"samples_per_s": x} for x in sps]}
+    m = _part([dict(_row(0, 88, None), train=train(4.0, 4.1, 3.9), busbw_share=0.96),
+               dict(_row(3, 40, None), train=train(4.9, 5.0, 5.1), busbw_share=0.44)],
+              [dict(_direct(92, None), train=train(5.0, 5.2)),
+               dict(_direct(92, None), train=train(4.8, 5.0), when="after the cells")])
+    m["direct_figures"]["busbw_Bps_mean"] = 92e6 / 8
+    lines = tables.connectivity_matrix_capped(m).splitlines()
+    assert lines[0].startswith("Every training run's ranks held to 1.75 of the host's cores")
+    assert "3 runs per cell, 4 on the direct link" in lines[0]
+    assert "| 4.00 (3.90-4.10) | 0.80 ± 0.0" in lines[4] and lines[4].endswith("| no |")
+    assert "| 5.00 (4.90-5.10) | 1.00 ± 0.0" in lines[5] and lines[5].endswith("| yes |")
+    assert lines[6].startswith("| direct link |") and "5.00 (4.80-5.20)" in lines[6]
+    assert lines[-1] == ("2 of 2 cells trained; auto within 5% of the direct link: yes in 1, no in 1, "
+                         "unresolved (the margin within two standard errors) in 0 of 2 cells.")

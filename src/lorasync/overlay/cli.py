@@ -137,7 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--hub-timeout", type=float, default=20.0, metavar="S",
                     help="seconds to wait for the hub's handshake (default: %(default)s)")
     up.add_argument("--foreground", action="store_true",
-                    help="supervise in this process, events on stderr (for systemd and the like)")
+                    help="supervise in this process, events on stderr (for systemd and the like); "
+                         "a hub serving the SSH path also starts its sshd, and stops it on exit")
     up.add_argument("--quiet", action="store_true", help="print nothing on success")
     up.add_argument("--cluster", default=None, help=argparse.SUPPRESS)  # emulated cluster's tunnels
 
@@ -285,13 +286,10 @@ def _up(args) -> int:
             argv = ["supervise", str(sshtun.runtime_config(cfg).path),
                     "--ready-timeout", str(args.hub_timeout)]
             return sshtun.supervise_main(argv + (["--cluster", args.cluster] if args.cluster else []))
-        if cfg.ssh_server:
-            from lorasync.errors import ConfigError
-
-            raise ConfigError("--foreground", "", "this hub runs two supervisors (WireGuard, and "
-                              "sshd for its nodes on the SSH path): run `tunnel up` without "
-                              "--foreground")
-        argv = ["supervise", args.config, "--foreground"] + (["--cluster", args.cluster] if args.cluster else [])
+        # a hub that also serves the SSH path: WireGuard's supervisor here, the
+        # hub's sshd under its own, started once WireGuard is up and stopped with it
+        argv = ["supervise", args.config, "--foreground", "--ready-timeout", str(args.hub_timeout)]
+        argv += (["--ssh-server"] if cfg.ssh_server else []) + (["--cluster", args.cluster] if args.cluster else [])
         return tunnel.supervise_main(argv)
     st = tunnel.up(args.config, hub_timeout=args.hub_timeout, cluster=args.cluster)
     if not args.quiet:

@@ -865,6 +865,10 @@ def supervise_main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--cluster", default=None, help="emulated cluster this tunnel belongs to")
     p.add_argument("--foreground", action="store_true", help="events to stderr too")
+    p.add_argument("--ssh-server", action="store_true",
+                   help="a hub that also serves the SSH path: once WireGuard is up, start the hub's "
+                        "sshd under its own supervisor, and stop it with this one")
+    p.add_argument("--ready-timeout", type=float, default=20.0)
     args = p.parse_args(argv)
     stop = {"sig": None}
     sup: list[Supervisor] = []
@@ -876,18 +880,26 @@ def supervise_main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _term)
     signal.signal(signal.SIGINT, _term)
+    companion = None
     try:
         cfg = load_config(args.config)
         s = Supervisor(cfg, log=sys.stderr if args.foreground else None, cluster=args.cluster)
         sup.append(s)
         s.start()
+        if args.ssh_server and cfg.ssh_server and stop["sig"] is None:
+            companion = _start_ssh_server(cfg, args)
     except LorasyncError as exc:
+        if sup:
+            sup[0].stop()
         print(f"error: {exc}", flush=True)
         return 2
     except Exception as exc:  # a bug: say so on the pipe, keep the traceback in the log
         print(f"error: {type(exc).__name__}: {exc} (a bug; traceback in the tunnel's log)", flush=True)
         raise
     print("ready", flush=True)
+    if companion is not None:
+        s.event(f"SSH path: sshd on {companion.get('server')} (supervisor pid {companion.get('pid')}, "
+                f"log {companion.get('log')})")
     if not args.foreground:  # the parent stops reading after "ready"
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -897,8 +909,29 @@ def supervise_main(argv: list[str] | None = None) -> int:
             s.run()
     finally:
         s.event(f"down (signal {stop['sig']})" if stop["sig"] else "down")
+        if companion is not None:
+            _stop_ssh_server(cfg)
         s.stop()
     return 0
+
+
+def _start_ssh_server(cfg: TunnelConfig, args) -> dict:
+    """The hub's sshd for its nodes on the SSH path, under its own supervisor
+    (:mod:`lorasync.overlay.sshtun`): its state; on failure nothing of it stays."""
+    from lorasync.overlay import sshtun
+
+    try:
+        return sshtun.start_background(sshtun.runtime_config(cfg), cluster=args.cluster,
+                                       ready_timeout=args.ready_timeout)
+    except BaseException:
+        _stop_ssh_server(cfg)
+        raise
+
+
+def _stop_ssh_server(cfg: TunnelConfig) -> None:
+    for st in states():
+        if st.get("tunnel") == cfg.ifname and st.get("ifname") != cfg.ifname:
+            down_one(st)
 
 
 # ---------------------------------------------------------------- up / down / status
