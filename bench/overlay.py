@@ -1,9 +1,9 @@
 """What the WireGuard overlay costs, and whether training behind NAT keeps up (root only).
 
-    sudo .venv/bin/python bench/overlay.py                       # all three parts
+    sudo .venv/bin/python bench/overlay.py                       # probe, nat, relay
     sudo .venv/bin/python bench/overlay.py --parts probe --out bench/results/overlay
 
-Three parts, each measured side by side in one invocation (ratios, not
+Four parts, each measured side by side in one invocation (ratios, not
 absolute times, are what carry over between runs of a shared machine):
 
 probe   2 nodes at 100 Mbit/s and at 1 Gbit/s, with and without the overlay:
@@ -18,6 +18,13 @@ relay   3 nodes at 100 Mbit/s on the overlay: all direct, and with node1 and
         node2 behind symmetric NAT (their pair relayed through node0, whose link then
         carries that leg twice): the probe's bus bandwidth against the cost
         model's ``ring_link_load`` prediction (direct busbw / load).
+
+cpu     3 nodes, node1 and node2 behind NAT (their pair hole punched), at
+        10 Mbit/s and 100 Mbit/s: the CPU time the three wireguard-go
+        processes spend idle (10 s) and carrying a 10 s TCP transfer node1 ->
+        node2 through the overlay, per MB, with Go's default threads
+        (GOMAXPROCS = the core count) and with one (what the emulated
+        cluster runs), interleaved (--repeats rounds).
 
 Results: one JSON file per part in --out (default bench/results/overlay-DATE),
 and a table on stdout.
@@ -163,6 +170,51 @@ def part_relay(args, out: str) -> dict:
     return res
 
 
+def _daemon_cpu_s(pattern: str = "wireguard-go") -> float:
+    """CPU seconds (user + system) of every running process whose command line has ``pattern``."""
+    import subprocess
+
+    tck, tot = os.sysconf("SC_CLK_TCK"), 0
+    for pid in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            tot += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass  # exited meanwhile
+    return tot / tck
+
+
+def part_cpu(args, out: str) -> dict:
+    from lorasync.emulate.cluster import emulated, parse_emulate
+
+    rows = []
+    for r in range(args.repeats):
+        for rate in ("10mbit", "100mbit"):
+            for threads in (str(os.cpu_count() or 1), "1"):
+                os.environ["GOMAXPROCS"] = threads   # the tunnels' supervisors pass it on
+                try:
+                    with emulated(parse_emulate(f"nodes=3,rate={rate},nat=node1,node2,overlay=wireguard,"
+                                                f"name=ovcpu{r}")) as c:
+                        time.sleep(8)    # the hole-punching try settles
+                        a = _daemon_cpu_s()
+                        time.sleep(10)
+                        idle = _daemon_cpu_s() - a
+                        a = _daemon_cpu_s()
+                        m = c.measure(1, 2, seconds=10.0, overlay=True)
+                        bulk = _daemon_cpu_s() - a
+                finally:
+                    del os.environ["GOMAXPROCS"]
+                row = {"round": r, "rate": rate, "gomaxprocs": int(threads), "idle_cpu_s_per_10s": idle,
+                       "transfer_cpu_s": bulk, "transfer_mb": m.bytes / 1e6, "goodput_bps": m.rate_bps,
+                       "cpu_s_per_mb": bulk / (m.bytes / 1e6)}
+                _log(f"   {row}")
+                rows.append(row)
+    return {"rows": rows, "what": "CPU seconds of the 3 wireguard-go processes (3 nodes, node1 and node2 "
+                                  "behind NAT, hole punched) for a 10 s TCP transfer node1 -> node2 "
+                                  "through the overlay, per MB moved"}
+
+
 def _report(results: dict) -> str:
     lines = []
     if "probe" in results:
@@ -196,6 +248,9 @@ def _report(results: dict) -> str:
             lines.append(f"  cost model: hub link load {r['ring_link_load']} -> predicted "
                          f"{r['predicted_busbw_Bps'] / 1e6:.2f} MB/s, measured/predicted "
                          f"{r['measured_over_predicted']:.2f}")
+    if "cpu" in results:
+        from tables import overlay_cpu
+        lines += ["cpu: wireguard-go's CPU per MB through the overlay", overlay_cpu(results["cpu"])]
     return "\n".join(lines)
 
 
@@ -212,9 +267,9 @@ def main() -> int:
         print("bench/overlay.py needs root (network namespaces)", file=sys.stderr)
         return 2
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = set(parts) - {"probe", "nat", "relay"}
+    bad = set(parts) - {"probe", "nat", "relay", "cpu"}
     if bad:
-        print(f"--parts: unknown {', '.join(sorted(bad))} (use probe, nat, relay)", file=sys.stderr)
+        print(f"--parts: unknown {', '.join(sorted(bad))} (use probe, nat, relay, cpu)", file=sys.stderr)
         return 2
     if "nat" in parts and args.model == "smollm2-135m":
         from lorasync.train.model import ensure_embedded
@@ -226,7 +281,8 @@ def main() -> int:
         d = os.path.join(args.out, part)
         os.makedirs(d, exist_ok=True)
         load0 = os.getloadavg()
-        results[part] = {"probe": part_probe, "nat": part_nat, "relay": part_relay}[part](args, d)
+        results[part] = {"probe": part_probe, "nat": part_nat, "relay": part_relay,
+                         "cpu": part_cpu}[part](args, d)
         # how busy the machine was: ratios from a loaded machine are noisy
         results[part].update(time=time.time(), args={k: v for k, v in vars(args).items()},
                              loadavg_start=load0, loadavg_end=os.getloadavg(), cpus=os.cpu_count())

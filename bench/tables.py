@@ -923,6 +923,29 @@ def connectivity_matrix_targets(parts: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+def overlay_cpu(res: dict | None = None) -> str:
+    """bench/overlay.py --parts cpu: wireguard-go's CPU seconds per MB through
+    the overlay, Go's default threads against one, per link rate (median of
+    the rounds, lowest-highest)."""
+    from statistics import median
+
+    res = res if res is not None else _load("overlay", "cpu.json")
+    rows = res["rows"]
+    lines = ["| link | Go threads (GOMAXPROCS) | CPU s per MB, 3 daemons (lowest-highest) | goodput | "
+             "CPU s idle, per 10 s | one thread / default |", "|---|---|---|---|---|---|"]
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        meds = {}
+        for g in sorted({r["gomaxprocs"] for r in rows if r["rate"] == rate}, reverse=True):
+            rs = [r for r in rows if r["rate"] == rate and r["gomaxprocs"] == g]
+            per = [r["cpu_s_per_mb"] for r in rs]
+            meds[g] = median(per)
+            ratio = f"{meds[g] / meds[max(meds)]:.2f}" if g == 1 and len(meds) > 1 else "-"
+            lines.append(f"| {rate} | {g} | {meds[g]:.3f} ({min(per):.3f}-{max(per):.3f}) | "
+                         f"{median(r['goodput_bps'] for r in rs) / 1e6:.1f} Mbit/s | "
+                         f"{median(r['idle_cpu_s_per_10s'] for r in rs):.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def _runs_sps(train: dict) -> list[float]:
     """The samples/s of every training run a matrix figure stands for."""
     runs = train.get("rounds") or [train]
@@ -984,7 +1007,7 @@ def connectivity_matrix_capped(m: dict | None = None) -> str:
             counts[sh["verdict"]] += 1
         sps_text = (f"{fmean(sps):.2f} ({min(sps):.2f}-{max(sps):.2f})" if sps else t.get("status", "-"))
         sh_text = "-" if sh["share"] is None else f"{sh['share']:.2f} ± {sh['two_se']:.2f}"
-        pair = (r.get("pair") or {}).get("route") or "-"
+        pair = (r.get("pair") or {}).get("route") or ("via node0 (SSH path)" if "ssh" in tr else "-")
         lines.append(f"| {r['cell']} | {tr} | {pair} | {ok} | {_matrix_negative(r.get('negative'))} | "
                      f"{bw_text} | {sps_text} | {sh_text} | {_fig(t.get('compute_s_mean'), '{:.2f}')} | "
                      f"{sh['verdict']} |")
@@ -1030,6 +1053,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "connectivity-matrix-capped": connectivity_matrix_capped,
+    "overlay-cpu": overlay_cpu,
     "headline-gpu": headline_gpu,
     "headline-gpu-short": lambda: headline_gpu(notes_too=False),
     # the 7B-class workload (llama2-7b-r16-h100) at a GPU user's 1 Gbit/s

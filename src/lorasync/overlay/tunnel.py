@@ -691,8 +691,10 @@ class Supervisor:
         cfg = self.cfg
         log = open(self.daemon_log_path, "ab")
         try:
-            # an emulated cluster's daemons share this host's cores: one Go thread each
-            self.proc = wg.start_daemon(cfg.ifname, log, go_threads=1 if self.cluster else None)
+            # an emulated cluster's daemons share this host's cores: one Go thread
+            # each, unless the caller's environment sets GOMAXPROCS itself
+            one = self.cluster and "GOMAXPROCS" not in os.environ
+            self.proc = wg.start_daemon(cfg.ifname, log, go_threads=1 if one else None)
         finally:
             log.close()
         routes = [ip for p in cfg.peers for ip in p["allowed_ips"]
