@@ -96,12 +96,12 @@ def parse_candidate(text: str, period: int) -> tuple[str, list[str], dict]:
         k, eq, v = kv.partition("=")
         if not eq:
             raise ValueError(f"{kv!r}: write OPTION=VALUE")
-        opts[k] = float(v) if v.replace(".", "", 1).isdigit() else v
+        opts[k] = int(v) if v.isdigit() else float(v) if v.replace(".", "", 1).isdigit() else v
     from lorasync import catalog
     parsed = catalog.parse_options("diloco", opts)   # a bad candidate fails here, not in a run
     opts = {k: getattr(parsed, k) for k in opts}
     label = (f"DiLoCo {dtype}" + (f", top {100 * float(ratio):g}%" if at else "")
-             + (f", blocks of {block}" if block else "") + f", every {period} steps"
+             + (f", blocks of {block}" if block else "") + f", every {opts['period']} steps"
              + "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
                        for k, v in opts.items()
                        if k not in ("period", "delta_dtype", "delta_topk", "delta_block")))
