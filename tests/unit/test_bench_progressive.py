@@ -263,3 +263,22 @@ def test_a_capped_row_is_scored_on_its_finished_steps(tmp_path):
     (ranks / "rank1.jsonl").write_text(json.dumps({"step": 1, "samples": 4, "step_s": 1,
                                                    "comm_s": 0}) + "\n")
     assert partial_summary(str(tmp_path), 2) is None
+
+
+def test_a_peer_stopped_before_its_first_sync_is_not_the_best_peer():
+    from lorasync.bench.tables import peer_share_verdict
+
+    auto = {"key": "auto", "row": "auto", "efficiency": 0.23}
+    lsgd = {"key": "localsgd_8", "row": "accelerate LocalSGD, every 8 steps", "peer": True,
+            "efficiency": 0.89, "capped_steps": 7}
+    got = peer_share_verdict([auto, lsgd])
+    assert len(got) == 1 and got[0].startswith("accelerate LocalSGD, every 8 steps: stopped after 7 steps, "
+                                               "before its first sync (every 8)")
+    # one that synced at least once is compared, the other still named
+    tf = {"key": "torchft_diloco", "row": "torchft DiLoCo, every 8 steps", "peer": True,
+          "efficiency": 0.10, "capped_steps": 9}
+    got = peer_share_verdict([auto, lsgd, tf])
+    assert got[1].startswith("auto vs the best peer (torchft DiLoCo, every 8 steps): 23% vs 10%")
+    # uncapped, or capped after its first sync: an ordinary peer
+    assert peer_share_verdict([auto, dict(lsgd, capped_steps=None)])[0].startswith(
+        "auto vs the best peer (accelerate LocalSGD")

@@ -73,18 +73,43 @@ def _figure(cell: dict, name: str) -> dict | None:
     return fig
 
 
+def _sync_period(key: str) -> int | None:
+    """The inner steps between a peer row's syncs (``localsgd_K``: K; the torchft rows: 8)."""
+    from lorasync.bench.peers import LOCALSGD_PREFIX, TORCHFT_ROWS
+
+    if key in TORCHFT_ROWS:
+        return int(TORCHFT_ROWS[key][1]["sync_every"])
+    k = key[len(LOCALSGD_PREFIX):] if key.startswith(LOCALSGD_PREFIX) else ""
+    return int(k) if k.isdigit() else None
+
+
+def _never_synced(c: dict) -> bool:
+    """A periodic peer row stopped (capped) before its first sync: its share is
+    of training without any sync, not a figure for the peer on the link."""
+    period = _sync_period(c.get("key") or "")
+    return bool(period and c.get("capped_steps") and c["capped_steps"] < period)
+
+
 def peer_share_verdict(cells: list[dict]) -> list[str]:
     """auto against the best peer row (cells with ``peer`` set) by share of the
-    no-sync ceiling, median over rounds, "ahead" only beyond the spread."""
-    peers = [c for c in cells if c.get("peer") and _figure(c, "efficiency")]
+    no-sync ceiling, median over rounds, "ahead" only beyond the spread; a
+    peer stopped before its first sync is left out, and said so."""
+    raw = [c for c in cells if c.get("peer") and _figure(c, "efficiency")]
+    unsynced = [c for c in raw if _never_synced(c)]
+    peers = [c for c in raw if c not in unsynced]
     auto = next((c for c in cells if c.get("key") == "auto" and _figure(c, "efficiency")), None)
-    if not peers or auto is None:
+    if auto is None:
         return []
+    note = [f"{c['row']}: stopped after {c['capped_steps']} steps, before its first sync (every "
+            f"{_sync_period(c['key'])}): its share is of training without any sync, so it is not "
+            "compared" for c in unsynced]
+    if not peers:
+        return note
     best = max(peers, key=lambda c: _figure(c, "efficiency")["median"])
     a, b = _figure(auto, "efficiency"), _figure(best, "efficiency")
-    return [f"auto vs the best peer ({best['row']}): {a['median']:.0%} vs {b['median']:.0%} "
-            f"of the no-sync ceiling = {a['median'] / b['median']:.2f}x "
-            f"({gap_verdict(a, b, higher_is_better=True)}; {a['n']} and {b['n']} rounds)"]
+    return note + [f"auto vs the best peer ({best['row']}): {a['median']:.0%} vs {b['median']:.0%} "
+                   f"of the no-sync ceiling = {a['median'] / b['median']:.2f}x "
+                   f"({gap_verdict(a, b, higher_is_better=True)}; {a['n']} and {b['n']} rounds)"]
 
 
 def _plan_accuracy(errors: list[tuple[str, float]]) -> str:
