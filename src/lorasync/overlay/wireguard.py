@@ -254,10 +254,10 @@ def start_daemon(ifname: str, log, go_threads: int | None = None) -> subprocess.
 
     ``go_threads``: GOMAXPROCS, the threads that run its Go code at once
     (default: one per core).  An emulated cluster gives 1: its daemons share
-    this host's cores, and one thread each spent 0.031 CPU-s per MB at
-    100 Mbit/s against 0.061 with the default (0.106 against 0.151 at
-    10 Mbit/s), at the same throughput (91.5 Mbit/s): Go's idle threads
-    spin looking for work after every packet."""
+    this host's cores, and with one thread each they spent about half the
+    CPU per MB at 100 Mbit/s, at the same throughput: Go's idle threads spin
+    looking for work after every packet (``bench/overlay.py --parts cpu``,
+    docs/connectivity.md)."""
     stale = socket_path(ifname)
     if stale.exists() and not _socket_alive(stale):
         stale.unlink()  # left by a daemon that was killed; wireguard-go would refuse
