@@ -882,17 +882,18 @@ def supervise_main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _term)
     signal.signal(signal.SIGINT, _term)
-    companion = None
+    companion, started = None, False
     try:
         cfg = load_config(args.config)
         s = Supervisor(cfg, log=sys.stderr if args.foreground else None, cluster=args.cluster)
         sup.append(s)
-        s.start()
+        s.start()   # cleans up after itself if it fails
+        started = True
         if args.ssh_server and cfg.ssh_server and stop["sig"] is None:
             companion = _start_ssh_server(cfg, args)
     except LorasyncError as exc:
-        if sup:
-            sup[0].stop()
+        if started:   # the hub's sshd did not come up: WireGuard goes too
+            s.stop()
         print(f"error: {exc}", flush=True)
         return 2
     except Exception as exc:  # a bug: say so on the pipe, keep the traceback in the log
