@@ -480,3 +480,21 @@ def test_pruning_never_removes_the_new_or_the_newest_verified(disk, data, keep, 
         if os.path.isdir(os.path.join(tmp, "checkpoints")):
             assert not [n for n in os.listdir(os.path.join(tmp, "checkpoints"))
                         if n.startswith(".")]
+
+
+def test_a_shared_disk_with_a_local_rank_0_per_node_keeps_every_rank_s_files(tmp_path):
+    """Nodes sharing one file system (NFS, or emulated nodes on one host) each
+    have a local rank 0 that clears a stale temp folder: another node's clearing,
+    done while this rank is at the barrier before writing, must not take the
+    folder this rank writes into (it did: FileNotFoundError in a 3-node fault test)."""
+    tmp = tmp_path / ".tmp-checkpoint-4"
+    calls = []
+
+    def barrier():   # node 1's local rank 0 clears before the first barrier lets anyone on
+        if not calls:
+            shutil.rmtree(tmp, ignore_errors=True)
+        calls.append(1)
+
+    final = ckpt.save(str(tmp_path), 4, {"x": 4}, {"k": 1}, rank=0, local_rank=0, world_size=1,
+                      barrier=barrier, keep=2)
+    assert os.path.exists(os.path.join(final, ckpt.STATE_DIR, "rank0.pt"))

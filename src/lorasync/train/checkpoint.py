@@ -147,11 +147,14 @@ def save(run_dir: str, step: int, rank_state: dict, meta: dict, *, rank: int, lo
     final = os.path.join(run_dir, f"checkpoint-{step}")
     tmp = os.path.join(run_dir, f".tmp-checkpoint-{step}")
     state = os.path.join(tmp, STATE_DIR)
-    if local_rank == 0:
+    if local_rank == 0:   # a stale folder of an attempt this run went back from
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(state, exist_ok=True)
     with pace.waiting("the barrier before writing"):
         barrier()
+    # made by every rank, after every clearing: on a file system shared by
+    # several nodes each node's local rank 0 clears, and one node's clearing
+    # must not remove the folder another node's rank has just made
+    os.makedirs(state, exist_ok=True)
     buf = io.BytesIO()
     torch.save(rank_state, buf)
     data = buf.getvalue()
