@@ -51,7 +51,9 @@ matrix      issue 32's connectivity matrix: 3 nodes (node0 open, the hub;
 Results: ``throughput.json``, ``outage.json`` and ``matrix.json`` in --out
 (default bench/results/connectivity-DATE), and a table on stdout.  The
 matrix with its speed figures takes about 1.5 min per cell and 2 min per
-direct run on 2 cores (the embedded default's training dominates).
+direct run on 2 cores (the embedded default's training dominates), and
+about 1 min more per cell and direct run for each further --train-rounds
+run (every cell with 3 rounds: 35 min).
 """
 
 from __future__ import annotations
