@@ -751,11 +751,12 @@ def headline_gpu(notes_too: bool = True) -> str:
         emu = r["link"].partition("emulated as ")[2]
         row = [f"{_user(prof)} ({emu})"]
         row += [_gpu_eq_cell(by.get(k)) for k in ("ddp", "torch_fp16", "torch_powersgd")]
+        from lorasync.bench.tables import never_synced
+
         lsgd = by.get("localsgd_8")
-        # stopped before its first average (every 8 steps): its share is of no sync at all
+        # stopped before its first average: its share is of no sync at all
         row.append(f"no sync within the cap ({lsgd['capped_steps']} steps)"
-                   if lsgd and lsgd.get("capped_steps") and lsgd["capped_steps"] < 8
-                   else _gpu_eq_cell(lsgd))
+                   if lsgd and never_synced(lsgd) else _gpu_eq_cell(lsgd))
         a = by.get("auto")
         # a pick auto no longer makes (the result file says why): shown, not in bold
         gone = (r.get("superseded") or {}).get("auto")

@@ -83,7 +83,7 @@ def _sync_period(key: str) -> int | None:
     return int(k) if k.isdigit() else None
 
 
-def _never_synced(c: dict) -> bool:
+def never_synced(c: dict) -> bool:
     """A periodic peer row stopped (capped) before its first sync: its share is
     of training without any sync, not a figure for the peer on the link."""
     period = _sync_period(c.get("key") or "")
@@ -95,7 +95,7 @@ def peer_share_verdict(cells: list[dict]) -> list[str]:
     no-sync ceiling, median over rounds, "ahead" only beyond the spread; a
     peer stopped before its first sync is left out, and said so."""
     raw = [c for c in cells if c.get("peer") and _figure(c, "efficiency")]
-    unsynced = [c for c in raw if _never_synced(c)]
+    unsynced = [c for c in raw if never_synced(c)]
     peers = [c for c in raw if c not in unsynced]
     auto = next((c for c in cells if c.get("key") == "auto" and _figure(c, "efficiency")), None)
     if auto is None:
