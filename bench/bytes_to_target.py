@@ -294,7 +294,9 @@ def main() -> int:
         # (their eval at --steps) is on both grids, and fp32 DDP's step to target,
         # found on the finer grid, can only be earlier (its bytes fewer, the
         # candidates' ratios lower) than the coarser grid would find it
-        oi = old["args"].get("eval_interval")
+        # (the references' own grid: a file whose last session ran on a coarser
+        # one still holds references evaluated on theirs)
+        oi = old["references"].get("eval_interval") or old["args"].get("eval_interval")
         if not oi or a.eval_interval % oi:
             diff.append("eval_interval (give a multiple of theirs)")
         if diff:

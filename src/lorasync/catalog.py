@@ -281,11 +281,20 @@ class DiLoCoOptions(_PeriodicOptions):
     delta_topk: float = option(1.0, "share of each tensor's delta entries sent, largest first, "
                                "with their indices and error feedback (delta_dtype applies to "
                                "the values); 1: all of them", lo=0.0, hi=1.0, lo_open=True)
+    delta_ef_decay: float = option(1.0, "error feedback's decay: what a sync left unsent is "
+                                   "multiplied by this before it joins the next delta (SparseLoCo's "
+                                   "beta, e.g. 0.95 with outer_momentum=0 and outer_lr=1); 1: kept "
+                                   "whole. Only for a coded delta (int8/int4/int2 or delta_topk < 1)",
+                                   lo=0.0, hi=1.0)
     fragments: int = option(1, "sync the adapter in this many fragments, in turn: one every "
                             "period/fragments steps, so the link is busy evenly", lo=1)
 
     def check(self, given: frozenset[str] = frozenset()) -> None:
         super().check(given)
+        if "delta_ef_decay" in given and self.delta_ef_decay != 1.0 and not delta_gathered(self):
+            raise ConfigError("diloco.delta_ef_decay", self.delta_ef_decay,
+                              "error feedback is only kept for a coded delta: add "
+                              "delta_dtype=int8/int4/int2 or delta_topk < 1, or leave it at 1")
         if self.fragments > self.period:
             raise ConfigError("diloco.fragments", self.fragments,
                               f"use at most period ({self.period}) fragments: each syncs "

@@ -119,3 +119,31 @@ def test_settle_receives_without_applying_early():
                 assert torch.equal(anchor, sync._anchor)   # nothing applied early
         runs.append(torch.cat([p.detach().reshape(-1) for p in params]))
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5, 0.0])
+def test_error_feedback_decay_is_sparselocos_beta(beta):
+    """delta_ef_decay=beta: the delta a sync codes is this period's drift plus
+    beta times what earlier syncs left unsent (SparseLoCo's e <- beta e +
+    delta); with beta 1 nothing is forgotten, with 0 error feedback is off."""
+    params, sync = _diloco(period=1, delta_dtype="int2", delta_topk=0.1, delta_ef_decay=beta,
+                           outer_momentum=0.0, outer_lr=1.0)
+    for s in range(1, 6):
+        e_before = sync._residual.clone()
+        anchor = sync._anchor.clone()
+        _inner_step(params, s)
+        drift = anchor - torch.cat([p.detach().reshape(-1) for p in params])
+        sync.after_step()
+        sent = anchor - sync._anchor   # 1 rank, outer_lr 1, no momentum: the step is what was sent
+        assert torch.allclose(sync._residual, drift + beta * e_before - sent, atol=1e-6)
+        assert int((sent != 0).sum()) < 0.2 * sent.numel()    # sparse: most stays behind
+    assert float(sync._residual.abs().max()) > 0
+
+
+def test_error_feedback_decay_needs_a_coded_delta():
+    with pytest.raises(ValueError, match="delta_ef_decay.*coded delta"):
+        catalog.parse_options("diloco", {"delta_ef_decay": 0.9})
+    assert catalog.parse_options("diloco", {"delta_ef_decay": 0.9, "delta_dtype": "int4"}) \
+        .delta_ef_decay == 0.9
+    with pytest.raises(ValueError, match="delta_ef_decay"):
+        catalog.parse_options("diloco", {"delta_ef_decay": 1.5, "delta_dtype": "int4"})

@@ -294,7 +294,8 @@ class DiLoCo(_Periodic):
         lo, hi, _, _ = self._frags[frag]
         delta = self._anchor[lo:hi] - theta
         if self._residual is not None:
-            delta += self._residual[lo:hi]
+            # SparseLoCo's e <- beta e + delta (beta 1: all that was left unsent)
+            delta.add_(self._residual[lo:hi], alpha=self.options.delta_ef_decay)
         if self._codecs is None:
             if self._residual is not None:
                 self._residual[lo:hi] = 0  # owed by an earlier codec: sent now, in full
