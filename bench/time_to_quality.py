@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from lorasync.bench.peers import (  # noqa: E402
-    LIGHTHOUSE_PORT, LOCALSGD_PREFIX, TORCHFT_ROWS, is_peer_row, peer_row,
+    LIGHTHOUSE_PORT, LOCALSGD_PREFIX, TORCHFT_ROWS, is_peer_row, peer_row, torchft_row,
 )
 from lorasync.bench.peers import start_lighthouse as _start_lighthouse  # noqa: E402
 from lorasync.bench.profiles import dilate, rate_bps  # noqa: E402
@@ -655,7 +655,13 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--candidates: unknown {', '.join(sorted(unknown))}; use some of "
                          f"{', '.join(DEFAULT_CANDIDATES)}, or a peer: {PEER_PREFIX}K "
-                         "(accelerate's LocalSGD every K steps)")
+                         "(accelerate's LocalSGD every K steps), " + ", ".join(TORCHFT)
+                         + " (optionally :outer_lr=X:outer_momentum=Y)")
+    for k in keys:
+        try:
+            torchft_row(k)
+        except ValueError as exc:
+            raise SystemExit(f"--candidates: {exc}")
     if a.rounds < 1:
         raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
     if a.workload:
@@ -800,7 +806,7 @@ def main() -> int:
                 # a lighthouse of its own for each torchft run (none is left from an
                 # earlier run's replicas)
                 lighthouse = start_lighthouse(cluster, a.nodes, pdir) \
-                    if run.key in TORCHFT else None
+                    if torchft_row(run.key) is not None else None
                 try:
                     run_on_cluster(cluster, run, [*common_args(a), "--seed", "0"], pdir,
                                    a.row_timeout, stop)

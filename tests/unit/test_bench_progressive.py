@@ -282,3 +282,29 @@ def test_a_peer_stopped_before_its_first_sync_is_not_the_best_peer():
     # uncapped, or capped after its first sync: an ordinary peer
     assert peer_share_verdict([auto, dict(lsgd, capped_steps=None)])[0].startswith(
         "auto vs the best peer (accelerate LocalSGD")
+
+
+def test_a_torchft_row_may_set_its_outer_optimizer():
+    """torchft_streaming:outer_lr=0.8:outer_momentum=0.5: the row's peer gets
+    those values, its label says so, and a bad item is one clear error."""
+    from lorasync.bench.peers import parse_peer_options, peer_row
+    from lorasync.bench.tables import _sync_period
+
+    rows = select_rows("auto,torchft_streaming,torchft_streaming:outer_lr=0.8:outer_momentum=0.5",
+                       30)
+    tuned = [r for r in rows if r.peer][1]
+    assert tuned.label.endswith("1 step late, outer lr 0.8, momentum 0.5")
+    label, args, opts = peer_row(tuned.key, "http://10.0.0.1:29510")
+    def peer_opts(args):
+        return parse_peer_options("torchft_diloco", [args[i + 1] for i, a in enumerate(args)
+                                                     if a == "--peer-opt"])
+
+    got = peer_opts(args)
+    assert (got["outer_lr"], got["outer_momentum"], got["fragments"]) == (0.8, 0.5, 2)
+    paper = peer_opts(peer_row("torchft_streaming", "http://10.0.0.1:29510")[1])
+    assert (paper["outer_lr"], paper["outer_momentum"]) == (0.7, 0.9)   # the paper's, by default
+    assert _sync_period(tuned.key) == 8
+    for bad in ("torchft_streaming:outer_lr", "torchft_streaming:lr=0.8",
+                "torchft_streaming:outer_momentum=-1", "torchft_diloco:outer_lr=x"):
+        with pytest.raises(ConfigError, match="OPTION=NUMBER"):
+            select_rows(bad, 30)

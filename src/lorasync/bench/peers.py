@@ -40,7 +40,7 @@ import time
 
 __all__ = ["PEERS", "parse_peer_options", "AccelerateLocalSGD", "TorchftDiLoCo", "main",
            "TORCHFT_ROWS", "LOCALSGD_PREFIX", "LIGHTHOUSE_PORT", "is_peer_row", "peer_row",
-           "start_lighthouse"]
+           "start_lighthouse", "torchft_row", "TORCHFT_ROW_OPTIONS"]
 
 #: peer -> its options and their defaults
 PEERS: dict[str, dict] = {
@@ -68,20 +68,52 @@ TORCHFT_ROWS = {
                           {"sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}),
 }
 LIGHTHOUSE_PORT = 29510
+#: what a torchft row's key may set after its name (``torchft_streaming:outer_lr=0.8:
+#: outer_momentum=0.5``): the outer optimizer, to tell torchft's implementation
+#: from the paper's settings on a short run
+TORCHFT_ROW_OPTIONS = ("outer_lr", "outer_momentum")
+
+
+def torchft_row(key: str) -> tuple[str, dict] | None:
+    """(label, options) of a torchft row key: a TORCHFT_ROWS name, optionally
+    followed by ``:OPTION=VALUE`` items of TORCHFT_ROW_OPTIONS; None for any
+    other key; ValueError naming the item for a bad one."""
+    name, *items = key.split(":")
+    if name not in TORCHFT_ROWS:
+        return None
+    label, opts = TORCHFT_ROWS[name]
+    opts = dict(opts)
+    for item in items:
+        k, eq, v = item.partition("=")
+        try:
+            value = float(v)
+        except ValueError:
+            value = None
+        if not eq or k not in TORCHFT_ROW_OPTIONS or value is None or value < 0:
+            raise ValueError(f"{key}: {item!r} is not OPTION=NUMBER with OPTION one of "
+                             f"{', '.join(TORCHFT_ROW_OPTIONS)} (e.g. {name}:outer_lr=0.8:"
+                             "outer_momentum=0.5)")
+        opts[k] = value
+    extra = [k for k in TORCHFT_ROW_OPTIONS if k in opts]
+    if extra:
+        label += ", outer " + ", ".join(f"{k.split('_')[1]} {opts[k]:g}" for k in extra)
+    return label, opts
 
 
 def is_peer_row(key: str) -> bool:
     """Whether ``key`` names a peer row: ``localsgd_K`` (K >= 1) or a torchft one."""
     k = key[len(LOCALSGD_PREFIX):]
-    return key in TORCHFT_ROWS or key.startswith(LOCALSGD_PREFIX) and k.isdigit() and int(k) >= 1
+    return key.split(":")[0] in TORCHFT_ROWS \
+        or key.startswith(LOCALSGD_PREFIX) and k.isdigit() and int(k) >= 1
 
 
 def peer_row(key: str, lighthouse: str = "") -> tuple[str, list[str], dict]:
     """(label, arguments of ``python -m lorasync.bench.peers`` before the train
     flags, options) of the peer row ``key`` (``lighthouse``: the URL of the
     torchft lighthouse the bench started, for the torchft rows)."""
-    if key in TORCHFT_ROWS:
-        label, opts = TORCHFT_ROWS[key]
+    ft = torchft_row(key)
+    if ft is not None:
+        label, opts = ft
         args = ["--peer", "torchft_diloco", *[x for k, v in {**opts, "lighthouse": lighthouse}
                                               .items() for x in ("--peer-opt", f"{k}={v}")],
                 "--"]

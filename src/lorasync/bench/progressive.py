@@ -18,6 +18,7 @@ import time
 from lorasync.bench.chart import efficiency_chart
 from lorasync.bench.peers import (
     LIGHTHOUSE_PORT, LOCALSGD_PREFIX, TORCHFT_ROWS, is_peer_row, peer_row, start_lighthouse,
+    torchft_row,
 )
 from lorasync.bench.profiles import delay_s, dilate, parse_profiles, rate_bps
 from lorasync.bench.rows import (
@@ -69,6 +70,10 @@ def select_rows(wanted: str, steps: int = 9) -> list[Row]:
         peers = []
         for k in keys:
             if is_peer_row(k):
+                try:
+                    torchft_row(k)
+                except ValueError as exc:
+                    raise ConfigError("--rows", k, str(exc)) from None
                 # the lighthouse URL is filled in on the cluster (torchft rows)
                 label, args, _ = peer_row(k)
                 peers.append(Row(k, label, args, module="lorasync.bench.peers", peer=True))
@@ -401,7 +406,7 @@ def spec_delay(label: str, dil) -> str:
 def _run(cluster, row: Row, common: list[str], pdir: str, args, time_limit: float) -> None:
     """One row on the cluster; a torchft row gets a lighthouse of its own on node 0."""
     lighthouse = None
-    if row.key in TORCHFT_ROWS:
+    if torchft_row(row.key) is not None:
         url = f"http://{cluster.nodes[0].address}:{LIGHTHOUSE_PORT}"
         row.args = peer_row(row.key, url)[1]
         try:

@@ -75,10 +75,11 @@ def _figure(cell: dict, name: str) -> dict | None:
 
 def _sync_period(key: str) -> int | None:
     """The inner steps between a peer row's syncs (``localsgd_K``: K; the torchft rows: 8)."""
-    from lorasync.bench.peers import LOCALSGD_PREFIX, TORCHFT_ROWS
+    from lorasync.bench.peers import LOCALSGD_PREFIX, torchft_row
 
-    if key in TORCHFT_ROWS:
-        return int(TORCHFT_ROWS[key][1]["sync_every"])
+    ft = torchft_row(key)
+    if ft is not None:
+        return int(ft[1]["sync_every"])
     k = key[len(LOCALSGD_PREFIX):] if key.startswith(LOCALSGD_PREFIX) else ""
     return int(k) if k.isdigit() else None
 
