@@ -75,6 +75,9 @@ from lorasync.config import LoraSettings  # noqa: E402
 from lorasync.plan.costmodel import MODELS, encode_ns, lora_matrices  # noqa: E402
 from lorasync.train.model import add_lora  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import encode_share  # noqa: E402  (the outer syncs' encode+decode as a share of a step)
+
 DEFAULT_JSON = os.path.join("bench", "reference", "gpu", "gpu_check.json")
 
 # Shapes of real models (their Hub config.json values), built with random weights.
@@ -160,6 +163,14 @@ def codecs(repeats: int, device: str = "cuda") -> dict:
              for i in range(repeats)]
         res[name] = {"ms": statistics.median(t), "cpu_figure_ms": encode_ns(name) * n * 1e-6}
     return res
+
+
+def outer_codecs(device: str, repeats: int, presets: list[str]) -> dict:
+    """DiLoCo's compressed outer syncs on each preset's adapter, as a share of
+    its GPU step (bench/encode_share.py's measurement, on ``device``)."""
+    return {"device": device, "period": encode_share.PERIOD, "bar": encode_share.BAR,
+            "threads": torch.get_num_threads(), "repeats": repeats,
+            "workloads": [encode_share.measure(w, device, repeats) for w in presets]}
 
 
 # -- 3 and 4: lorasync train as subprocesses -------------------------------------------
@@ -358,6 +369,10 @@ def markdown(d: dict) -> str:
                 "sync) | catalog's CPU figure (ms) |", "|---|---|---|"]
         out += [f"| {k} | {v['ms']:.2f} | {v['cpu_figure_ms']:.2f} |" for k, v in enc.items()]
         out.append("")
+    share = d.get("encode_share") or {}
+    if share.get("workloads"):
+        from tables import encode_share as share_table
+        out += [share_table({**share, "device": d.get("device") or share["device"]}), ""]
     t = d.get("train") or {}
     for shape, e in t.get("shapes", {}).items():
         m = e["model"]
@@ -485,6 +500,13 @@ def main(argv=None) -> int:
     if "codecs" in a.sections:
         d["encode_ms_per_sync"] = _guarded(codecs, 1 if a.dry_run_cpu else 5, device)
         d["encode_ms_per_sync_device"] = device
+        rep.save()
+        # the issue's bar: DiLoCo's compressed outer syncs on each workload's
+        # adapter (the 7B preset's 40M values too), as a share of its GPU step
+        # (dry run: the small preset only, 1 timing)
+        d["encode_share"] = _guarded(outer_codecs, device, 1 if a.dry_run_cpu else 3,
+                                     ["smollm2-h200"] if a.dry_run_cpu
+                                     else list(encode_share.PRESETS))
         rep.save()
 
     runs = [("modes", label, extra) for label, extra in MODES if label in a.modes] \

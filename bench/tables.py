@@ -947,6 +947,24 @@ def overlay_cpu(res: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def encode_share(res: dict | None = None) -> str:
+    """bench/encode_share.py: encode+decode of DiLoCo's outer syncs per sync,
+    and as a share of each workload's GPU step at one sync a period."""
+    res = res if res is not None else _load("encode", "cpu.json")
+    dev = res["device"] + (f", {res['threads']} thread(s)" if res["device"] == "cpu" else "")
+    lines = [f"| workload (GPU step) | outer sync | encode+decode on {dev}, ms a sync "
+             "(lowest-highest) | share of a GPU step, one sync every "
+             f"{res['period']} steps | within {100 * res['bar']:g}% |", "|---|---|---|---|---|"]
+    for w in res["workloads"]:
+        wl = w["workload"]
+        for r in w["rows"]:
+            lines.append(f"| {wl['name']} ({wl['gpu_step_s']:g} s; {w['adapter_values']:,} values) "
+                         f"| {r['variant']} | {r['ms_per_sync']:.1f} ({r['min_ms']:.1f}-"
+                         f"{r['max_ms']:.1f}) | {100 * r['share_of_step']:.2f}% | "
+                         f"{'yes' if r['within_bar'] else '**no**'} |")
+    return "\n".join(lines)
+
+
 def _runs_sps(train: dict) -> list[float]:
     """The samples/s of every training run a matrix figure stands for."""
     runs = train.get("rounds") or [train]
@@ -1055,6 +1073,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "connectivity-matrix-capped": connectivity_matrix_capped,
     "overlay-cpu": overlay_cpu,
+    "encode-share": encode_share,
     "headline-gpu": headline_gpu,
     "headline-gpu-short": lambda: headline_gpu(notes_too=False),
     # the 7B-class workload (llama2-7b-r16-h100) at a GPU user's 1 Gbit/s

@@ -85,3 +85,19 @@ def test_quick_is_the_default(gpu_check):
     assert (full.full, full.train_steps) == (True, 20)
     dry = gpu_check.parse_args(["--dry-run-cpu"])
     assert (dry.train_steps, dry.seq_len, dry.budget_s) == (2, 128, 0)
+
+
+def test_the_outer_syncs_encode_share_is_measured_and_tabled(gpu_check):
+    """The codecs section's share of a step (the issue's 5% bar), here on the
+    CPU with the small preset: every variant timed, its share computed from
+    the preset's GPU step, and the table the result file turns into."""
+    d = gpu_check.outer_codecs("cpu", 1, ["smollm2-h200"])
+    [w] = d["workloads"]
+    assert w["adapter_values"] == 921_600 and w["workload"]["gpu_step_s"] == 0.18
+    assert [r["variant"] for r in w["rows"]] == [v for v, _ in gpu_check.encode_share.VARIANTS]
+    for r in w["rows"]:
+        assert r["ms_per_sync"] > 0
+        assert r["share_of_step"] == pytest.approx(r["ms_per_sync"] / 8 / 180)
+        assert r["within_bar"] == (r["share_of_step"] <= 0.05)
+    text = gpu_check.markdown({"device": "cpu", "encode_share": d})
+    assert "int2, top 3% (SparseLoCo-style)" in text and "share of a GPU step" in text
