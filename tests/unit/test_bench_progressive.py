@@ -304,7 +304,13 @@ def test_a_torchft_row_may_set_its_outer_optimizer():
     paper = peer_opts(peer_row("torchft_streaming", "http://10.0.0.1:29510")[1])
     assert (paper["outer_lr"], paper["outer_momentum"]) == (0.7, 0.9)   # the paper's, by default
     assert _sync_period(tuned.key) == 8
-    for bad in ("torchft_streaming:outer_lr", "torchft_streaming:lr=0.8",
-                "torchft_streaming:outer_momentum=-1", "torchft_diloco:outer_lr=x"):
-        with pytest.raises(ConfigError, match="OPTION=NUMBER"):
+    for bad, why in (("torchft_streaming:outer_lr", "OPTION=NUMBER"),
+                     ("torchft_streaming:lr=0.8", "OPTION=NUMBER"),
+                     ("torchft_diloco:outer_lr=x", "OPTION=NUMBER"),
+                     ("torchft_streaming:outer_momentum=-1", "0 <= outer_momentum < 1"),
+                     ("torchft_streaming:outer_momentum=1", "0 <= outer_momentum < 1"),
+                     ("torchft_streaming:outer_lr=0", "outer_lr=0: give a learning rate > 0"),
+                     ("torchft_streaming:outer_lr=nan", "outer_lr=nan: give a learning rate"),
+                     ("torchft_streaming:outer_lr=1:outer_lr=2", "outer_lr is given twice")):
+        with pytest.raises(ConfigError, match=why):
             select_rows(bad, 30)

@@ -143,7 +143,49 @@ def test_error_feedback_decay_is_sparselocos_beta(beta):
 def test_error_feedback_decay_needs_a_coded_delta():
     with pytest.raises(ValueError, match="delta_ef_decay.*coded delta"):
         catalog.parse_options("diloco", {"delta_ef_decay": 0.9})
+    with pytest.raises(ValueError, match="delta_ef_decay.*coded delta"):
+        catalog.parse_options("diloco", {"delta_ef_decay": 0.9, "delta_dtype": "fp16"})
+    # a sparse float delta is coded (indices + values): it keeps a remainder
+    assert catalog.parse_options("diloco", {"delta_ef_decay": 0.9, "delta_topk": 0.1}) \
+        .delta_ef_decay == 0.9
     assert catalog.parse_options("diloco", {"delta_ef_decay": 0.9, "delta_dtype": "int4"}) \
         .delta_ef_decay == 0.9
     with pytest.raises(ValueError, match="delta_ef_decay"):
         catalog.parse_options("diloco", {"delta_ef_decay": 1.5, "delta_dtype": "int4"})
+
+
+def test_a_decaying_residual_survives_a_state_dict_and_a_switch_to_a_dense_delta():
+    opts = dict(period=2, delta_dtype="int4", delta_topk=0.2, delta_ef_decay=0.5)
+    params, sync = _diloco(**opts)
+    params2, sync2 = _diloco(**opts)
+    for s in range(1, 5):
+        _inner_step(params, s)
+        sync.after_step()
+    assert float(sync._residual.abs().max()) > 0
+    with torch.no_grad():
+        for a, b in zip(params2, params):
+            a.copy_(b)
+    sync2.load_state_dict(sync.state_dict())
+    assert torch.equal(sync2._residual, sync._residual)
+    for s in range(5, 9):   # the same decayed error feedback from here on
+        _inner_step(params, s)
+        _inner_step(params2, s)
+        sync.after_step()
+        sync2.after_step()
+    assert torch.equal(sync._residual, sync2._residual)
+    assert all(torch.equal(a, b) for a, b in zip(params, params2))
+    # a dense float delta from now on: what was kept goes with its next delta, in full
+    sync.reconfigure(period=2, delta_dtype="fp32")
+    kept = sync._residual.clone()
+    anchor = sync._anchor.clone()
+    m = sync._momentum.clone()
+    _inner_step(params, 9)
+    sync.after_step()           # step 9: no sync (period 2)
+    _inner_step(params, 10)
+    drift = anchor - torch.cat([p.detach().reshape(-1) for p in params])
+    sync.after_step()           # step 10: the outer step
+    assert float(sync._residual.abs().max()) == 0
+    mean = drift + kept    # one rank: the mean delta is its own, remainder included
+    mu, lr = sync.options.outer_momentum, sync.options.outer_lr
+    want = anchor - lr * (mean + mu * (mu * m + mean))
+    assert torch.allclose(sync._anchor, want, atol=1e-6)

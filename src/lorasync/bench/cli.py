@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated row keys to run (ceiling is always run): "
                         "ddp,tcp,fp16,best,overlap,periodic,auto,torch_fp16,torch_powersgd, "
                         "and peers: localsgd_K (accelerate's LocalSGD every K steps), "
-                        "torchft_diloco, torchft_streaming (need --steps 30 or more) "
+                        "torchft_diloco, torchft_streaming (optionally "
+                        ":outer_lr=X:outer_momentum=Y; need --steps 30 or more) "
                         "(topology bench: strategy names, NAME/flat, NAME/node, auto, "
                         "torch_powersgd)")
     p.add_argument("--row-timeout", type=float, default=240.0,

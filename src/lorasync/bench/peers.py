@@ -34,6 +34,7 @@ DeepSpeed's 1-bit Adam is not a row: docs/peers.md says why.
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import sys
 import time
@@ -83,16 +84,25 @@ def torchft_row(key: str) -> tuple[str, dict] | None:
         return None
     label, opts = TORCHFT_ROWS[name]
     opts = dict(opts)
+    seen: set[str] = set()
     for item in items:
         k, eq, v = item.partition("=")
         try:
             value = float(v)
         except ValueError:
             value = None
-        if not eq or k not in TORCHFT_ROW_OPTIONS or value is None or value < 0:
+        if not eq or k not in TORCHFT_ROW_OPTIONS or value is None:
             raise ValueError(f"{key}: {item!r} is not OPTION=NUMBER with OPTION one of "
                              f"{', '.join(TORCHFT_ROW_OPTIONS)} (e.g. {name}:outer_lr=0.8:"
                              "outer_momentum=0.5)")
+        if k in seen:
+            raise ValueError(f"{key}: {k} is given twice; give it once")
+        seen.add(k)
+        if k == "outer_lr" and not 0 < value < math.inf:
+            raise ValueError(f"{key}: outer_lr={v}: give a learning rate > 0, e.g. 0.7")
+        if k == "outer_momentum" and not 0 <= value < 1:
+            raise ValueError(f"{key}: outer_momentum={v}: give 0 <= outer_momentum < 1, "
+                             "e.g. 0.9")
         opts[k] = value
     extra = [k for k in TORCHFT_ROW_OPTIONS if k in opts]
     if extra:

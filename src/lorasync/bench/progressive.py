@@ -66,7 +66,8 @@ def select_rows(wanted: str, steps: int = 9) -> list[Row]:
             raise ConfigError("--rows", ",".join(sorted(unknown)),
                               "use keys from: " + ", ".join(r.key for r in rows)
                               + f", or a peer: {LOCALSGD_PREFIX}K (accelerate's LocalSGD every "
-                              "K steps), " + ", ".join(TORCHFT_ROWS))
+                              "K steps), " + ", ".join(TORCHFT_ROWS)
+                              + " (optionally :outer_lr=X:outer_momentum=Y)")
         peers = []
         for k in keys:
             if is_peer_row(k):

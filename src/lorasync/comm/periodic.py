@@ -29,7 +29,9 @@ How DiLoCo's delta travels (``delta_dtype``, ``delta_topk``; bytes in
   order, so every rank gets the same mean delta.  Error feedback: what a
   rank's buffer did not carry of its delta (rounding, the entries left out)
   is kept, per element, and added to its next delta of that element, so
-  nothing is lost, only late.
+  nothing is lost, only late (``delta_ef_decay`` 1, the default; below 1 the
+  kept remainder is multiplied by it first, SparseLoCo's decaying
+  accumulator, and part of it is forgotten).
 
 ``fragments=F`` cuts the adapter into F runs of whole tensors of about equal
 size (:func:`lorasync.catalog.fragment_ranges`) with one schedule each:
