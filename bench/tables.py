@@ -1069,6 +1069,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "peers-torchft": lambda: _peers_table("peers-torchft-10mbit.json"),
     "peers-gpu-eq-10mbit": lambda: _peers_table("peers-gpu-eq-10mbit.json"),
     "peers-gpu-eq-1mbit": lambda: _peers_table("peers-gpu-eq-1mbit.json"),
+    "peers-gpu-eq-10mbit-torchft": lambda: _peers_table("peers-gpu-eq-10mbit-torchft.json"),
     "connectivity": connectivity,
     "connectivity-matrix-targets": connectivity_matrix_targets,
     "connectivity-matrix-capped": connectivity_matrix_capped,
