@@ -1079,6 +1079,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "headline-gpu-short": lambda: headline_gpu(notes_too=False),
     # the 7B-class workload (llama2-7b-r16-h100) at a GPU user's 1 Gbit/s
     "gpu-eq-llama7b-1gbit": lambda: gpu_eq_profile("1gbit", "gpu-eq-llama7b-1gbit"),
+    # ... and at 100 and 10 Mbit/s (one invocation, both links)
+    "gpu-eq-llama7b-100mbit": lambda: gpu_eq_profile("100mbit", "gpu-eq-llama7b-slow"),
+    "gpu-eq-llama7b-10mbit": lambda: gpu_eq_profile("10mbit", "gpu-eq-llama7b-slow"),
 }
 
 
