@@ -273,7 +273,7 @@ def test_a_peer_stopped_before_its_first_sync_is_not_the_best_peer():
             "efficiency": 0.89, "capped_steps": 7}
     got = peer_share_verdict([auto, lsgd])
     assert len(got) == 1 and got[0].startswith("accelerate LocalSGD, every 8 steps: stopped after 7 steps, "
-                                               "before its first sync (every 8)")
+                                               "before its first sync (at step 8)")
     # one that synced at least once is compared, the other still named
     tf = {"key": "torchft_diloco", "row": "torchft DiLoCo, every 8 steps", "peer": True,
           "efficiency": 0.10, "capped_steps": 9}
@@ -288,7 +288,7 @@ def test_a_torchft_row_may_set_its_outer_optimizer():
     """torchft_streaming:outer_lr=0.8:outer_momentum=0.5: the row's peer gets
     those values, its label says so, and a bad item is one clear error."""
     from lorasync.bench.peers import parse_peer_options, peer_row
-    from lorasync.bench.tables import _sync_period
+    from lorasync.bench.tables import _first_sync
 
     rows = select_rows("auto,torchft_streaming,torchft_streaming:outer_lr=0.8:outer_momentum=0.5",
                        30)
@@ -303,7 +303,8 @@ def test_a_torchft_row_may_set_its_outer_optimizer():
     assert (got["outer_lr"], got["outer_momentum"], got["fragments"]) == (0.8, 0.5, 2)
     paper = peer_opts(peer_row("torchft_streaming", "http://10.0.0.1:29510")[1])
     assert (paper["outer_lr"], paper["outer_momentum"]) == (0.7, 0.9)   # the paper's, by default
-    assert _sync_period(tuned.key) == 8
+    assert _first_sync(tuned.key) == 4   # 2 fragments: the first lands at step 8 / 2
+    assert _first_sync("torchft_diloco") == 8 and _first_sync("localsgd_16") == 16
     for bad, why in (("torchft_streaming:outer_lr", "OPTION=NUMBER"),
                      ("torchft_streaming:lr=0.8", "OPTION=NUMBER"),
                      ("torchft_diloco:outer_lr=x", "OPTION=NUMBER"),

@@ -73,13 +73,17 @@ def _figure(cell: dict, name: str) -> dict | None:
     return fig
 
 
-def _sync_period(key: str) -> int | None:
-    """The inner steps between a peer row's syncs (``localsgd_K``: K; the torchft rows: 8)."""
+def _first_sync(key: str) -> int | None:
+    """The step at which a peer row's first sync is applied (``localsgd_K``:
+    K; a torchft row: sync_every / fragments, its first fragment's step)."""
     from lorasync.bench.peers import LOCALSGD_PREFIX, torchft_row
 
-    ft = torchft_row(key)
+    try:
+        ft = torchft_row(key)
+    except ValueError:   # a key this version does not read: no sync rule
+        return None
     if ft is not None:
-        return int(ft[1]["sync_every"])
+        return int(ft[1]["sync_every"]) // int(ft[1].get("fragments", 1))
     k = key[len(LOCALSGD_PREFIX):] if key.startswith(LOCALSGD_PREFIX) else ""
     return int(k) if k.isdigit() else None
 
@@ -87,8 +91,8 @@ def _sync_period(key: str) -> int | None:
 def never_synced(c: dict) -> bool:
     """A periodic peer row stopped (capped) before its first sync: its share is
     of training without any sync, not a figure for the peer on the link."""
-    period = _sync_period(c.get("key") or "")
-    return bool(period and c.get("capped_steps") and c["capped_steps"] < period)
+    first = _first_sync(c.get("key") or "")
+    return bool(first and c.get("capped_steps") and c["capped_steps"] < first)
 
 
 def peer_share_verdict(cells: list[dict]) -> list[str]:
@@ -101,8 +105,8 @@ def peer_share_verdict(cells: list[dict]) -> list[str]:
     auto = next((c for c in cells if c.get("key") == "auto" and _figure(c, "efficiency")), None)
     if auto is None:
         return []
-    note = [f"{c['row']}: stopped after {c['capped_steps']} steps, before its first sync (every "
-            f"{_sync_period(c['key'])}): its share is of training without any sync, so it is not "
+    note = [f"{c['row']}: stopped after {c['capped_steps']} steps, before its first sync (at "
+            f"step {_first_sync(c['key'])}): its share is of training without any sync, so it is not "
             "compared" for c in unsynced]
     if not peers:
         return note
