@@ -71,12 +71,11 @@ def select_rows(wanted: str, steps: int = 9) -> list[Row]:
         peers = []
         for k in keys:
             if is_peer_row(k):
-                try:
-                    torchft_row(k)
-                except ValueError as exc:
-                    raise ConfigError("--rows", k, str(exc)) from None
                 # the lighthouse URL is filled in on the cluster (torchft rows)
-                label, args, _ = peer_row(k)
+                try:
+                    label, args, _ = peer_row(k)
+                except ValueError as exc:   # a torchft row's bad :OPTION=VALUE
+                    raise ConfigError("--rows", k, str(exc)) from None
                 peers.append(Row(k, label, args, module="lorasync.bench.peers", peer=True))
         rows = [r for r in rows if r.key in ("ceiling", "ceiling_end") or r.key in keys]
         rows = rows[:-1] + peers + rows[-1:]   # peers before the closing ceiling
