@@ -61,7 +61,7 @@ def _records(run: str) -> list[dict]:
 
 
 def run_one(cluster, label: str, comm: list[str], args, out: str) -> dict:
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
 
     label = label.replace(":", "_").replace("=", "-")   # a plain directory name
     run = os.path.join(out, label)
@@ -151,7 +151,8 @@ def main() -> int:
 
     import signal
 
-    from lorasync.emulate.cluster import ClusterSpec, emulated
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import ClusterSpec
 
     def _stop(signum, _frame):  # unwind, so the emulated cluster is taken down
         raise SystemExit(128 + signum)

@@ -17,7 +17,8 @@ import os
 import statistics
 import sys
 
-from lorasync.emulate.cluster import emulated, parse_emulate
+from lorasync.emulate.launch import emulated
+from lorasync.emulate.spec import parse_emulate
 from lorasync.units import fmt_rate
 
 PROFILES = [

@@ -66,7 +66,8 @@ import subprocess
 import sys
 import time
 
-from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
+from lorasync.emulate.launch import emulated, launch_on_cluster
+from lorasync.emulate.spec import parse_emulate
 
 TAG = f"cnb{os.getpid() % 10000}"
 KINDS = ("direct", "wireguard", "ssh")

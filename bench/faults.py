@@ -130,7 +130,7 @@ class Run:
     """One `lorasync train` on the cluster, launched in a thread; polled for progress."""
 
     def __init__(self, cluster, a, seed, out, restarts):
-        from lorasync.emulate.cluster import launch_on_cluster
+        from lorasync.emulate.launch import launch_on_cluster
 
         self.out, self.rc, self.t0 = out, None, time.time()
         self.ckpt_seen: dict[int, float] = {}
@@ -392,7 +392,8 @@ def main() -> None:
     if "tunnel" in kinds and not a.overlay:
         ap.error("--faults tunnel: the nodes have no tunnel without --overlay")
 
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
     from lorasync.units import parse_rate_bps
 
     a.rate_bps = int(parse_rate_bps(a.rate, "--rate", bare_bits=True))

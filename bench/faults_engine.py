@@ -224,7 +224,7 @@ def _summ(dirpath, n, kill_at):
 
 
 def run_plain(cluster, a, work, kill: bool) -> dict:
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
 
     os.makedirs(work, exist_ok=True)
     argv = [os.path.abspath(__file__), "--worker", "plain", "--dir", work, "--steps",
@@ -340,7 +340,8 @@ def main() -> None:
     sys.path.insert(0, os.path.join(ROOT, "src"))
     import tempfile
 
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
     try:
         import torchft  # noqa: F401
         have_ft = True

@@ -60,7 +60,8 @@ dist.destroy_process_group()
 
 
 def main() -> int:
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2)

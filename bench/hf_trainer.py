@@ -345,7 +345,7 @@ def _launch_gated(cluster, a, argv: list, out: str, gate: bool, env: dict | None
     With ``gate`` the link runs at ``--startup-rate`` until every worker has
     reached ``on_train_begin`` (DDP built, its start-up broadcast done), then
     at ``--rate``: the workers wait for the cut before their first step."""
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
 
     gate_dir = None
     if gate:
@@ -405,7 +405,7 @@ def run_trainer(cluster, a, work: str, mode: str, strategy: str = "", gate: bool
 
 
 def run_lorasync_train(cluster, a, work: str, strategy: str) -> dict:
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
 
     label = f"lorasync-train-{strategy}"
     run = os.path.join(work, label)
@@ -844,7 +844,8 @@ def main() -> None:
 
     import tempfile
 
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
     from lorasync.train.model import EMBEDDED, ensure_embedded
 
     if a.model == EMBEDDED:

@@ -101,7 +101,8 @@ def _env(src: str) -> dict:
 
 
 def probe_part(args, versions: dict, tmp: str) -> list[dict]:
-    from lorasync.emulate.cluster import ClusterSpec, emulated, launch_on_cluster
+    from lorasync.emulate.launch import emulated, launch_on_cluster
+    from lorasync.emulate.spec import ClusterSpec
     from lorasync.units import parse_rate_bps
 
     script = os.path.join(tmp, "probe_worker.py")
@@ -169,7 +170,8 @@ def _summary(recs: list[dict], measure_steps: int, interval: int) -> dict:
 
 
 def train_part(args, versions: dict, tmp: str) -> list[dict]:
-    from lorasync.emulate.cluster import ClusterSpec, emulated, launch_on_cluster
+    from lorasync.emulate.launch import emulated, launch_on_cluster
+    from lorasync.emulate.spec import ClusterSpec
 
     if args.model == "smollm2-135m":
         from lorasync.train.model import ensure_embedded

@@ -39,7 +39,8 @@ import statistics
 import sys
 import time
 
-from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
+from lorasync.emulate.launch import emulated, launch_on_cluster
+from lorasync.emulate.spec import parse_emulate
 
 TAG = f"ovb{os.getpid() % 10000}"
 
@@ -186,7 +187,8 @@ def _daemon_cpu_s(pattern: str = "wireguard-go") -> float:
 
 
 def part_cpu(args, out: str) -> dict:
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
 
     rows = []
     for r in range(args.repeats):

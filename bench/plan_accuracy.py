@@ -28,7 +28,8 @@ import sys
 import time
 
 from lorasync.bench.rows import Row, describe_net, predict_rows, probe_link, run_row
-from lorasync.emulate.cluster import emulated, parse_emulate
+from lorasync.emulate.launch import emulated
+from lorasync.emulate.spec import parse_emulate
 
 #: options that make a short run show the steady state the cost model predicts
 STEADY_OPTS = {"onebit": ["--comm-opt", "warmup_steps=1"]}

@@ -246,7 +246,7 @@ def run_on_cluster(cluster, run: Run, common: list[str], out: str, timeout: floa
                    stop) -> None:
     """Train ``run`` on the cluster until ``stop(steps, evals)`` names a reason
     (then its agents are sent SIGTERM: they stop their workers) or it ends."""
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
 
     name = run.key + (f"-r{run.round}" if run.round else "")
     run_dir = os.path.join(out, name)
@@ -592,7 +592,8 @@ def workload(a, compute_s: float, run: Run | None = None) -> Workload:
 # ----------------------------------------------------------------------------- main
 
 def main() -> int:
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--links", default="1mbit,10mbit", help="comma-separated link rates")

@@ -140,7 +140,8 @@ def main() -> int:
         p.error(f"--sizes: every size must be a positive multiple of {step} bytes (the "
                 f"shards split a message into {a.nproc_per_node} equal {a.dtype} chunks)")
     from lorasync.bench.profiles import dilate
-    from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
+    from lorasync.emulate.launch import emulated, launch_on_cluster
+    from lorasync.emulate.spec import parse_emulate
 
     results = {}
     tmp = os.path.abspath(a.output) + ".part"

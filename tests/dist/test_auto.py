@@ -687,7 +687,9 @@ def test_netns_rate_cut_makes_auto_switch(tmp_path):
     auto sees it and switches, and says it was the bandwidth."""
     import re
 
-    from lorasync.emulate.cluster import Cluster, ClusterSpec, down, launch_on_cluster
+    from lorasync.emulate.cluster import Cluster, down
+    from lorasync.emulate.launch import launch_on_cluster
+    from lorasync.emulate.spec import ClusterSpec
 
     # what a killed earlier run of this test left (its pid is gone): remove it
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

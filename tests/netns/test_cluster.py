@@ -19,7 +19,9 @@ import time
 
 import pytest
 
-from lorasync.emulate.cluster import Cluster, ClusterSpec, down, emulated, launch_on_cluster, parse_emulate
+from lorasync.emulate.cluster import Cluster, down
+from lorasync.emulate.launch import emulated, launch_on_cluster
+from lorasync.emulate.spec import ClusterSpec, parse_emulate
 
 _why = ("needs root" if os.geteuid() != 0 else
         "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)
@@ -241,7 +243,7 @@ time.sleep(300)
 
 
 def test_launch_on_cluster_timeout_kills_everything(tmp_path):
-    from lorasync.emulate.cluster import _pids_in_netns
+    from lorasync.emulate.netns import pids_in_netns
 
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
@@ -249,7 +251,7 @@ def test_launch_on_cluster_timeout_kills_everything(tmp_path):
         rc = launch_on_cluster(c, [str(script), str(tmp_path)], module=None, timeout=12,
                                log_dir=tmp_path / "logs")
         assert rc == 124
-        left = [p for n in c.nodes for p in _pids_in_netns(n.netns)]
+        left = [p for n in c.nodes for p in pids_in_netns(n.netns)]
         assert left == [], left
     for f in tmp_path.glob("pid*"):  # workers that had started are gone too
         assert not os.path.exists(f"/proc/{f.name[3:]}")
@@ -263,7 +265,7 @@ def test_a_bench_killed_with_sigterm_takes_its_cluster_down(tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {os.path.join(ROOT, 'src')!r})\n"
-        "from lorasync.emulate.cluster import emulated\n"
+        "from lorasync.emulate.launch import emulated\n"
         f"with emulated('nodes=2,rate=100mbit,name={name}'):\n"
         "    print('up', flush=True)\n"
         "    time.sleep(120)\n")

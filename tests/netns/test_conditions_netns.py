@@ -17,7 +17,9 @@ import textwrap
 
 import pytest
 
-from lorasync.emulate.cluster import Cluster, down, emulated, parse_emulate
+from lorasync.emulate.cluster import Cluster, down
+from lorasync.emulate.launch import emulated
+from lorasync.emulate.spec import parse_emulate
 
 _why = ("needs root" if os.geteuid() != 0 else
         "needs iproute2 and nftables" if not all(shutil.which(t) for t in ("ip", "tc", "nft")) else None)

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from lorasync.emulate.cluster import ClusterSpec, down, emulated, launch_on_cluster
+from lorasync.emulate.cluster import down
+from lorasync.emulate.launch import emulated, launch_on_cluster
+from lorasync.emulate.spec import ClusterSpec
 
 _why = ("needs root" if os.geteuid() != 0 else
         "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)

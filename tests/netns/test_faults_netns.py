@@ -18,7 +18,9 @@ import time
 import pytest
 
 from lorasync.monitor.metrics import read_jsonl_records
-from lorasync.emulate.cluster import Cluster, ClusterSpec, down, launch_on_cluster
+from lorasync.emulate.cluster import Cluster, down
+from lorasync.emulate.launch import launch_on_cluster
+from lorasync.emulate.spec import ClusterSpec
 
 _why = ("needs root" if os.geteuid() != 0 else
         "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)
@@ -123,8 +125,8 @@ def test_node_lost_for_good_the_others_continue(tmp_path):
                        last_call_s=5)   # the survivors go on 5 s after reaching 2 nodes
         rank, _ = _wait(lambda: _rank_on(run, 2, 3), 240, "node 2's first step")
         _wait(lambda: sum("event" not in x for x in _records(run, rank)) >= 8, 200, "step 8")
-        from lorasync.emulate.cluster import _pids_in_netns
-        for pid in _pids_in_netns(c.nodes[2].netns):  # agent and worker: the node is gone
+        from lorasync.emulate.netns import pids_in_netns
+        for pid in pids_in_netns(c.nodes[2].netns):  # agent and worker: the node is gone
             os.kill(pid, signal.SIGKILL)
         t.join(400)
         assert box.get("rc") == 0, _logs(tmp_path)

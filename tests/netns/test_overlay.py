@@ -21,7 +21,9 @@ import pytest
 
 from conftest import run_cli
 from lorasync.overlay import enroll, tunnel
-from lorasync.emulate.cluster import Cluster, down, launch_on_cluster, parse_emulate
+from lorasync.emulate.cluster import Cluster, down
+from lorasync.emulate.launch import launch_on_cluster
+from lorasync.emulate.spec import parse_emulate
 
 
 def _why() -> str | None:

@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from lorasync.emulate.cluster import down, emulated, parse_emulate
+from lorasync.emulate.cluster import down
+from lorasync.emulate.launch import emulated
+from lorasync.emulate.spec import parse_emulate
 from lorasync.overlay import punch, tunnel
 from lorasync.overlay import wireguard as wg
 

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from lorasync.emulate import overlay as cluster_overlay
-from lorasync.emulate.cluster import Cluster, down, parse_emulate
+from lorasync.emulate.cluster import Cluster, down
+from lorasync.emulate.spec import parse_emulate
 from lorasync.errors import EnvironmentProblem
 from lorasync.overlay import tunnel
 

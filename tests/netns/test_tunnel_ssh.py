@@ -26,7 +26,8 @@ import textwrap
 import pytest
 
 from conftest import cli_env
-from lorasync.emulate.cluster import Cluster, down, parse_emulate
+from lorasync.emulate.cluster import Cluster, down
+from lorasync.emulate.spec import parse_emulate
 
 
 def _why() -> str | None:

@@ -120,7 +120,7 @@ def test_a_run_scores_every_profile_against_the_fastest_ceiling(tmp_path, monkey
     import json
 
     import lorasync.bench.progressive as bp
-    import lorasync.emulate.cluster as cluster
+    import lorasync.emulate.launch as emulate_launch
 
     class FakeCluster:
         def status(self, measure=True, seconds=1.0):
@@ -135,7 +135,7 @@ def test_a_run_scores_every_profile_against_the_fastest_ceiling(tmp_path, monkey
         row.summary = _summary(sps[row.key], "none" if row.key.startswith("ceiling") else "fp16")
 
     net = Net(alpha_s=1e-4, bandwidth_Bps=1.15e6, world_size=2)
-    monkeypatch.setattr(cluster, "emulated", lambda spec: contextlib.nullcontext(FakeCluster()))
+    monkeypatch.setattr(emulate_launch, "emulated", lambda spec: contextlib.nullcontext(FakeCluster()))
     monkeypatch.setattr(bp, "probe_link", lambda c, out, timeout: (net, "probe: stubbed"))
     monkeypatch.setattr(bp, "run_row", fake_run_row)
     monkeypatch.setattr(bp, "tune_nodes", lambda *a: None)
@@ -164,7 +164,7 @@ def test_workload_links_peer_rows_and_rounds(tmp_path, monkeypatch):
     import json
 
     import lorasync.bench.progressive as bp
-    import lorasync.emulate.cluster as cluster
+    import lorasync.emulate.launch as emulate_launch
 
     class FakeCluster:
         def status(self, measure=True, seconds=1.0):
@@ -184,7 +184,7 @@ def test_workload_links_peer_rows_and_rounds(tmp_path, monkeypatch):
         specs.append((spec.rate_bps, spec.delay_s))
         return contextlib.nullcontext(FakeCluster())
 
-    monkeypatch.setattr(cluster, "emulated", fake_emulated)
+    monkeypatch.setattr(emulate_launch, "emulated", fake_emulated)
     monkeypatch.setattr(bp, "probe_link", lambda c, out, timeout: (None, "probe: stubbed"))
     monkeypatch.setattr(bp, "run_row", fake_run_row)
     monkeypatch.setattr(bp, "tune_nodes", lambda *a: None)

@@ -111,7 +111,7 @@ def test_a_run_scores_each_profile_and_writes_its_results(tmp_path, monkeypatch)
     import contextlib
     import json
     import lorasync.bench.topology as bt
-    import lorasync.emulate.cluster as cluster
+    import lorasync.emulate.launch as emulate_launch
 
     def fake_train(c, row, common, out, timeout):
         nosync = row["strategy"] == "none"
@@ -122,7 +122,7 @@ def test_a_run_scores_each_profile_and_writes_its_results(tmp_path, monkeypatch)
                 "total_steps": 6, "eth0_bytes_per_node": [1e6] * 4}
 
     monkeypatch.setattr(bt.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cluster, "emulated", lambda spec: contextlib.nullcontext(None))
+    monkeypatch.setattr(emulate_launch, "emulated", lambda spec: contextlib.nullcontext(None))
     monkeypatch.setattr(bt, "_train", fake_train)
     monkeypatch.setattr(bt, "_probe", lambda c, out, name, timeout, node_only=False:
                         (5e-4, 1e9) if node_only else (3e-3, 2.4e5))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import ConfigError
-from lorasync.emulate.cluster import Cluster, ClusterSpec, parse_emulate
+from lorasync.emulate.cluster import Cluster
+from lorasync.emulate.spec import ClusterSpec, parse_emulate
 from lorasync.emulate.overlay import ifname
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.emulate import cluster as cl
-from lorasync.emulate.cluster import Cluster, ClusterSpec, parse_emulate
+from lorasync.emulate import netns
+from lorasync.emulate.cluster import Cluster
+from lorasync.emulate.spec import ClusterSpec, parse_emulate
 from lorasync.units import fmt_rate
 
 
@@ -128,14 +129,14 @@ def test_cluster_layout_without_root():
 
 
 def test_needs_root(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(EnvironmentProblem, match="root"):
         Cluster.up(parse_emulate("nodes=2,name=noroot"))
 
 
 def test_needs_iproute2(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cl.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
     with pytest.raises(EnvironmentProblem, match="iproute2"):
         Cluster.up(parse_emulate("nodes=2,name=noip"))
 

@@ -13,7 +13,9 @@ import pytest
 
 from _bad_input import assert_refused, run
 from lorasync.emulate import nat
-from lorasync.emulate.cluster import Cluster, ClusterSpec, _ns_names, parse_emulate
+from lorasync.emulate.cluster import Cluster
+from lorasync.emulate.netns import ns_names
+from lorasync.emulate.spec import ClusterSpec, parse_emulate
 from lorasync.errors import ConfigError
 from lorasync.netdiag import doctor, pmtu, tune
 from lorasync.netdiag.hostinfo import HostInfo
@@ -64,12 +66,12 @@ def test_bad_condition_values_name_key_value_and_fix(text, field, hint):
 def test_bad_condition_is_one_line_exit_2_before_any_namespace(capsys, monkeypatch):
     made = []
     monkeypatch.setattr(Cluster, "up", classmethod(lambda cls, spec: made.append(spec)))
-    before = _ns_names("default") if shutil.which("ip") else []
+    before = ns_names("default") if shutil.which("ip") else []
     rc, _, err = run(capsys, ["cluster", "up", "--nodes", "2", "--block-udp", "node7"])
     assert_refused(rc, err, "block_udp", "node7", "node0..node1")
     rc, _, err = run(capsys, ["cluster", "up", "--nodes", "2", "--mtu", "1300", "--mtu-blackhole", "node1"])
     assert_refused(rc, err, "mtu_blackhole", "larger mtu")
-    assert made == [] and (_ns_names("default") if shutil.which("ip") else []) == before
+    assert made == [] and (ns_names("default") if shutil.which("ip") else []) == before
 
 
 def test_emulate_flag_of_train_refuses_a_bad_condition(capsys):

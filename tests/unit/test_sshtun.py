@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync.emulate.cluster import parse_emulate
+from lorasync.emulate.spec import parse_emulate
 from lorasync.emulate.overlay import layout
 from lorasync.errors import ConfigError
 from lorasync.overlay import enroll, sshtun, wireguard as wg

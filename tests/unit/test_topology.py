@@ -10,7 +10,7 @@ import pytest
 from lorasync.catalog import STRATEGIES, Collective
 from lorasync.comm.topology import Topology, group_nodes, node_key
 from lorasync.errors import ConfigError
-from lorasync.emulate.cluster import parse_emulate
+from lorasync.emulate.spec import parse_emulate
 from lorasync.plan.costmodel import (
     MODELS, Net, Workload, allreduce_choice, collective_time, lora_matrices, predict,
     rd_exchanges,

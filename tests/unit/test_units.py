@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import ConfigError
-from lorasync.emulate.cluster import ClusterSpec
+from lorasync.emulate.spec import ClusterSpec
 from lorasync.netdiag import tune
 from lorasync.netdiag.hostinfo import HostInfo
 from lorasync import units

@@ -209,7 +209,8 @@ def _calibrate(args, tag: str, out: str, common: list[str]):
     """``--workload``: the no-sync ceiling on an unshaped 2-node cluster, then
     the dilation of every user link (lorasync.bench.workloads) from its step."""
     from lorasync.bench.workloads import dilation, get_workload
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
 
     w = get_workload(args.workload)
     row = Row("ceiling", "no sync (ceiling; calibration, unshaped)", ["--comm", "none"])
@@ -236,7 +237,8 @@ def run_progressive(args) -> int:
     N``: the rows run N times interleaved, each figure a median with its
     range.  ``--row-time-limit S``: a row still running after S s is stopped
     and scored on the steps it finished (said in its status)."""
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
 
     if args.steps < 3:
         raise ConfigError("--steps", args.steps, "use at least 3 (the first step is warm-up)")

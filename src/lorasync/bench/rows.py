@@ -73,8 +73,8 @@ def run_row(cluster, row: Row, common: list[str], out: str, timeout: float,
     With ``time_limit`` (shorter than ``timeout``) a row still running then is
     stopped and scored on the steps it finished ("capped"), if it finished at
     least two after its first.  ``cpu_cap``: the ranks' cores (see
-    :func:`lorasync.emulate.cluster.launch_on_cluster`)."""
-    from lorasync.emulate.cluster import launch_on_cluster
+    :func:`lorasync.emulate.launch.launch_on_cluster`)."""
+    from lorasync.emulate.launch import launch_on_cluster
 
     run_dir = os.path.join(out, row.run_name)
     argv = (["train", *common, *row.args, "--output-dir", run_dir] if row.module == "lorasync"
@@ -169,7 +169,7 @@ def tune_nodes(cluster, rate: str, delay: str, out: str, action: str) -> None:
 
 def probe_link(cluster, out: str, timeout: float):
     """A quick ``lorasync probe`` on the emulated link -> (Net or None, text)."""
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
     from lorasync.plan.planner import net_from_probe
 
     path = os.path.join(out, "probe.json")

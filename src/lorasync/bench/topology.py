@@ -146,7 +146,7 @@ def summarize(recs: list[dict], ranks_per_node: int) -> dict:
 
 
 def _train(cluster, row: dict, common: list[str], out: str, timeout: float) -> dict:
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
 
     run_dir = os.path.join(out, row["key"].replace("/", "-"))
     argv = ["train", *common, "--comm", row["strategy"], "--hierarchy", row["hierarchy"],
@@ -173,7 +173,7 @@ def _train(cluster, row: dict, common: list[str], out: str, timeout: float) -> d
 
 def _probe(cluster, out: str, name: str, timeout: float, node_only: bool = False):
     """(alpha_s, bandwidth_Bps) of a quick probe: every rank, or node0's."""
-    from lorasync.emulate.cluster import launch_on_cluster
+    from lorasync.emulate.launch import launch_on_cluster
     from lorasync.plan.planner import net_from_probe
 
     path = os.path.join(out, f"probe-{name}.json")
@@ -229,7 +229,8 @@ def predict_row(row: dict, spec: dict, inter, intra, compute_s: float, model: st
 
 def run_topology(args) -> int:
     """The bench at nodes x nproc_per_node (see the module docstring)."""
-    from lorasync.emulate.cluster import emulated, parse_emulate
+    from lorasync.emulate.launch import emulated
+    from lorasync.emulate.spec import parse_emulate
 
     if os.geteuid() != 0:
         raise EnvironmentProblem("lorasync bench: emulated clusters need root")

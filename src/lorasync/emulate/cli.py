@@ -115,30 +115,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lorasync.emulate.cluster import Cluster, down
+    from lorasync.emulate.spec import CONDITION_KEYS, ClusterSpec, parse_pair_rate
     from lorasync.errors import ConfigError
-    from lorasync.emulate import cluster as cl
 
     cmd = args.cluster_cmd
     if cmd == "up":
-        pairs = dict(cl.parse_pair_rate(p) for p in args.pair_rate)
+        pairs = dict(parse_pair_rate(p) for p in args.pair_rate)
         nat = [x.strip() for item in args.nat for x in item.replace("+", ",").split(",") if x.strip()]
-        spec = cl.ClusterSpec(nodes=args.nodes, rate_bps=args.rate or None,
-                              delay_s=args.delay, loss=args.loss,
-                              pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu,
-                              nat=nat, overlay=args.overlay,
-                              **{k: [x for item in getattr(args, k) for x in item.replace("+", ",").split(",")
-                                     if x.strip()] for k in cl.CONDITION_KEYS})
-        c = cl.Cluster.up(spec)
+        spec = ClusterSpec(nodes=args.nodes, rate_bps=args.rate or None,
+                           delay_s=args.delay, loss=args.loss,
+                           pair_rates=pairs, name=args.name, subnet=args.subnet, mtu=args.mtu,
+                           nat=nat, overlay=args.overlay,
+                           **{k: [x for item in getattr(args, k) for x in item.replace("+", ",").split(",")
+                                  if x.strip()] for k in CONDITION_KEYS})
+        c = Cluster.up(spec)
         print(f"cluster {spec.name} up: {spec.describe()}")
         _print_status(c.status(measure=args.measure))
         return 0
     if cmd == "down":
-        removed = cl.down(None if args.all else args.name)
+        removed = down(None if args.all else args.name)
         print(f"removed {len(removed)} item(s)" + "".join(f"\n  {r}" for r in removed)
               if removed else "nothing to remove")
         return 0
     if cmd == "status":
-        c = cl.Cluster.load(args.name)
+        c = Cluster.load(args.name)
         st = c.status(measure=not args.no_measure, seconds=args.seconds)
         if args.json:
             print(json.dumps(st, indent=1))
@@ -150,11 +151,11 @@ def run(args: argparse.Namespace) -> int:
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not argv:
             raise ConfigError("command", "", "give a command after --, e.g. cluster exec node0 -- ip addr")
-        c = cl.Cluster.load(args.name)
+        c = Cluster.load(args.name)
         rc = subprocess.call(c.exec_argv(args.node, argv))
         return rc if rc >= 0 else 128 - rc
     if cmd == "set-rate":
-        c = cl.Cluster.load(args.name)
+        c = Cluster.load(args.name)
         node = None if args.node is None else c.node(args.node).index
         c.set_rate(args.rate, node)
         print(f"rate {fmt_rate(parse_rate_bps(args.rate, bare_bits=True), 'tc', unit='bit')} on "
@@ -170,8 +171,10 @@ def _launch(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from lorasync.emulate.cluster import Cluster
+    from lorasync.emulate.launch import emulated, launch_on_cluster
+    from lorasync.emulate.spec import parse_emulate
     from lorasync.errors import ConfigError
-    from lorasync.emulate import cluster as cl
     from lorasync.units import parse_duration
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
@@ -194,21 +197,21 @@ def _launch(args: argparse.Namespace) -> int:
         if args.name is not None:
             raise ConfigError("--name", args.name, "with --emulate name the cluster inside the "
                               f"spec: --emulate {args.emulate},name={args.name}")
-        spec = cl.parse_emulate(args.emulate)
+        spec = parse_emulate(args.emulate)
     nproc = args.nproc_per_node or (spec.nproc_per_node if spec else None)
     run = [script, *argv[1:]]
     if spec is None:
-        c = cl.Cluster.load(args.name or "default")
+        c = Cluster.load(args.name or "default")
         print(f"lorasync cluster launch: cluster {c.spec.name} ({c.spec.describe()}), "
               f"{nproc or c.spec.nproc_per_node} worker(s) per node: {' '.join(run)}",
               file=sys.stderr)
-        return cl.launch_on_cluster(c, run, nproc_per_node=nproc, timeout=timeout, module=None,
-                                    log_dir=args.log_dir)
+        return launch_on_cluster(c, run, nproc_per_node=nproc, timeout=timeout, module=None,
+                                 log_dir=args.log_dir)
     print(f"lorasync cluster launch: emulated cluster {spec.describe()}, {nproc} worker(s) per "
           f"node: {' '.join(run)}", file=sys.stderr)
-    with cl.emulated(spec) as c:
-        return cl.launch_on_cluster(c, run, nproc_per_node=nproc, timeout=timeout, module=None,
-                                    log_dir=args.log_dir)
+    with emulated(spec) as c:
+        return launch_on_cluster(c, run, nproc_per_node=nproc, timeout=timeout, module=None,
+                                 log_dir=args.log_dir)
 
 
 def _print_status(st: dict) -> None:

@@ -65,7 +65,8 @@ def relaunch(args: argparse.Namespace, name: str, argv: list[str], wall_s: float
     """Outside torchrun: start the workers (locally or on an emulated cluster).
     ``wall_s`` bounds the emulated run as a whole (the workers bound each wait)."""
     if args.emulate:
-        from lorasync.emulate.cluster import emulated, launch_on_cluster, parse_emulate
+        from lorasync.emulate.launch import emulated, launch_on_cluster
+        from lorasync.emulate.spec import parse_emulate
 
         spec = parse_emulate(args.emulate)
         with emulated(spec) as cluster:

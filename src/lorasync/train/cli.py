@@ -277,7 +277,7 @@ def run(args) -> int:
         check_init_adapter(cfg)   # an adapter of another shape or base
     spec = None
     if args.emulate:
-        from lorasync.emulate.cluster import parse_emulate
+        from lorasync.emulate.spec import parse_emulate
 
         spec = parse_emulate(args.emulate)
     _preflight(cfg, spec.nodes * spec.nproc_per_node if spec else None)
@@ -285,7 +285,7 @@ def run(args) -> int:
     argv = _worker_argv(raw[raw.index("train") + 1:] if "train" in raw else [], out)
     restarts = cfg.run.max_restarts
     if spec is not None:
-        from lorasync.emulate.cluster import emulated, launch_on_cluster
+        from lorasync.emulate.launch import emulated, launch_on_cluster
 
         lo, hi = parse_nnodes(cfg.run.nnodes) if cfg.run.nnodes else (spec.nodes, spec.nodes)
         if hi != spec.nodes:
