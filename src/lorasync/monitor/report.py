@@ -41,7 +41,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from lorasync.errors import LorasyncError
-from lorasync.monitor.metrics import effective_records
+from lorasync.monitor.metrics import FIRST_STEP, KEEP_ALL, effective_records, steady_state
 
 __all__ = ["Run", "load_run", "step_series", "trainer_series", "find_switches", "summarize_run",
            "summarize_trainer", "build_report", "write_report", "default_output"]
@@ -457,27 +457,17 @@ def summarize_run(run: Run) -> dict:
     if run.kind == "trainer":
         return summarize_trainer(run)
     recs = run.records
-    by_step = _by_step(recs)
-    rank0 = min(r["rank"] for r in recs)
-    r0 = [r for r in recs if r["rank"] == rank0]
-    steady = r0[1:] if len(r0) > 1 else r0
-    steady_steps = [s for s in by_step if s != r0[0]["step"]] or list(by_step)
-    wall = sum(max(r["step_s"] for r in by_step[s]) for s in steady_steps)
-    samples = sum(sum(r["samples"] for r in by_step[s]) for s in steady_steps)
-    step_total = sum(r["step_s"] for r in steady)
+    ranks = sorted({r["rank"] for r in recs})
+    r0 = [r for r in recs if r["rank"] == ranks[0]]
+    # summary.json's definitions, for a run that has none: first step left
+    # out, a one-step run measured all the same
+    st = steady_state([[r for r in recs if r["rank"] == k] for k in ranks],
+                      leave_out=FIRST_STEP, when_none_left=KEEP_ALL)
     computed = {
-        "world_size": max(r.get("world_size", 0) for r in recs) or len({r["rank"] for r in recs}),
+        "world_size": max(r.get("world_size", 0) for r in recs) or len(ranks),
         "strategy": r0[0].get("strategy"),
-        "steps": len(r0),
-        "samples_per_s": samples / wall if wall else None,
-        "step_s_median": statistics.median(r["step_s"] for r in steady),
-        "compute_s_mean": statistics.fmean(r["compute_s"] for r in steady),
-        "comm_s_mean": statistics.fmean(r["comm_s"] for r in steady),
-        "sync_share": sum(r["comm_s"] for r in steady) / step_total if step_total else None,
-        "wire_bytes_per_step": statistics.fmean(r["wire_bytes"] for r in steady),
-        "fp32_bytes_per_step": (statistics.fmean(r["fp32_bytes"] for r in steady)
-                                if all("fp32_bytes" in r for r in steady) else None),
-        "final_loss": r0[-1]["loss"],
+        "steps": st.steps,
+        **st.figures(),
     }
     out = dict(computed)
     if run.summary is not None:
