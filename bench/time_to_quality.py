@@ -183,6 +183,7 @@ def label_of(key: str, opts: dict) -> str:
 
 # ----------------------------------------------------------------------------- reading runs
 
+from lorasync.monitor.metrics import FIRST_STEP, KEEP_ALL, KEEP_NONE, steady_state  # noqa: E402
 from lorasync.monitor.metrics import read_jsonl_records as _jsonl  # noqa: E402
 
 
@@ -340,9 +341,10 @@ def common_args(a, ceiling: bool = False, evals: bool = True) -> list[str]:
 def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceiling_sps: float,
               steps_ref: int) -> dict:
     st = run.steps
-    steady = st[1:] if len(st) > 1 else st
-    secs = train_time(steady)
-    sps = sum(s["samples"] for s in steady) / secs if secs else None
+    # the first step left out (a one-step run measured all the same), over
+    # read_progress's rows: one per step, already reduced over the ranks
+    ss = steady_state([st], leave_out=FIRST_STEP, when_none_left=KEEP_ALL)
+    steady, sps = ss.rank0, ss.samples_per_s
     reach = first_reach(run.evals, target)
     at = eval_at(run.evals, steps_ref)
     comp = sum(s["compute_s"] for s in steady) / len(steady) if steady else None
@@ -351,7 +353,7 @@ def summarize(run: Run, target: float, limit: float | None, ideal_s: float, ceil
             "status": run.status,
             "steps_run": len(st), "samples_per_s": sps,
             "efficiency": sps / ceiling_sps if sps and ceiling_sps else None,
-            "sync_share": (sum(s["comm_s"] for s in steady) / secs) if secs else None,
+            "sync_share": ss.sync_share,
             "encode_share": enc / comp if comp else None,
             "eval_at_steps": at, "quality": None if at is None or limit is None else at <= limit,
             "final_strategy": st[-1]["strategy"] if st else None, **run.extra}
@@ -376,15 +378,14 @@ def speed_of(sp: Run | None, reached: int | None, ideal_s: float, ceiling_sps: f
     changes, and a schedule-driven strategy's losses do not depend on it)."""
     if sp is None:
         return {}
-    steady = sp.steps[1:]
-    secs = train_time(steady)
-    sps = sps_of(sp)
+    ss = _speed_steady(sp)
+    sps = ss.samples_per_s
     covered = reached is not None and any(s["step"] == reached for s in sp.steps)
     t = train_time(sp.steps, reached) if covered else None
     return {"speed_status": sp.status, "speed_steps_run": len(sp.steps),
             "speed_samples_per_s": sps,
             "speed_efficiency": sps / ceiling_sps if sps and ceiling_sps else None,
-            "speed_sync_share": (sum(s["comm_s"] for s in steady) / secs) if secs else None,
+            "speed_sync_share": ss.sync_share,
             "speed_time_to_target_s": t,
             "speed_ratio_to_ideal": t / ideal_s if t is not None and ideal_s else None,
             "speed_wall_s": sp.extra.get("wall_s")}
@@ -572,8 +573,9 @@ def predict_cell(cell: dict, run: Run, net, compute_s: float, a) -> None:
     wl = workload(a, compute_s, run)
     wl = Workload(**{**wl.__dict__, "options": {name: run.options}})
     p = predict(name, net, wl)
-    steady = run.steps[1:] or run.steps
-    measured = train_time(steady) / len(steady)
+    # as summarize's samples/s: the first step left out unless it is the only one
+    ss = steady_state([run.steps], leave_out=FIRST_STEP, when_none_left=KEEP_ALL)
+    measured = ss.wall_s / len(ss.counted)
     cell.update(predicted_step_s=p.step_s, measured_step_s=measured,
                 plan_error=measured / p.step_s - 1)
 
@@ -882,10 +884,14 @@ def main() -> int:
     return 0
 
 
+def _speed_steady(run: Run):
+    # the first step left out, even of a run that stopped after it: a speed
+    # run or a ceiling of one step has no samples/s
+    return steady_state([run.steps], leave_out=FIRST_STEP, when_none_left=KEEP_NONE)
+
+
 def sps_of(run: Run) -> float | None:
-    steady = run.steps[1:]
-    secs = train_time(steady)
-    return sum(s["samples"] for s in steady) / secs if secs else None
+    return _speed_steady(run).samples_per_s
 
 
 def adapter_params(run_dir: str) -> int:

@@ -130,21 +130,21 @@ def partial_summary(run_dir: str, world: int) -> dict | None:
     step, all over the steps after the first, every step as slow as its
     slowest rank) from the per-rank step records of a run that was stopped;
     None with fewer than two steps after the first finished by every rank."""
-    import statistics
+    from lorasync.monitor.metrics import FIRST_STEP, KEEP_ALL, steady_state
 
     per = _step_records(run_dir, world)
     common = sorted(set.intersection(*(set(p) for p in per))) if per else []
     if len(common) < 3:
         return None
-    steady = common[1:]
-    rows = [[p[s] for p in per] for s in steady]
-    wall = sum(max(r["step_s"] for r in rs) for rs in rows)
-    r0 = [per[0][s] for s in steady]
-    return {"world_size": world, "strategy": r0[-1].get("strategy"), "steps": len(common),
-            "samples_per_s": sum(sum(r["samples"] for r in rs) for rs in rows) / wall,
-            "step_s_median": statistics.median(r["step_s"] for r in r0),
-            "sync_share": sum(r["comm_s"] for r in r0) / sum(r["step_s"] for r in r0),
-            "wire_bytes_per_step": statistics.fmean(r.get("wire_bytes", 0) for r in r0),
+    # summary.json's first step left out; two steps or more are left (checked
+    # above); a record without wire_bytes counts as nothing sent
+    st = steady_state([[{"wire_bytes": 0, **p[s]} for s in common] for p in per],
+                      leave_out=FIRST_STEP, when_none_left=KEEP_ALL)
+    return {"world_size": world, "strategy": st.rank0[-1].get("strategy"), "steps": st.steps,
+            "samples_per_s": st.samples_per_s,
+            "step_s_median": st.step_s_median,
+            "sync_share": st.sync_share,
+            "wire_bytes_per_step": st.wire_bytes_per_step,
             "eval_after": None, "partial": True}
 
 
@@ -201,6 +201,8 @@ def after_last_switch(metrics_path: str) -> dict:
     """For a run that switched strategy (auto): samples/s over the steps after
     its last switch, so its steady state can be set beside the fixed rows
     (the overall figure also holds auto's measuring steps)."""
+    from lorasync.monitor.metrics import KEEP_NONE, steady_state
+
     try:
         with open(metrics_path) as fh:
             recs = [json.loads(line) for line in fh if line.strip()]
@@ -212,18 +214,17 @@ def after_last_switch(metrics_path: str) -> dict:
     if not switched:   # auto kept its first pick (or what it measured with) throughout
         return {"final_strategy": max(recs, key=lambda r: r["step"]).get("strategy")}
     last = max(switched)
-    after = {}
-    for r in recs:
-        if r["step"] > last:
-            after.setdefault(r["step"], []).append(r)
     final = max(recs, key=lambda r: r["step"]).get("strategy")
-    if not after:
+    ranks = sorted({r.get("rank", 0) for r in recs})
+    # every step up to the last switch is left out: auto's measuring and
+    # the strategies it left; no step after it, no figure
+    st = steady_state([[r for r in recs if r.get("rank", 0) == k] for k in ranks],
+                      leave_out=last, when_none_left=KEEP_NONE)
+    if not st.counted:
         return {"last_switch_step": last, "final_strategy": final}
-    # a step lasts as long as its slowest rank; samples of all ranks count
-    secs = sum(max(x["step_s"] for x in rs) for rs in after.values())
-    samples = sum(sum(x["samples"] for x in rs) for rs in after.values())
-    return {"last_switch_step": last, "final_strategy": final, "steps_after_switch": len(after),
-            "samples_per_s_after_switch": samples / secs if secs > 0 else None}
+    return {"last_switch_step": last, "final_strategy": final,
+            "steps_after_switch": len(st.counted),
+            "samples_per_s_after_switch": st.samples_per_s}
 
 
 def row_strategy(row: Row) -> tuple[str, dict, float] | None:

@@ -1,9 +1,9 @@
 """The run summary rank 0 writes at the end (``summary.json``) and prints.
 
-``summarize`` reduces every rank's step records to run-level numbers
-(samples/s over the steady steps, medians and means, bytes per step, eval
-before and after); ``format_summary`` turns them into the table printed at
-the end of ``lorasync train``.
+``summarize`` sets the run's settings and its evaluations before and after
+beside the steady-state figures of every rank's step records
+(:func:`lorasync.monitor.metrics.steady_state`); ``format_summary`` turns
+them into the table printed at the end of ``lorasync train``.
 """
 
 from __future__ import annotations
@@ -11,34 +11,19 @@ from __future__ import annotations
 import math
 import os
 
+from lorasync.monitor.metrics import FIRST_STEP, KEEP_ALL, steady_state
+
 __all__ = ["summarize", "format_summary"]
 
 
 def summarize(per_rank, cfg, world, n_adapter, startup_bytes, eval_before, eval_after) -> dict:
-    import statistics
-
-    r0 = sorted(per_rank[0], key=lambda r: r["step"])
-    # the first step includes DDP's bucket rebuild and allocator warm-up
-    steady = r0[1:] if len(r0) > 1 else r0
-    by_step: dict[int, list[dict]] = {}
-    for recs in per_rank:
-        for r in recs:
-            by_step.setdefault(r["step"], []).append(r)
-    steady_steps = [s for s in sorted(by_step) if s != r0[0]["step"]] or sorted(by_step)
-    # a step is as slow as its slowest rank; samples are summed over ranks
-    wall = sum(max(r["step_s"] for r in by_step[s]) for s in steady_steps)
-    samples = sum(sum(r["samples"] for r in by_step[s]) for s in steady_steps)
+    # the first step holds DDP's bucket rebuild and the allocator's warm-up;
+    # a one-step run is still measured
+    st = steady_state(per_rank, leave_out=FIRST_STEP, when_none_left=KEEP_ALL)
     return {
         "world_size": world, "strategy": cfg.comm.strategy, "model": cfg.model.name,
-        "adapter_params": n_adapter, "steps": len(r0), "startup_broadcast_bytes": startup_bytes,
-        "samples_per_s": samples / wall if wall else None,
-        "step_s_median": statistics.median(r["step_s"] for r in steady),
-        "compute_s_mean": statistics.fmean(r["compute_s"] for r in steady),
-        "comm_s_mean": statistics.fmean(r["comm_s"] for r in steady),
-        "sync_share": (sum(r["comm_s"] for r in steady) / sum(r["step_s"] for r in steady)),
-        "wire_bytes_per_step": statistics.fmean(r["wire_bytes"] for r in steady),
-        "fp32_bytes_per_step": statistics.fmean(r["fp32_bytes"] for r in steady),
-        "final_loss": r0[-1]["loss"],
+        "adapter_params": n_adapter, "steps": st.steps, "startup_broadcast_bytes": startup_bytes,
+        **st.figures(),
         "eval_before": eval_before, "eval_after": eval_after,
     }
 
