@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
 from lorasync.emulate.cluster import ClusterSpec, down, emulated, launch_on_cluster
 
-_why = ("needs root" if os.geteuid() != 0 else
-        "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else
-        "needs /dev/net/tun (the delay link)" if not os.path.exists("/dev/net/tun") else None)
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=_why or "")]
+pytestmark = pytest.mark.netns(tun=True)   # the delay link
 
 NAME = f"t{os.getpid() % 100000}ll"
 RATE_BPS = 10e6 / 8
