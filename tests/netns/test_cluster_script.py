@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import textwrap
 
@@ -20,9 +19,10 @@ import pytest
 from lorasync.cli import main
 from lorasync.emulate.cluster import down
 
-_why = ("needs root" if os.geteuid() != 0 else
-        "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else None)
-needs_root = pytest.mark.skipif(_why is not None, reason=_why or "")
+from conftest import NETNS_TOOLS, missing
+
+#: None where namespaces can be made: the sweep and the no-root tests look at them then
+_why = missing(*NETNS_TOOLS)
 
 TAG = f"s{os.getpid() % 100000}"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,7 +95,6 @@ def _launch(name: str, *argv: str) -> int:
 
 
 @pytest.mark.netns
-@needs_root
 def test_plain_ddp_script_with_the_callers_environment(tmp_path, monkeypatch):
     script = tmp_path / "ddp.py"
     script.write_text(textwrap.dedent(DDP))
@@ -120,7 +119,6 @@ def test_plain_ddp_script_with_the_callers_environment(tmp_path, monkeypatch):
 
 
 @pytest.mark.netns
-@needs_root
 def test_trainer_script_then_the_report_reads_its_output(tmp_path):
     from lorasync.monitor.report import load_run, summarize_run
 
@@ -148,7 +146,6 @@ time.sleep(300)   # rank 0 never ends by itself: the launcher must stop it
 
 
 @pytest.mark.netns
-@needs_root
 def test_a_failing_script_leaves_nothing_behind(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent(FAIL))

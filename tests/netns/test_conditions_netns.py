@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,9 +20,9 @@ from lorasync.emulate.cluster import Cluster, down
 from lorasync.emulate.launch import emulated
 from lorasync.emulate.spec import parse_emulate
 
-_why = ("needs root" if os.geteuid() != 0 else
-        "needs iproute2 and nftables" if not all(shutil.which(t) for t in ("ip", "tc", "nft")) else None)
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=_why or "")]
+pytestmark = pytest.mark.netns("nft")
+#: the tests over a WireGuard overlay (wg_pair's too)
+needs_wg = pytest.mark.netns("wireguard-go", "wg", tun=True)
 
 TAG = f"c{os.getpid() % 100000}"
 
@@ -186,7 +185,7 @@ def test_a_failed_build_leaves_no_namespace_or_table(monkeypatch):
     assert not (cl.CLUSTERS_DIR / f"{name}.json").exists()
 
 
-@pytest.mark.skipif(not (shutil.which("wireguard-go") and shutil.which("wg")), reason="needs wireguard-go and wg")
+@needs_wg
 def test_overlay_mtu_auto_fits_the_black_hole():
     """The tunnels' MTU (auto) comes from the probed path, so full-size tunnel
     packets fit through the black hole and bulk data flows over the overlay."""
@@ -203,8 +202,6 @@ def test_overlay_mtu_auto_fits_the_black_hole():
 def wg_pair(tmp_path):
     """Two emulated nodes joined by a plain WireGuard interface each (wireguard-go over
     TUN, named wg*): an overlay lorasync did not make, as Tailscale or ZeroTier would be."""
-    if not (shutil.which("wireguard-go") and shutil.which("wg")):
-        pytest.skip("needs wireguard-go and wg")
     with emulated(parse_emulate(f"nodes=2,name={_name('wg')}")) as c:
         names = [f"wg{TAG}{x}" for x in "ab"]
         addrs = ["10.99.0.1", "10.99.0.2"]
@@ -241,6 +238,7 @@ def wg_pair(tmp_path):
                 d.wait(timeout=10)
 
 
+@needs_wg
 def test_an_existing_wireguard_interface_is_recognized_and_used(wg_pair):
     c, names, addrs = wg_pair
     # doctor on node0: the rendezvous (node1's overlay address) is reached over wg*
@@ -267,6 +265,7 @@ def test_an_existing_wireguard_interface_is_recognized_and_used(wg_pair):
     assert f"reached over wireguard overlay {names[0]}" in r.stderr
 
 
+@needs_wg
 def test_a_job_across_nodes_runs_over_the_existing_interface(wg_pair, tmp_path):
     """lorasync's own launch (here the live doctor: two nodes, one rank each)
     on nodes joined by wg*: every rank talks over it and the stores listen on

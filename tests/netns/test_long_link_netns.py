@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -19,10 +18,7 @@ from lorasync.emulate.cluster import down
 from lorasync.emulate.launch import emulated, launch_on_cluster
 from lorasync.emulate.spec import ClusterSpec
 
-_why = ("needs root" if os.geteuid() != 0 else
-        "needs iproute2 (ip, tc)" if not (shutil.which("ip") and shutil.which("tc")) else
-        "needs /dev/net/tun (the delay link)" if not os.path.exists("/dev/net/tun") else None)
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=_why or "")]
+pytestmark = pytest.mark.netns(tun=True)   # the delay link
 
 NAME = f"t{os.getpid() % 100000}ll"
 RATE_BPS = 10e6 / 8

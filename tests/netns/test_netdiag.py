@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,15 +21,7 @@ import pytest
 from lorasync.netdiag.tune import SYSCTL_SCOPE
 
 
-def _why_skip() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, sysctl writes)"
-    if not (shutil.which("ip") and shutil.which("tc")):
-        return "needs iproute2 (ip, tc)"
-    return None
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why_skip() is not None, reason=_why_skip() or "")]
+pytestmark = pytest.mark.netns   # root: namespaces and sysctl writes
 
 PREFIX = f"lsync-test-nd{os.getpid()}"
 SUBNET = "10.231.7"

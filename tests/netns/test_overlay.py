@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,19 +25,7 @@ from lorasync.emulate.launch import launch_on_cluster
 from lorasync.emulate.spec import parse_emulate
 
 
-def _why() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    missing = [t for t in ("ip", "tc", "nft", "wireguard-go", "wg") if not shutil.which(t)]
-    if missing:
-        return (f"needs {', '.join(missing)} (apt-get install -y iproute2 nftables wireguard-go "
-                "wireguard-tools)")
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why() is not None, reason=_why() or "")]
+pytestmark = pytest.mark.netns("nft", "wireguard-go", "wg", tun=True)
 
 TAG = f"o{os.getpid() % 100000}"
 NAMES = [f"{TAG}{k}" for k in ("rly", "nat", "trn")]

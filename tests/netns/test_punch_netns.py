@@ -10,7 +10,6 @@ removed in ``finally``.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,18 +23,7 @@ from lorasync.overlay import punch, tunnel
 from lorasync.overlay import wireguard as wg
 
 
-def _why() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    missing = [t for t in ("ip", "tc", "nft", "wireguard-go", "wg") if not shutil.which(t)]
-    if missing:
-        return f"needs {', '.join(missing)} (apt-get install -y nftables wireguard-go wireguard-tools)"
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why() is not None, reason=_why() or "")]
+pytestmark = pytest.mark.netns("nft", "wireguard-go", "wg", tun=True)
 
 TAG = f"pu{os.getpid() % 100000}"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,22 +24,7 @@ from lorasync.errors import EnvironmentProblem
 from lorasync.overlay import tunnel
 
 
-def _why() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    missing = [t for t in ("ip", "tc", "nft", "wireguard-go", "wg", "ssh", "ssh-keygen")
-               if not shutil.which(t)]
-    if not os.access("/usr/sbin/sshd", os.X_OK):
-        missing.append("sshd")
-    if missing:
-        return (f"needs {', '.join(missing)} (apt-get install -y iproute2 nftables wireguard-go "
-                "wireguard-tools openssh-server)")
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why() is not None, reason=_why() or "")]
+pytestmark = pytest.mark.netns("nft", "wireguard-go", "wg", "ssh", "ssh-keygen", "sshd", tun=True)
 
 TAG = f"s{os.getpid() % 100000}"
 NAMES = [f"{TAG}{k}" for k in ("trn", "neg")]

@@ -30,20 +30,7 @@ from lorasync.emulate.cluster import Cluster, down
 from lorasync.emulate.spec import parse_emulate
 
 
-def _why() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    missing = [t for t in ("ip", "tc", "nft", "ssh", "ssh-keygen") if not shutil.which(t)]
-    if not os.access("/usr/sbin/sshd", os.X_OK):
-        missing.append("sshd")
-    if missing:
-        return f"needs {', '.join(missing)} (apt-get install -y iproute2 nftables openssh-server)"
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun"
-    return None
-
-
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why() is not None, reason=_why() or "")]
+pytestmark = pytest.mark.netns("nft", "ssh", "ssh-keygen", "sshd", tun=True)
 
 TAG = f"t{os.getpid() % 100000}"
 NAME = f"{TAG}ssh"

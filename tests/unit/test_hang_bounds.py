@@ -172,14 +172,23 @@ def test_bounded_call():
 
 
 def test_stall_hook_is_off_unless_it_names_this_rank(monkeypatch):
+    """Each call runs in a helper thread with a bound: a hook that stalls where
+    it should not fails within that bound, not at the suite's timeout."""
+    def returns(*where):
+        return wd.bounded_call(lambda: wd.stall_here(*where), 10)
+
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setenv(wd.STALL_ENV, "eval.batch:0,checkpoint:1")
-    wd.stall_here("eval", "batch")           # rank 0's
-    wd.stall_here("checkpoint", "write")     # another point
+    assert returns("eval", "batch"), "stalled at rank 0's point"
+    assert returns("checkpoint", "write"), "stalled at a point not named"
+    # the one it names blocks (its thread stays behind, asleep, until the process ends)
+    assert not wd.bounded_call(lambda: wd.stall_here("checkpoint"), 0.5), "did not stall"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    wd.stall_here("checkpoint")              # a restarted group runs through
+    assert returns("checkpoint"), "stalled in a restarted group"
     monkeypatch.delenv(wd.STALL_ENV)
-    wd.stall_here("checkpoint")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert returns("checkpoint"), "stalled with the hook unset"
 
 
 # ---------------------------------------------------------------- the start of the group
