@@ -49,6 +49,7 @@ from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
 from lorasync.hostops import TUNNELS_DIR, as_root, pid_alive, require_root, stop_process
 from lorasync.overlay import linktest, punch
 from lorasync.overlay import wireguard as wg
+from lorasync.units import parse_hostport
 
 __all__ = [
     "CONFIG_VERSION",
@@ -91,21 +92,7 @@ _IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,14}$")
 def split_endpoint(text: str, field: str = "endpoint", default_port: int = DEFAULT_PORT
                    ) -> tuple[str, int]:
     """``"host:51820"``, ``"[2001:db8::1]:51820"``, ``"host"`` -> (host, port)."""
-    s = str(text).strip()
-    if s.startswith("["):
-        host, _, rest = s[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif s.count(":") == 1:
-        host, port = s.split(":")
-    else:
-        host, port = s, ""
-    if not host or any(c.isspace() for c in host):
-        raise ConfigError(field, text, "write HOST[:PORT], e.g. 203.0.113.5:51820")
-    if port:
-        if not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ConfigError(field, text, "the port must be a number between 1 and 65535")
-        return host, int(port)
-    return host, default_port
+    return parse_hostport(text, field, default_port=default_port, example="203.0.113.5:51820")
 
 
 def join_endpoint(host: str, port: int) -> str:
