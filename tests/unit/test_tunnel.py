@@ -17,10 +17,10 @@ import stat
 import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.overlay import tunnel, wireguard as wg
+from lorasync.overlay import preflight, supervisor, tunnel, wireguard as wg
 from lorasync.emulate.nat import ruleset as nat_ruleset
 from lorasync.overlay.enroll import parse_node_spec
-from lorasync.overlay.tunnel import supervise_step
+from lorasync.overlay.wgsupervisor import supervise_step
 from tunnel_fakes import enrolled
 
 
@@ -204,10 +204,10 @@ def _cfg(tmp_path, **kw):
 
 def test_address_clash(tmp_path):
     cfg = _cfg(tmp_path)  # 10.77.0.2/24
-    tunnel.check_address_clash(cfg, [("lo", "127.0.0.1/8"), ("eth0", "192.168.1.5/24")])
+    preflight.check_address_clash(cfg, [("lo", "127.0.0.1/8"), ("eth0", "192.168.1.5/24")])
     for cidr in ("10.77.0.9/24", "10.0.0.1/8", "10.77.0.2/32"):
         with pytest.raises(ConfigError) as e:
-            tunnel.check_address_clash(cfg, [("eth1", cidr)])
+            preflight.check_address_clash(cfg, [("eth1", cidr)])
         assert e.value.field == "address" and "eth1" in e.value.fix and "--subnet" in e.value.fix
 
 
@@ -217,11 +217,11 @@ def test_port_in_use_names_the_fix():
     port = s.getsockname()[1]
     try:
         with pytest.raises(ConfigError) as e:
-            tunnel.check_port_free(port)
+            preflight.check_port_free(port)
         assert e.value.field == "listen_port" and f"sport = :{port}" in e.value.fix
     finally:
         s.close()
-    tunnel.check_port_free(port)
+    preflight.check_port_free(port)
 
 
 def test_overlay_mtu_from_path_mtu():
@@ -234,7 +234,7 @@ def test_overlay_mtu_from_path_mtu():
 
 
 def test_configured_mtu_wins(tmp_path):
-    assert tunnel.choose_mtu(_cfg(tmp_path, mtu=1380)) == 1380
+    assert preflight.choose_mtu(_cfg(tmp_path, mtu=1380)) == 1380
 
 
 def test_rulesets():
@@ -274,7 +274,7 @@ def test_down_signals_only_a_supervisor_and_wireguard_go_of_its_own(tmp_path, mo
 
     from lorasync.hostops import pid_alive
 
-    monkeypatch.setattr(tunnel, "TUNNELS_DIR", tmp_path)
+    monkeypatch.setattr(supervisor, "TUNNELS_DIR", tmp_path)
     monkeypatch.setattr(tunnel, "leftovers", lambda ifname, netns: [])
     sleep = "import time; time.sleep(60)"
     procs = {

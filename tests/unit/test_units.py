@@ -296,7 +296,7 @@ def test_callers_read_hostport_the_same():
     all read HOST:PORT through units.parse_hostport, each with its own default."""
     from lorasync.config import parse_endpoint
     from lorasync.netdiag.doctor import _rendezvous
-    from lorasync.overlay.tunnel import split_endpoint
+    from lorasync.overlay.config import split_endpoint
 
     assert parse_endpoint("[fd00::1]:29400") == ("fd00::1", 29400)
     assert split_endpoint("[fd00::1]") == ("fd00::1", 51820)
