@@ -306,3 +306,61 @@ def test_down_signals_only_a_supervisor_and_wireguard_go_of_its_own(tmp_path, mo
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+# ---------------------------------------------------------------- the supervisor both transports share
+
+
+def test_base_supervisor_restarts_after_the_transports_delay(tmp_path, monkeypatch):
+    """The loop both supervisors run: an exited daemon is logged once, started
+    again after the delay the transport names (a failed start: when it says),
+    and stop() takes down the state file with what the transport releases."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(supervisor, "TUNNELS_DIR", tmp_path)
+
+    class Fake(supervisor.BaseSupervisor):
+        def __init__(self):
+            super().__init__("lsx9", interval=0.01)
+            self.calls = []
+
+        def _start(self):
+            self.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+
+        def state(self):
+            return {"ifname": self.name, "restarts": self.restarts}
+
+        def up_message(self):
+            return "up"
+
+        def _exited(self, now):
+            self.calls.append("exited")
+            self.event("daemon exited")
+            return 0.02
+
+        def _restart(self, now):
+            self.calls.append("restart")
+            if self.calls.count("restart") == 1:
+                return now + 0.02   # the first try fails: again in 0.02 s, not logged as an exit
+            self._start()
+            self.restarts += 1
+            self._save_state()
+            if self.restarts == 2:
+                self.request_stop()
+            return None
+
+        def _release(self):
+            self.calls.append("release")
+
+    s = Fake()
+    s.start()
+    assert json.loads((tmp_path / "lsx9.json").read_text()) == {"ifname": "lsx9", "restarts": 0}
+    s.run()
+    assert s.calls == ["exited", "restart", "restart", "exited", "restart"]
+    assert json.loads((tmp_path / "lsx9.json").read_text())["restarts"] == 2
+    s.stop()
+    assert s.calls[-1] == "release" and not (tmp_path / "lsx9.json").exists()
+    log = (tmp_path / "lsx9.log").read_text().splitlines()
+    assert [ln.split(" ", 2)[2] for ln in log] == ["up", "daemon exited", "daemon exited"]
+    assert [st["ifname"] for st in supervisor.states()] == []
