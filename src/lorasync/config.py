@@ -25,6 +25,7 @@ from typing import Any
 
 from lorasync import catalog
 from lorasync.errors import ConfigError, LorasyncError, UnknownKey
+from lorasync.units import parse_hostport
 
 __all__ = [
     "ModelConfig", "LoraSettings", "DataConfig", "TrainConfig", "CommConfig", "RunConfig",
@@ -465,15 +466,7 @@ REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 def parse_endpoint(text: str, field: str = "--rdzv-endpoint") -> tuple[str, int]:
     """``"10.0.0.1:29400"``, ``"[fd00::1]:29400"`` -> (host, port); a ConfigError
     naming ``field`` when the host is missing or the port is not 1-65535."""
-    s = str(text).strip()
-    host, sep, port = (s[1:].partition("]:") if s.startswith("[") else s.rpartition(":"))
-    if not sep or not host or any(c.isspace() or c in "[]/" for c in host) or \
-            (":" in host and not s.startswith("[")):
-        raise ConfigError(field, text, "give HOST:PORT, e.g. 10.0.0.1:29400 or [fd00::1]:29400")
-    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ConfigError(field, text, "the port must be a number between 1 and 65535, "
-                          "e.g. 10.0.0.1:29400")
-    return host, int(port)
+    return parse_hostport(text, field)
 
 
 def parse_nnodes(text: str) -> tuple[int, int] | None:

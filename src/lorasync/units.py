@@ -28,6 +28,10 @@ of their own):
   ``4MiB`` 4,194,304).
 * counts: ``921600``, ``921_600``, ``0.92M``, ``7B``-style suffixes k/M/G.
 * shares (:func:`parse_fraction`): ``0.1%``, ``1%`` (packet loss).
+* network addresses (:func:`parse_hostport` -> (host, port)): ``10.0.0.1:29400``,
+  ``[fd00::1]:29400``, ``node0:1``; the port is optional where the caller
+  gives a default (``host``, ``[fd00::1]``, and an IPv6 address without
+  brackets, which cannot carry a port).
 
 Every parser raises ``lorasync.errors.ConfigError(field, value, fix)``.
 
@@ -46,7 +50,7 @@ from lorasync.errors import ConfigError
 
 __all__ = [
     "parse_rate_bps", "parse_rate_Bps", "parse_duration", "parse_size", "parse_count",
-    "parse_fraction", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count", "RATE_STYLES",
+    "parse_fraction", "parse_hostport", "fmt_rate", "fmt_bytes", "fmt_duration", "fmt_count", "RATE_STYLES",
 ]
 
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -257,6 +261,41 @@ def parse_count(text, field: str = "count") -> int:
     if not math.isfinite(value) or value < 1:
         raise ConfigError(field, text, fix)
     return int(round(value))
+
+
+def parse_hostport(text, field: str = "address", *, default_port: int | None = None,
+                   example: str = "10.0.0.1:29400 or [fd00::1]:29400") -> tuple[str, int]:
+    """``"10.0.0.1:29400"``, ``"[fd00::1]:29400"``, ``"node0:1"`` -> (host, port).
+
+    An IPv6 address with a port is written in brackets; without them, text
+    with more than one colon is an IPv6 address and names no port.  Text that
+    names no port gets ``default_port``; with ``default_port=None`` a port is
+    required.  A port is 1-65535 in ASCII digits; a host has no white space
+    and none of ``[]/``.  ``example`` is what the fix of an error shows.
+    """
+    form = "HOST:PORT" if default_port is None else "HOST[:PORT]"
+    bad_form = ConfigError(field, text, f"give {form}, e.g. {example}")
+    s = str(text).strip()
+    port: str | None = None
+    if s.startswith("["):
+        host, closed, rest = s[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise bad_form
+        port = rest[1:] if rest else None
+    elif s.count(":") == 1:
+        host, port = s.split(":")
+    else:
+        host = s
+    if not host or any(c.isspace() or c in "[]/" for c in host):
+        raise bad_form
+    if port is None:
+        if default_port is None:
+            raise bad_form
+        return host, default_port
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(field, text, "the port must be a number between 1 and 65535, "
+                          f"e.g. {example}")
+    return host, int(port)
 
 
 #: spellings :func:`fmt_rate` prints

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from lorasync import cli
-from lorasync.overlay import tunnel
+from lorasync.overlay import preflight
 
 
 class Reached(Exception):
@@ -33,7 +33,7 @@ class Guard:
         self.launches = 0
         self.launch_ok = launch_ok
         monkeypatch.setattr(torchrun, "run_agent", self._agent)
-        monkeypatch.setattr(tunnel, "check_root", self._root)
+        monkeypatch.setattr(preflight, "check_root", self._root)
         for var in ("LOCAL_RANK", "WORLD_SIZE"):   # never a worker here
             monkeypatch.delenv(var, raising=False)
         # what run_torchrun sets for its workers: restored after the test

@@ -15,7 +15,7 @@ from _bad_input import (Guard, Reached, probe_json, refused, run, tunnel_configs
 from lorasync.config import CommConfig, DataConfig, load_config, parse_endpoint, parse_options
 from lorasync.errors import ConfigError, DataError
 from lorasync.netdiag import tune
-from lorasync.overlay import tunnel
+from lorasync.overlay import supervisor, tunnel
 from lorasync.plan.linkfit import fit_sweep
 from lorasync.plan.planner import net_from_probe
 from lorasync.train.data import read_jsonl
@@ -359,7 +359,7 @@ def test_tunnel_json_of_init_loads(guard, tmp_path, capsys):
 
 
 def test_state_files_that_are_no_state_are_skipped(tmp_path, monkeypatch):
-    monkeypatch.setattr(tunnel, "TUNNELS_DIR", tmp_path)
+    monkeypatch.setattr(supervisor, "TUNNELS_DIR", tmp_path)
     (tmp_path / "a.json").write_text("[1, 2]")
     (tmp_path / "b.json").write_text('{"ifname": 5}')
     (tmp_path / "c.json").write_text('{"ifname": "lsync9", "config": "/x/tunnel.json"}')

@@ -17,10 +17,10 @@ import stat
 import pytest
 
 from lorasync.errors import ConfigError, EnvironmentProblem
-from lorasync.overlay import tunnel, wireguard as wg
+from lorasync.overlay import preflight, supervisor, tunnel, wireguard as wg
 from lorasync.emulate.nat import ruleset as nat_ruleset
 from lorasync.overlay.enroll import parse_node_spec
-from lorasync.overlay.tunnel import supervise_step
+from lorasync.overlay.wgsupervisor import supervise_step
 from tunnel_fakes import enrolled
 
 
@@ -204,10 +204,10 @@ def _cfg(tmp_path, **kw):
 
 def test_address_clash(tmp_path):
     cfg = _cfg(tmp_path)  # 10.77.0.2/24
-    tunnel.check_address_clash(cfg, [("lo", "127.0.0.1/8"), ("eth0", "192.168.1.5/24")])
+    preflight.check_address_clash(cfg, [("lo", "127.0.0.1/8"), ("eth0", "192.168.1.5/24")])
     for cidr in ("10.77.0.9/24", "10.0.0.1/8", "10.77.0.2/32"):
         with pytest.raises(ConfigError) as e:
-            tunnel.check_address_clash(cfg, [("eth1", cidr)])
+            preflight.check_address_clash(cfg, [("eth1", cidr)])
         assert e.value.field == "address" and "eth1" in e.value.fix and "--subnet" in e.value.fix
 
 
@@ -217,11 +217,11 @@ def test_port_in_use_names_the_fix():
     port = s.getsockname()[1]
     try:
         with pytest.raises(ConfigError) as e:
-            tunnel.check_port_free(port)
+            preflight.check_port_free(port)
         assert e.value.field == "listen_port" and f"sport = :{port}" in e.value.fix
     finally:
         s.close()
-    tunnel.check_port_free(port)
+    preflight.check_port_free(port)
 
 
 def test_overlay_mtu_from_path_mtu():
@@ -234,7 +234,7 @@ def test_overlay_mtu_from_path_mtu():
 
 
 def test_configured_mtu_wins(tmp_path):
-    assert tunnel.choose_mtu(_cfg(tmp_path, mtu=1380)) == 1380
+    assert preflight.choose_mtu(_cfg(tmp_path, mtu=1380)) == 1380
 
 
 def test_rulesets():
@@ -274,7 +274,7 @@ def test_down_signals_only_a_supervisor_and_wireguard_go_of_its_own(tmp_path, mo
 
     from lorasync.hostops import pid_alive
 
-    monkeypatch.setattr(tunnel, "TUNNELS_DIR", tmp_path)
+    monkeypatch.setattr(supervisor, "TUNNELS_DIR", tmp_path)
     monkeypatch.setattr(tunnel, "leftovers", lambda ifname, netns: [])
     sleep = "import time; time.sleep(60)"
     procs = {
@@ -306,3 +306,61 @@ def test_down_signals_only_a_supervisor_and_wireguard_go_of_its_own(tmp_path, mo
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+# ---------------------------------------------------------------- the supervisor both transports share
+
+
+def test_base_supervisor_restarts_after_the_transports_delay(tmp_path, monkeypatch):
+    """The loop both supervisors run: an exited daemon is logged once, started
+    again after the delay the transport names (a failed start: when it says),
+    and stop() takes down the state file with what the transport releases."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(supervisor, "TUNNELS_DIR", tmp_path)
+
+    class Fake(supervisor.BaseSupervisor):
+        def __init__(self):
+            super().__init__("lsx9", interval=0.01)
+            self.calls = []
+
+        def _start(self):
+            self.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+
+        def state(self):
+            return {"ifname": self.name, "restarts": self.restarts}
+
+        def up_message(self):
+            return "up"
+
+        def _exited(self, now):
+            self.calls.append("exited")
+            self.event("daemon exited")
+            return 0.02
+
+        def _restart(self, now):
+            self.calls.append("restart")
+            if self.calls.count("restart") == 1:
+                return now + 0.02   # the first try fails: again in 0.02 s, not logged as an exit
+            self._start()
+            self.restarts += 1
+            self._save_state()
+            if self.restarts == 2:
+                self.request_stop()
+            return None
+
+        def _release(self):
+            self.calls.append("release")
+
+    s = Fake()
+    s.start()
+    assert json.loads((tmp_path / "lsx9.json").read_text()) == {"ifname": "lsx9", "restarts": 0}
+    s.run()
+    assert s.calls == ["exited", "restart", "restart", "exited", "restart"]
+    assert json.loads((tmp_path / "lsx9.json").read_text())["restarts"] == 2
+    s.stop()
+    assert s.calls[-1] == "release" and not (tmp_path / "lsx9.json").exists()
+    log = (tmp_path / "lsx9.log").read_text().splitlines()
+    assert [ln.split(" ", 2)[2] for ln in log] == ["up", "daemon exited", "daemon exited"]
+    assert [st["ifname"] for st in supervisor.states()] == []

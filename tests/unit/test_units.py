@@ -240,3 +240,74 @@ def test_fmt_rate_tc_reads_back(text):
     """What the tc style prints, the parsers read back (cluster state, tune advice)."""
     bps = units.parse_rate_bps(text)
     assert units.parse_rate_bps(units.fmt_rate(bps / 8, "tc")) == pytest.approx(bps, rel=1e-6)
+
+
+# HOST:PORT -> (host, port) with no default port; None: refused, with a piece of the fix
+HOSTPORTS = [
+    ("10.0.0.1:29400", ("10.0.0.1", 29400)), (" 10.0.0.1:29400 ", ("10.0.0.1", 29400)),
+    ("[fd00::1]:29400", ("fd00::1", 29400)), ("[1.2.3.4]:80", ("1.2.3.4", 80)),
+    ("node0:1", ("node0", 1)), ("hub.example.org:65535", ("hub.example.org", 65535)),
+    # missing port
+    ("node0", "give HOST:PORT"), ("[fd00::1]", "give HOST:PORT"), ("fd00::1", "give HOST:PORT"),
+    ("fd00::1:29400", "give HOST:PORT"),
+    # bad port
+    ("node0:", "between 1 and 65535"), ("node0:x", "between 1 and 65535"),
+    ("node0: 80", "between 1 and 65535"), ("node0:２９４００", "between 1 and 65535"),
+    ("[fd00::1]:", "between 1 and 65535"), ("[fd00::1]:1:2", "between 1 and 65535"),
+    # out of range
+    ("node0:0", "between 1 and 65535"), ("node0:65536", "between 1 and 65535"),
+    ("node0:99999", "between 1 and 65535"),
+    # no host, or not one
+    (":29400", "give HOST:PORT"), ("", "give HOST:PORT"), ("[]:80", "give HOST:PORT"),
+    ("a b:1", "give HOST:PORT"), ("a/b:1", "give HOST:PORT"), ("[fd00::1]x:80", "give HOST:PORT"),
+    ("[fd00::1:80", "give HOST:PORT"), ("a[b:80", "give HOST:PORT"),
+]
+
+
+@pytest.mark.parametrize("text, want", HOSTPORTS)
+def test_hostport(text, want):
+    if isinstance(want, tuple):
+        assert units.parse_hostport(text, "--rdzv-endpoint") == want
+        return
+    with pytest.raises(ConfigError) as e:
+        units.parse_hostport(text, "--rdzv-endpoint")
+    assert (e.value.field, e.value.value) == ("--rdzv-endpoint", text)
+    assert want in e.value.fix and "e.g. 10.0.0.1:29400" in e.value.fix
+
+
+@pytest.mark.parametrize("text, want", [
+    ("node0", ("node0", 51820)), ("[fd00::1]", ("fd00::1", 51820)),
+    ("fd00::1", ("fd00::1", 51820)), ("2001:db8::1", ("2001:db8::1", 51820)),
+    ("node0:1", ("node0", 1)), ("[fd00::1]:7", ("fd00::1", 7)),
+])
+def test_hostport_default_port(text, want):
+    assert units.parse_hostport(text, default_port=51820) == want
+
+
+def test_hostport_fix_names_the_form_and_the_callers_example():
+    with pytest.raises(ConfigError, match=r"give HOST\[:PORT\], e.g. 203.0.113.5:51820"):
+        units.parse_hostport("a b", "endpoint", default_port=51820, example="203.0.113.5:51820")
+    with pytest.raises(ConfigError, match="between 1 and 65535, e.g. 203.0.113.5:51820"):
+        units.parse_hostport("a:0", "endpoint", default_port=51820, example="203.0.113.5:51820")
+
+
+def test_callers_read_hostport_the_same():
+    """config's rendezvous, the overlay's endpoints and doctor's rendezvous check
+    all read HOST:PORT through units.parse_hostport, each with its own default."""
+    from lorasync.config import parse_endpoint
+    from lorasync.netdiag.doctor import _rendezvous
+    from lorasync.overlay.config import split_endpoint
+
+    assert parse_endpoint("[fd00::1]:29400") == ("fd00::1", 29400)
+    assert split_endpoint("[fd00::1]") == ("fd00::1", 51820)
+    assert _rendezvous({}, "[fd00::1]") == ("[fd00::1]", "fd00::1", 29400)
+    assert _rendezvous({"MASTER_ADDR": "10.0.0.1"}, None) == ("10.0.0.1:29500", "10.0.0.1", 29500)
+    for call in (lambda: parse_endpoint("h:0", "run.rdzv_endpoint"),
+                 lambda: split_endpoint("h:0", "peers[0].endpoint"),
+                 lambda: _rendezvous({}, "h:0"), lambda: _rendezvous({"MASTER_ADDR": "h",
+                                                                     "MASTER_PORT": "0"}, None)):
+        with pytest.raises(ConfigError, match="between 1 and 65535"):
+            call()
+    with pytest.raises(ConfigError) as e:
+        _rendezvous({"MASTER_ADDR": "h", "MASTER_PORT": "x"}, None)
+    assert e.value.field == "MASTER_ADDR/MASTER_PORT"

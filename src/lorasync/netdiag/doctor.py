@@ -27,7 +27,7 @@ from lorasync.hostops import TUNNELS_DIR
 from lorasync.netdiag.hostinfo import HostInfo, is_loopback_address, is_public_address
 from lorasync.netdiag.tune import default_link, recommend
 from lorasync.plan.planner import Link
-from lorasync.units import fmt_rate
+from lorasync.units import fmt_rate, parse_hostport
 
 __all__ = [
     "SEVERITIES",
@@ -385,29 +385,28 @@ def _check_memory(host: HostInfo) -> list[Finding]:
 
 
 # -- rendezvous ----------------------------------------------------------------------------
-def _split_endpoint(ep: str) -> tuple[str, str]:
-    if ep.startswith("["):
-        host, _, port = ep[1:].partition("]")
-        return host, port.lstrip(":")
-    if ep.count(":") == 1:
-        host, port = ep.split(":")
-        return host, port
-    return ep, ""
+def _rendezvous(env, endpoint: str | None) -> tuple[str, str, int] | None:
+    """(endpoint, host, port) of the rendezvous to check: ``--rdzv-endpoint``,
+    else MASTER_ADDR and MASTER_PORT; None when neither names one."""
+    field = "--rdzv-endpoint"
+    if endpoint is None and env.get("MASTER_ADDR"):
+        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+        field = "MASTER_ADDR/MASTER_PORT"
+    if not endpoint:
+        return None
+    return (endpoint, *parse_hostport(endpoint, field, default_port=29400))
 
 
 def _check_rendezvous(host: HostInfo, endpoint: str | None, nnodes: int | None) -> list[Finding]:
-    env = host.env
-    if endpoint is None and env.get("MASTER_ADDR"):
-        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
-    if not endpoint:
+    rdzv = _rendezvous(host.env, endpoint)
+    if rdzv is None:
         if nnodes == 1:
             return [Finding("rendezvous", "ok", "one node: lorasync train's stores listen on "
                             "loopback only")]
         return [Finding("rendezvous", "info", "no rendezvous endpoint to check",
                         "pass --rdzv-endpoint HOST:PORT (or set MASTER_ADDR/MASTER_PORT) to check "
                         "whether the c10d store is exposed")]
-    name, port = _split_endpoint(endpoint)
-    port = port or "29400"
+    endpoint, name, port = rdzv
     if _is_wildcard(name):
         return [Finding("rendezvous", "error", f"rendezvous endpoint {endpoint} is the wildcard "
                         "address", "0.0.0.0 / :: is where a server listens on every interface, "
@@ -490,8 +489,7 @@ def _in_networks(addr: str, networks) -> bool:
 def _check_overlay(host: HostInfo, endpoint: str | None, nnodes: int | None) -> list[Finding]:
     """Does the job cross networks, and if so, does it run over an overlay?"""
     env = host.env
-    if endpoint is None and env.get("MASTER_ADDR"):
-        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    rdzv = _rendezvous(env, endpoint)
     overlays = overlay_interfaces(host)
     gloo = [n for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
     out = []
@@ -504,10 +502,9 @@ def _check_overlay(host: HostInfo, endpoint: str | None, nnodes: int | None) -> 
             "training would bypass the overlay: nodes behind NAT stay unreachable and the traffic "
             "crosses the networks outside the tunnel",
             f"export GLOO_SOCKET_IFNAME={o.name} NCCL_SOCKET_IFNAME={o.name}   # or: lorasync tunnel launch"))
-    if not endpoint:
+    if rdzv is None:
         return out
-    name, port = _split_endpoint(endpoint)
-    port = port or "29400"
+    endpoint, name, port = rdzv
     addrs = [a for a in host.resolve(name) if not is_loopback_address(a)]
     if not addrs:
         return out

@@ -55,7 +55,7 @@ RUN_ID = "lorasync-overlay"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lorasync.overlay.tunnel import DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_SUBNET
+    from lorasync.overlay.config import DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_SUBNET
 
     sub = parser.add_subparsers(dest="tunnel_cmd", metavar="ACTION", required=True)
 
@@ -259,7 +259,7 @@ def _assemble(args) -> int:
 def _probe_server(args) -> int:
     from lorasync.errors import ConfigError
     from lorasync.overlay import enroll, probe
-    from lorasync.overlay.tunnel import split_endpoint
+    from lorasync.overlay.config import split_endpoint
 
     plan = enroll.read_plan(os.path.join(args.out, "plan.json"))
     hub = next(n for n in plan["nodes"] if n["name"] == plan["hub"])
@@ -290,7 +290,9 @@ def _up(args) -> int:
         # hub's sshd under its own, started once WireGuard is up and stopped with it
         argv = ["supervise", args.config, "--foreground", "--ready-timeout", str(args.hub_timeout)]
         argv += (["--ssh-server"] if cfg.ssh_server else []) + (["--cluster", args.cluster] if args.cluster else [])
-        return tunnel.supervise_main(argv)
+        from lorasync.overlay import wgsupervisor
+
+        return wgsupervisor.supervise_main(argv)
     st = tunnel.up(args.config, hub_timeout=args.hub_timeout, cluster=args.cluster)
     if not args.quiet:
         dev = st.get("device") or st["ifname"]

@@ -37,9 +37,9 @@ from typing import Callable, Iterable, Sequence
 
 from lorasync.errors import ConfigError
 from lorasync.overlay import probe, sshtun, wireguard as wg
-from lorasync.overlay.tunnel import (DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_STALE_S,
-                                     DEFAULT_SUBNET, CONFIG_VERSION, NODE_NAME_RE, join_endpoint,
-                                     split_endpoint)
+from lorasync.overlay.config import (DEFAULT_IFNAME, DEFAULT_KEEPALIVE, DEFAULT_PORT, DEFAULT_STALE_S,
+                                     DEFAULT_SUBNET, CONFIG_VERSION, NODE_NAME_RE, is_jump,
+                                     join_endpoint, split_endpoint)
 
 __all__ = [
     "NodeSpec",
@@ -283,9 +283,7 @@ def choose_transport(plan: dict, node: str, requested: str | None = "auto",
     hubn = next(n for n in plan["nodes"] if n["name"] == plan["hub"])
     host, udp_port = split_endpoint(hubn["endpoint"])
     if ssh_jump is not None:
-        from lorasync.overlay.tunnel import _is_jump
-
-        if not _is_jump(ssh_jump):
+        if not is_jump(ssh_jump):
             raise ConfigError("--ssh-jump", ssh_jump, "give ssh's jump host: [USER@]HOST[:PORT]")
     if node == plan["hub"]:
         if ssh_jump or requested == "ssh":
@@ -404,8 +402,7 @@ def read_public(path: str | Path, plan: dict) -> dict:
             raise ConfigError(field, str(path), "its ssh_public_key is not an ed25519 SSH key "
                               "matching its public_key: run `lorasync tunnel join` on that node again")
         jump = raw.get("ssh_jump")
-        from lorasync.overlay.tunnel import _is_jump
-        if jump is not None and not (isinstance(jump, str) and _is_jump(jump)):
+        if jump is not None and not (isinstance(jump, str) and is_jump(jump)):
             raise ConfigError(field, str(path), "its ssh_jump is not a jump host ([USER@]HOST"
                               "[:PORT]): run `lorasync tunnel join` on that node again")
     elif not wg.is_public_key(raw.get("public_key")):

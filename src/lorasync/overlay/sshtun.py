@@ -22,7 +22,8 @@ This module owns:
   ``ssh -N -w`` (keepalives: ``ServerAliveInterval``/``CountMax``) and
   starts it again when it exits, after a backoff as autossh does (a
   connection that lived past the gate time is restarted at once, one that
-  died young waits 0.5, 1, 2 ... s, at most :data:`BACKOFF` [1]).
+  died young waits 0.5, 1, 2 ... s, at most :data:`BACKOFF` [1]); what it
+  shares with WireGuard's supervisor is :mod:`lorasync.overlay.supervisor`'s.
 
 The TUN devices are persistent (``ip tuntap add``) and made by the
 supervisor, not by ssh: ssh and sshd attach to them by name (``tunN``).
@@ -50,13 +51,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from lorasync.errors import ConfigError, EnvironmentProblem, LorasyncError
 from lorasync.hostops import TUNNELS_DIR, pid_alive, stop_process
 from lorasync.overlay import linktest
+from lorasync.overlay.supervisor import (BaseSupervisor, argv_of, end_process, ready_line,
+                                         remove_state, serve, spawn)
 
 __all__ = [
     "BACKOFF",
@@ -345,54 +347,51 @@ def prepare(state_dir: Path, *, server: str, port: int, clients: list[dict]) -> 
 
 # ---------------------------------------------------------------- supervision
 
-class Supervisor:
-    """Keeps one node's SSH transport up (see the module docstring)."""
+class Supervisor(BaseSupervisor):
+    """Keeps one node's SSH transport up (see the module docstring); once
+    started, :meth:`bring_up` waits up to ``ready_timeout`` s for traffic to
+    pass (the hub: for sshd to accept connections)."""
 
-    def __init__(self, cfg: SSHConfig, cluster: str | None = None, log=None, interval: float = 0.2):
+    def __init__(self, cfg: SSHConfig, cluster: str | None = None, log=None, interval: float = 0.2,
+                 *, ready_timeout: float = 20.0):
+        super().__init__(cfg.name, cluster=cluster, log=log, interval=interval)
         self.cfg = cfg
-        self.cluster = cluster
-        self.interval = interval
-        self.log_path = TUNNELS_DIR / f"{cfg.name}.log"
+        self.ready_timeout = ready_timeout
         self.proc_log_path = TUNNELS_DIR / f"{cfg.name}.ssh.log"
-        self._log = log
-        self.proc: subprocess.Popen | None = None
         self.devices: list[str] = []
-        self.restarts = 0
         self.failures = 0
         self.started_at = 0.0
         self.since = time.time()
-        self._stop = threading.Event()
-        self._server: socket.socket | None = None
         self._log_offset = 0
-
-    def event(self, msg: str) -> None:
-        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {self.cfg.name} {msg}"
-        with open(self.log_path, "a") as f:
-            f.write(line + "\n")
-        if self._log is not None:
-            print(line, file=self._log, flush=True)
 
     # -- lifecycle
 
-    def start(self) -> None:
-        TUNNELS_DIR.mkdir(parents=True, exist_ok=True)
-        try:
-            self._devices()
-            # `tunnel status` measures RTT and rate against it (on a hub with WireGuard,
-            # its tunnel serves it)
-            if self.cfg.role == "node" or self.cfg.dummy:
-                self._serve_linktest()
-            self._spawn()
-        except BaseException:
-            self.stop()
-            raise
-        self._save_state()
+    def _start(self) -> None:
+        self._devices()
+        # `tunnel status` measures RTT and rate against it (on a hub with WireGuard,
+        # its tunnel serves it)
+        if self.cfg.role == "node" or self.cfg.dummy:
+            self._serve_linktest()
+        self._spawn()
+
+    def up_message(self) -> str:
         what = (f"sshd on {self.cfg.server}:{self.cfg.port} for "
                 + (", ".join(f"{c['name']} (tun{c['tun']})" for c in self.cfg.clients) or "no node")
                 if self.cfg.role == "hub" else
                 f"ssh -w {self.cfg.tun}:{self.cfg.tun} to {self.cfg.server}:{self.cfg.port}")
-        self.event(f"up: {self.cfg.node} {self.cfg.address} over SSH ({what}), mtu {self.cfg.mtu}"
-                   + (f"; {self.cfg.reason}" if self.cfg.reason else ""))
+        return (f"up: {self.cfg.node} {self.cfg.address} over SSH ({what}), mtu {self.cfg.mtu}"
+                + (f"; {self.cfg.reason}" if self.cfg.reason else ""))
+
+    def bring_up(self, stopping) -> None:
+        self.start()   # cleans up after itself if it fails
+        try:
+            took = self.wait_ready(self.ready_timeout)
+        except LorasyncError:
+            self.stop()
+            raise
+        self.event(f"traffic passes to the hub {self.cfg.hub} after {took:.2f} s"
+                   if self.cfg.role == "node" else
+                   f"sshd accepts connections on {self.cfg.server}:{self.cfg.port} after {took:.2f} s")
 
     def _devices(self) -> None:
         cfg = self.cfg
@@ -488,67 +487,60 @@ class Supervisor:
         self._server = linktest.serve_in_background(self.cfg.address, self.cfg.linktest_port,
                                                     self._stop)
 
-    def _save_state(self) -> None:
+    def state(self) -> dict:
         cfg = self.cfg
-        state = {"transport": "ssh", "role": cfg.role, "ifname": cfg.name, "device": cfg.ifname,
-                 "devices": self.devices, "node": cfg.node, "config": str(cfg.path),
-                 "pid": os.getpid(), "ssh_pid": self.proc.pid if self.proc else None,
-                 "netns": linktest.current_netns(), "cluster": self.cluster, "started": self.since,
-                 "address": cfg.address, "prefixlen": cfg.network.prefixlen, "mtu": cfg.mtu,
-                 "hub": cfg.hub, "is_hub": cfg.role == "hub", "server": f"{cfg.server}:{cfg.port}",
-                 "reason": cfg.reason, "restarts": self.restarts, "log": str(self.log_path),
-                 "tunnel": cfg.tunnel, "tunnel_config": cfg.tunnel_config,
-                 "runtime_dir": str(cfg.state_dir) if cfg.runtime else None}
-        tmp = TUNNELS_DIR / f".{cfg.name}.json.tmp"
-        tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(TUNNELS_DIR / f"{cfg.name}.json")
+        return {"transport": "ssh", "role": cfg.role, "ifname": cfg.name, "device": cfg.ifname,
+                "devices": self.devices, "node": cfg.node, "config": str(cfg.path),
+                "pid": os.getpid(), "ssh_pid": self.proc.pid if self.proc else None,
+                "netns": linktest.current_netns(), "cluster": self.cluster, "started": self.since,
+                "address": cfg.address, "prefixlen": cfg.network.prefixlen, "mtu": cfg.mtu,
+                "hub": cfg.hub, "is_hub": cfg.role == "hub", "server": f"{cfg.server}:{cfg.port}",
+                "reason": cfg.reason, "restarts": self.restarts, "log": str(self.log_path),
+                "tunnel": cfg.tunnel, "tunnel_config": cfg.tunnel_config,
+                "runtime_dir": str(cfg.state_dir) if cfg.runtime else None}
 
-    def run(self) -> None:
-        """Supervise until :meth:`request_stop`: start ssh (sshd) again when it exits."""
-        what = "sshd" if self.cfg.role == "hub" else "ssh"
-        restart_at = None
-        while not self._stop.wait(self.interval):
-            if self.proc is not None and self.proc.poll() is None:
-                continue
-            now = time.monotonic()
-            if restart_at is None:
-                lived = now - self.started_at
-                said = _tail(self.proc_log_path, self._log_offset)
-                busy = BUSY in said and self.cfg.role == "node"
-                self.failures = 0 if lived >= GATE_S or busy else self.failures + 1
-                delay = next_delay(lived, self.failures)
-                code = self.proc.returncode if self.proc is not None else None
-                self.event(f"{what} exited (code {code}) after {lived:.1f} s: {said or 'no message'}"
-                           + ("; the hub still holds the tun device for the previous connection"
-                              if busy else "") + f"; starting it again in {delay:g} s")
-                restart_at = now + delay
-            if now >= restart_at:
-                restart_at = None
-                try:
-                    self._spawn()
-                except (OSError, LorasyncError) as exc:
-                    self.event(f"could not start {what}: {exc}")
-                    continue
-                self.restarts += 1
-                self._save_state()
-                self.event(f"{what} started again (pid {self.proc.pid}, restart {self.restarts})")
+    # -- supervision: start ssh (sshd) again when it exits
 
-    def request_stop(self) -> None:
-        self._stop.set()
+    @property
+    def _what(self) -> str:
+        return "sshd" if self.cfg.role == "hub" else "ssh"
+
+    def _exited(self, now: float) -> float:
+        lived = now - self.started_at
+        said = _tail(self.proc_log_path, self._log_offset)
+        busy = BUSY in said and self.cfg.role == "node"
+        self.failures = 0 if lived >= GATE_S or busy else self.failures + 1
+        delay = next_delay(lived, self.failures)
+        code = self.proc.returncode if self.proc is not None else None
+        self.event(f"{self._what} exited (code {code}) after {lived:.1f} s: {said or 'no message'}"
+                   + ("; the hub still holds the tun device for the previous connection"
+                      if busy else "") + f"; starting it again in {delay:g} s")
+        return delay
+
+    def _restart(self, now: float) -> None:
+        # a failed start is logged and counted as the next exit (backed off in _exited)
+        try:
+            self._spawn()
+        except (OSError, LorasyncError) as exc:
+            self.event(f"could not start {self._what}: {exc}")
+            return None
+        self.restarts += 1
+        self._save_state()
+        self.event(f"{self._what} started again (pid {self.proc.pid}, restart {self.restarts})")
+        return None
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._server is not None:
-            with contextlib.suppress(OSError):
-                self._server.close()
+        """Take everything down: server, ssh (sshd), devices, state file, and a
+        real host's runtime files."""
+        super().stop()
+        if self.cfg.runtime:
+            _remove_runtime(self.cfg.state_dir, self.cfg.path)
+
+    def _release(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout=5)
         for dev in self.devices:
             _del_link(dev)
-        with contextlib.suppress(FileNotFoundError):
-            (TUNNELS_DIR / f"{self.cfg.name}.json").unlink()
-        if self.cfg.runtime:
-            _remove_runtime(self.cfg.state_dir, self.cfg.path)
 
 
 def _tail(path: Path, offset: int = 0) -> str:
@@ -668,22 +660,13 @@ def start_background(cfg: SSHConfig, *, cluster: str | None = None, python: str 
     """Run ``cfg``'s supervisor in a session of its own; wait for its ``ready``
     (a node: traffic passes to the hub); return its state.  On failure nothing
     it made stays (its devices, processes, runtime files)."""
-    import select
-
     argv = [python, "-m", "lorasync.overlay.sshtun", "supervise", str(cfg.path),
             "--ready-timeout", str(ready_timeout)]
     if cluster:
         argv += ["--cluster", cluster]
-    err = open(TUNNELS_DIR / f"{cfg.name}.supervisor.log", "ab")
+    proc = spawn(argv, TUNNELS_DIR / f"{cfg.name}.supervisor.log")
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                                start_new_session=True, close_fds=True)
-    finally:
-        err.close()
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], ready_timeout + 30)
-        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
-        proc.stdout.close()
+        line = ready_line(proc, ready_timeout + 30)
         if line != "ready":
             what = "sshd" if cfg.role == "hub" else "ssh"
             raise EnvironmentProblem(f"the SSH transport ({what}) did not come up: "
@@ -703,15 +686,8 @@ def start_background(cfg: SSHConfig, *, cluster: str | None = None, python: str 
 
 # ---------------------------------------------------------------- status / down
 
-def _argv_of(pid: int) -> list[str]:
-    try:
-        return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return []
-
-
 def _is_ours(pid: int | None, what: str, config: str) -> bool:
-    args = _argv_of(pid) if pid_alive(pid) else []
+    args = argv_of(pid) if pid_alive(pid) else []
     if what == "supervisor":
         return "lorasync.overlay.sshtun" in args and "supervise" in args
     if not args or os.path.basename(args[0]) not in ("ssh", "sshd"):
@@ -723,15 +699,7 @@ def down_one(st: dict) -> list[str]:
     """Stop the SSH transport ``st`` describes and remove its devices and state."""
     removed = []
     pid = st.get("pid")
-    if _is_ours(pid, "supervisor", st.get("config", "")):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 8
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if pid_alive(pid) and _is_ours(pid, "supervisor", st.get("config", "")):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    if end_process(pid, lambda p: _is_ours(p, "supervisor", st.get("config", "")), 8):
         removed.append(f"supervisor {pid}")
     spid = st.get("ssh_pid")
     if _is_ours(spid, "ssh", st.get("config", "")):
@@ -747,10 +715,7 @@ def down_one(st: dict) -> list[str]:
         for dev in st.get("devices") or []:
             if _del_link(dev):
                 removed.append(f"interface {dev}")
-    path = TUNNELS_DIR / f"{st['ifname']}.json"
-    if path.exists():
-        path.unlink()
-        removed.append(f"state {path}")
+    removed += remove_state(st["ifname"])
     rt = st.get("runtime_dir")
     if rt and Path(rt).is_dir() and Path(rt).parent == TUNNELS_DIR:
         _remove_runtime(Path(rt), Path(st.get("config") or ""))
@@ -816,40 +781,8 @@ def supervise_main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default=None)
     p.add_argument("--ready-timeout", type=float, default=20.0)
     args = p.parse_args(argv)
-    stop = {"sig": None}
-    sup: list[Supervisor] = []
-
-    def _term(signum, frame):
-        stop["sig"] = signum
-        for s in sup:
-            s.request_stop()
-
-    signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, _term)
-    try:
-        cfg = load_config(args.config)
-        s = Supervisor(cfg, cluster=args.cluster)
-        sup.append(s)
-        s.start()
-        took = s.wait_ready(args.ready_timeout)
-        s.event(f"traffic passes to the hub {cfg.hub} after {took:.2f} s" if cfg.role == "node"
-                else f"sshd accepts connections on {cfg.server}:{cfg.port} after {took:.2f} s")
-    except LorasyncError as exc:
-        for s in sup:
-            s.stop()
-        print(f"error: {exc}", flush=True)
-        return 2
-    print("ready", flush=True)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    try:
-        if stop["sig"] is None:
-            s.run()
-    finally:
-        s.event(f"down (signal {stop['sig']})" if stop["sig"] else "down")
-        s.stop()
-    return 0
+    return serve(lambda: Supervisor(load_config(args.config), cluster=args.cluster,
+                                    ready_timeout=args.ready_timeout))
 
 
 if __name__ == "__main__":

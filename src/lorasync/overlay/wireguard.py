@@ -12,7 +12,7 @@ overlay interface (address, MTU, routes, the relay's forwarding rules):
   (``wg set ... private-key FILE`` reads the file), in a log, an error
   message or a return value other than :func:`generate_keypair`'s;
 - the device: :func:`start_daemon` runs ``wireguard-go -f IFNAME`` as a child
-  of the caller (the supervisor in :mod:`lorasync.overlay.tunnel`),
+  of the caller (the supervisor in :mod:`lorasync.overlay.wgsupervisor`),
   :func:`configure` applies port, key and peers with ``wg set``, then the
   address, MTU and routes with ``ip``;
 - state: :func:`show` parses ``wg show IFNAME dump`` into :class:`DeviceState`
