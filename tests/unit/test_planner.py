@@ -11,9 +11,9 @@ from lorasync.cli import main
 from lorasync.errors import ConfigError
 from lorasync.catalog import LOSSLESS, PERIODIC, STRATEGIES
 from lorasync.plan.costmodel import MODELS, MiB, Net, Workload, head_share, lora_matrices, predict
-from lorasync.plan.planner import (
-    DEFAULT_TCP_WINDOW, Link, Measurements, choose, net_from_probe, plan, rank, what_if_net,
-)
+from lorasync.plan.advice import plan
+from lorasync.plan.net import DEFAULT_TCP_WINDOW, Link, net_from_probe, what_if_net
+from lorasync.plan.ranking import Measurements, choose, rank
 from lorasync.units import parse_count, parse_size
 
 N = 921_600
@@ -440,7 +440,7 @@ def test_a_step_not_worth_it_is_not_taken(capsys):
 
 # --------------------------------------------------------------------------- hiding outer syncs
 
-from lorasync.plan.planner import HIDE_MARGIN, hide_sync, margin_net, tune_periodic  # noqa: E402
+from lorasync.plan.periodic import HIDE_MARGIN, hide_sync, margin_net, tune_periodic  # noqa: E402
 
 VARIANTS = [{"delta_dtype": "fp16"}, {"delta_dtype": "int8"}, {"delta_dtype": "int4"},
             {"delta_dtype": "int4", "delta_topk": 0.03}]
@@ -485,7 +485,7 @@ def test_hide_sync_leaves_a_margin(monkeypatch):
     # 1 Mbit/s, 5 s of compute a step: int8 in 2 fragments, 1 step late, hides on the
     # link as modelled, with little to spare; on a link HIDE_MARGIN times slower it
     # would not, so 4 fragments are taken
-    import lorasync.plan.planner as planner
+    import lorasync.plan.periodic as periodic
 
     x, w = what_if_net(2, 1e6 / 8, 1e-3), wl(compute_s=5.0, options={"diloco": {
         "delta_dtype": "int8"}})
@@ -495,11 +495,11 @@ def test_hide_sync_leaves_a_margin(monkeypatch):
     two = wl(compute_s=5.0, options=two.options)
     assert predict("diloco", x, two).exposed_comm_s <= 0.005 * 5.0
     assert predict("diloco", margin_net(x), two).exposed_comm_s > 0.005 * 5.0
-    monkeypatch.setattr(planner, "HIDE_MARGIN", 1.0)     # no margin: 2 fragments do
+    monkeypatch.setattr(periodic, "HIDE_MARGIN", 1.0)     # no margin: 2 fragments do
     opts, _ = hide_sync(x, w)
     assert (opts["delay"], opts["fragments"]) == (1, 2)
     # a link the margin's slower copy cannot keep up with: hidden as modelled still counts
-    monkeypatch.setattr(planner, "HIDE_MARGIN", 50.0)
+    monkeypatch.setattr(periodic, "HIDE_MARGIN", 50.0)
     opts, p = hide_sync(x, w)
     assert opts["delay"] == 1 and p.exposed_comm_s <= 0.005 * 5.0
 

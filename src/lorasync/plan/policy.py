@@ -37,7 +37,7 @@ probe has that floor); the timed probe runs only when they give no figure.
 DiLoCo comes in variants (:func:`parse_variants`: its outer-sync codec), each
 admitted with the options that passed the quality rule; at every decision
 the variant and its streaming delay / fragment count are chosen from the
-predicted sync time (:func:`lorasync.plan.planner.tune_periodic`).
+predicted sync time (:func:`lorasync.plan.periodic.tune_periodic`).
 
 The cost model is corrected by what it sees (:func:`corrections`,
 :func:`split_extra`): what the strategy in use cost beyond its prediction is
@@ -63,7 +63,7 @@ from lorasync.plan.costmodel import (
 )
 from lorasync.plan.linkfit import (MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES,
                                    TRANSFER_OVER_LATENCY, busbw_factor)
-from lorasync.plan.planner import Measurements, choose
+from lorasync.plan.ranking import Measurements, choose
 from lorasync.units import fmt_duration, fmt_rate
 
 __all__ = [
@@ -430,7 +430,7 @@ def decide(net: Net, workload: Workload, current: str | None, candidates: Sequen
            fresh: bool = False) -> Decision:
     """The strategy to use from now on.
 
-    The pick is ``planner.choose``'s on these measurements (best predicted
+    The pick is ``ranking.choose``'s on these measurements (best predicted
     throughput; a lossless strategy within ``lossless_margin`` of the best).
     ``fresh`` (the first choice, or the link changed): that pick, whatever is
     in use.  Otherwise (a routine re-evaluation) the strategy in use stays

@@ -37,7 +37,7 @@ from lorasync.comm.auto.measure import Links, StepMeter
 from lorasync.comm.auto.switch import Switcher, variant_text
 from lorasync.plan import policy
 from lorasync.plan.costmodel import Net, Workload, predict
-from lorasync.plan.planner import tune_periodic
+from lorasync.plan.periodic import tune_periodic
 from lorasync.plan.policy import EXPOSED_PRIOR, Decision, Window
 
 __all__ = ["Settings", "Calibration", "Controller"]

@@ -39,7 +39,7 @@ from lorasync.comm.probe import link_model, run_probe
 from lorasync.comm.wire import Wire
 from lorasync.plan.costmodel import Net, lanes_of
 from lorasync.plan.linkfit import MIN_PROBE_BYTES, passive_bandwidth
-from lorasync.plan.planner import net_from_probe
+from lorasync.plan.net import net_from_probe
 from lorasync.plan.policy import Window
 
 __all__ = ["module_head_share", "allreduce_max", "encode_costs", "Links", "StepMeter"]
