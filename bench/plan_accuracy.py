@@ -59,7 +59,7 @@ def table(prof: str, probe_text: str, rows: list, every: list) -> str:
 
 def replan(a) -> int:
     """Predictions of the current cost model for an earlier run's measurements."""
-    from lorasync.plan.planner import net_from_probe
+    from lorasync.plan.net import net_from_probe
 
     report, every = [], []
     for prof in [p.strip() for p in a.profiles.split(",") if p.strip()]:

@@ -47,7 +47,7 @@ PowerSGD hook (rank 1), fp16, top-k, DiLoCo with fp16 deltas one step late
 top-k with int4 values, and int8 with an outer step every 4 steps instead
 of 8) each with the streaming delay and fragment count the planner picks
 for the probed link and the measured compute
-(:func:`lorasync.plan.planner.hide_sync`), and ``auto``.  Every lorasync
+(:func:`lorasync.plan.periodic.hide_sync`), and ``auto``.  Every lorasync
 row also gets the cost model's step time next to the measured one.
 
 Peer rows (docs/peers.md), on the same nodes, data, inner optimizer and
@@ -99,7 +99,7 @@ from lorasync.bench.tables import fmt_spread, gap_verdict, median_range  # noqa:
 from lorasync.plan.costmodel import (  # noqa: E402
     MODELS, MiB, Workload, head_share, lora_matrices, predict,
 )
-from lorasync.plan.planner import hide_sync  # noqa: E402
+from lorasync.plan.periodic import hide_sync  # noqa: E402
 
 #: DiLoCo outer syncs the planner tunes per link (delay, fragments)
 VARIANTS = {

@@ -444,50 +444,10 @@ def test_probe_cost_sets_how_rarely_a_slow_link_is_probed():
 
 # --------------------------------------------------------------------------- when to probe
 
+# the whole decision (what the schedule, the syncs and a drift call for) is
+# tests/unit/test_probe_plan.py's table; here the rules it is made of
+
 NET = Net(alpha_s=2e-4, bandwidth_Bps=MB100, world_size=2)
-
-
-@pytest.mark.parametrize("net, link, want", [
-    (NET, MB10, MB10),           # the syncs timed the link: their bandwidth, the net's latency
-    (NET, 0.0, None),            # too small or none in the window: no figure
-    (None, MB10, None),          # nothing to take the latency from yet
-])
-def test_passive_link_takes_the_bandwidth_the_syncs_saw(net, link, want):
-    got = A.passive_link(net, link)
-    if want is None:
-        assert got is None
-    else:
-        assert got.bandwidth_Bps == want and got.alpha_s == net.alpha_s
-
-
-@pytest.mark.parametrize("next_probe, step, interval, want", [
-    (0, 10, 10, 20),             # not before the next window
-    (50, 10, 10, 50),            # a later scheduled probe stays
-    (0, 10, 0, 20),              # interval=0 (decide once): windows of PROBE_WINDOW steps
-])
-def test_a_passive_figure_postpones_the_probe(next_probe, step, interval, want):
-    assert A.postpone_probe(next_probe, step, interval) == want
-
-
-@pytest.mark.parametrize("step, next_probe, have_net, passive, want", [
-    (10, 20, True, False, False),   # not yet
-    (20, 20, True, False, True),    # the scheduled step
-    (30, 20, True, False, True),    # overdue (a deferred boundary)
-    (10, 20, False, False, True),   # no figure of the link at all
-    (30, 20, True, True, False),    # the window's syncs measured it
-])
-def test_probe_due_by_schedule(step, next_probe, have_net, passive, want):
-    assert A.probe_due(step, next_probe, have_net=have_net, passive=passive) is want
-
-
-@pytest.mark.parametrize("due, initial, passive, want", [
-    (False, False, False, True),    # a routine boundary with nothing else to go by
-    (True, False, False, False),    # a probe is due anyway
-    (False, True, False, False),    # the first choice: nothing calibrated yet
-    (False, False, True, False),    # the syncs measured the link
-])
-def test_drift_is_watched_only_at_routine_boundaries(due, initial, passive, want):
-    assert A.watch_drift(due, initial=initial, passive=passive) is want
 
 
 def test_sync_drift_is_checked_on_the_window_and_its_last_third():
@@ -499,18 +459,6 @@ def test_sync_drift_is_checked_on_the_window_and_its_last_third():
     # within the looser tolerance before calibration
     assert not A.sync_drifted(p, (expected + 0.3 * p.step_s,), calibrated=False)
     assert A.sync_drifted(p, (expected + 0.3 * p.step_s,), calibrated=True)
-
-
-@pytest.mark.parametrize("due, initial, start_probed, in_flight, want", [
-    (True, False, False, False, True),
-    (False, False, False, False, False),
-    (True, True, True, False, False),    # the start probe is fresh at the first choice
-    (True, True, False, False, True),    # no start probe (probe=none): probe now
-    (True, False, False, True, False),   # never while a sync is on the link
-])
-def test_probe_now(due, initial, start_probed, in_flight, want):
-    assert A.probe_now(due, initial=initial, start_probed=start_probed,
-                       in_flight=in_flight) is want
 
 
 @pytest.mark.parametrize("step, probe_s, step_s, interval, want", [

@@ -17,7 +17,7 @@ from lorasync.errors import ConfigError, DataError
 from lorasync.netdiag import tune
 from lorasync.overlay import supervisor, tunnel
 from lorasync.plan.linkfit import fit_sweep
-from lorasync.plan.planner import net_from_probe
+from lorasync.plan.net import net_from_probe
 from lorasync.train.data import read_jsonl
 
 TINY = ["train", "--model", "tiny", "--no-progress", "--max-steps", "2"]

@@ -10,7 +10,7 @@ from lorasync import cli
 from lorasync.netdiag.doctor import (Finding, exit_code, format_findings, live_checks, merge_findings,
                                  nccl_ifname_matches, static_checks, worst)
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.plan.planner import Link
+from lorasync.plan.net import Link
 
 HOSTS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hosts")
 LAN_10G = Link(rate_Bps=10e9 / 8, rtt_s=1e-3, source="given")

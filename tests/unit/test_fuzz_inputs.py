@@ -32,7 +32,7 @@ from lorasync.config import (SECTIONS, CommConfig, iter_fields, load_config,  # 
 from lorasync.errors import LorasyncError  # noqa: E402
 from lorasync.netdiag.tune import link_from_probe_data  # noqa: E402
 from lorasync.overlay import tunnel  # noqa: E402
-from lorasync.plan.planner import net_from_probe  # noqa: E402
+from lorasync.plan.net import net_from_probe  # noqa: E402
 from lorasync.train.data import load_datasets, read_jsonl  # noqa: E402
 
 EXAMPLES = int(os.environ.get("LORASYNC_FUZZ_EXAMPLES", "0"))

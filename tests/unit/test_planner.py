@@ -11,9 +11,11 @@ from lorasync.cli import main
 from lorasync.errors import ConfigError
 from lorasync.catalog import LOSSLESS, PERIODIC, STRATEGIES
 from lorasync.plan.costmodel import MODELS, MiB, Net, Workload, head_share, lora_matrices, predict
-from lorasync.plan.planner import (
-    DEFAULT_TCP_WINDOW, Link, Measurements, choose, net_from_probe, plan, rank, what_if_net,
+from lorasync.plan.advice import plan
+from lorasync.plan.net import (
+    DEFAULT_TCP_WINDOW, Link, ProbeModel, ProbeResult, net_from_probe, what_if_net,
 )
+from lorasync.plan.ranking import Measurements, choose, rank
 from lorasync.units import parse_count, parse_size
 
 N = 921_600
@@ -281,6 +283,64 @@ def test_bad_probe_names_the_field(probe, field):
     assert e.value.field == field
 
 
+def _measured(**extra):
+    """A probe as the measurement builds it (no file, no validator)."""
+    bw = 1.25e6
+    pair = {"src": 0, "dst": 1, "latency_s": 0.5e-3, "bandwidth_Bps": bw, "max_bytes": 1 << 20}
+    base = dict(world_size=2, backend="gloo", quick=True, time=1.7e9,
+                ranks=({"rank": 0, "host": "a", "ifname": None, "addr": None, "mtu": None},),
+                sweep=({"collective": "all_reduce", "bytes": 4096, "time_s": 1e-3},),
+                pairs=(pair,), pairs_complete=False,
+                model=ProbeModel(alpha_s=1e-3, beta_s_per_byte=1.0 / bw, bandwidth_Bps=bw,
+                                 allreduce_alpha_s=2e-3, r2=0.99, bandwidth_from="fit"),
+                slowest_pair={"src": 0, "dst": 1, "bandwidth_Bps": bw, "latency_s": 0.5e-3},
+                warnings=("all_reduce 4 KiB: spread 60% of the median (noisy)",), elapsed_s=3.0)
+    base.update(extra)
+    return ProbeResult(**base)
+
+
+def test_probe_json_keeps_the_contract():
+    # the keys and their order are what `lorasync probe --json` has always written
+    d = _measured().to_json()
+    assert list(d) == ["world_size", "backend", "quick", "time", "ranks", "sweep", "pairs",
+                       "pairs_complete", "model", "slowest_pair", "warnings", "elapsed_s"]
+    assert list(d["model"]) == ["alpha_s", "beta_s_per_byte", "bandwidth_Bps", "latency_s",
+                                "allreduce_alpha_s", "r2", "formula", "bandwidth_from"]
+    assert d["model"]["latency_s"] == d["model"]["alpha_s"]
+    assert _measured(model=None).to_json()["model"] is None
+    d["pairs"][0]["latency_s"] = 9.0          # a copy: the result itself stays as measured
+    assert _measured().pairs[0]["latency_s"] == 0.5e-3
+
+
+def test_a_measured_probe_plans_as_its_file_does():
+    res = _measured()
+    text = json.dumps(res.to_json(), indent=1)
+    assert res.net() == net_from_probe(json.loads(text), strict=True)
+    assert res.net(8) == net_from_probe(json.loads(text), world_size=8)
+    assert ProbeResult.from_json(json.loads(text)).net() == res.net()
+
+
+def test_a_measured_probe_is_not_held_to_the_file_bounds():
+    # auto plans from its start probe: a noisy fit (a slope near zero) must not stop the run
+    res = _measured(model=ProbeModel(alpha_s=1e-5, beta_s_per_byte=1 / 5e14,
+                                     bandwidth_Bps=5e14))
+    assert res.net()[0].bandwidth_Bps == pytest.approx(5e14)
+    with pytest.raises(ConfigError, match="probe.model.bandwidth_Bps"):
+        ProbeResult.from_json(res.to_json())
+    with pytest.raises(ValueError, match="no model"):
+        _measured(model=None).net()
+
+
+def test_probe_from_json_keeps_what_the_plan_reads():
+    res = ProbeResult.from_json({**_probe(), "rdma": True, "ranks": [{"rank": 0}]})
+    assert (res.world_size, res.backend, res.rdma) == (2, "gloo", True)
+    assert res.model == ProbeModel(alpha_s=1e-3, beta_s_per_byte=1 / 1.25e6,
+                                   bandwidth_Bps=1.25e6)
+    assert res.latencies() == [0.5e-3] and res.ranks == ({"rank": 0},)
+    # a probe that does not say how many ranks it measured reads as the ranks planned for
+    assert ProbeResult.from_json({"model": _probe()["model"]}, world_size=4).world_size == 4
+
+
 # --------------------------------------------------------------------------- units
 
 # Rates and durations: the table for every command is in test_units.py.
@@ -440,7 +500,7 @@ def test_a_step_not_worth_it_is_not_taken(capsys):
 
 # --------------------------------------------------------------------------- hiding outer syncs
 
-from lorasync.plan.planner import HIDE_MARGIN, hide_sync, margin_net, tune_periodic  # noqa: E402
+from lorasync.plan.periodic import HIDE_MARGIN, hide_sync, margin_net, tune_periodic  # noqa: E402
 
 VARIANTS = [{"delta_dtype": "fp16"}, {"delta_dtype": "int8"}, {"delta_dtype": "int4"},
             {"delta_dtype": "int4", "delta_topk": 0.03}]
@@ -485,7 +545,7 @@ def test_hide_sync_leaves_a_margin(monkeypatch):
     # 1 Mbit/s, 5 s of compute a step: int8 in 2 fragments, 1 step late, hides on the
     # link as modelled, with little to spare; on a link HIDE_MARGIN times slower it
     # would not, so 4 fragments are taken
-    import lorasync.plan.planner as planner
+    import lorasync.plan.periodic as periodic
 
     x, w = what_if_net(2, 1e6 / 8, 1e-3), wl(compute_s=5.0, options={"diloco": {
         "delta_dtype": "int8"}})
@@ -495,11 +555,11 @@ def test_hide_sync_leaves_a_margin(monkeypatch):
     two = wl(compute_s=5.0, options=two.options)
     assert predict("diloco", x, two).exposed_comm_s <= 0.005 * 5.0
     assert predict("diloco", margin_net(x), two).exposed_comm_s > 0.005 * 5.0
-    monkeypatch.setattr(planner, "HIDE_MARGIN", 1.0)     # no margin: 2 fragments do
+    monkeypatch.setattr(periodic, "HIDE_MARGIN", 1.0)     # no margin: 2 fragments do
     opts, _ = hide_sync(x, w)
     assert (opts["delay"], opts["fragments"]) == (1, 2)
     # a link the margin's slower copy cannot keep up with: hidden as modelled still counts
-    monkeypatch.setattr(planner, "HIDE_MARGIN", 50.0)
+    monkeypatch.setattr(periodic, "HIDE_MARGIN", 50.0)
     opts, p = hide_sync(x, w)
     assert opts["delay"] == 1 and p.exposed_comm_s <= 0.005 * 5.0
 

@@ -10,7 +10,7 @@ from lorasync import cli
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.netdiag import tune
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.plan.planner import Link
+from lorasync.plan.net import Link
 from lorasync.units import fmt_rate
 
 HOSTS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hosts")

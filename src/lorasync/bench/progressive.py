@@ -128,7 +128,8 @@ def _best_compressor(ceiling: dict, rate: str, delay: str, nodes: int, bucket_mb
     from lorasync.plan.policy import DEFAULT_CANDIDATES
     from lorasync.catalog import LOSSLESS, PERIODIC
     from lorasync.plan.costmodel import GLOO_LANES, Workload
-    from lorasync.plan.planner import rank, what_if_net
+    from lorasync.plan.net import what_if_net
+    from lorasync.plan.ranking import rank
 
     if net is None:   # the bench runs gloo
         net = what_if_net(nodes, rate_bps(rate) / 8, 2 * delay_s(delay) if delay else 0.0,

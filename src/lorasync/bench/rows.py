@@ -170,7 +170,7 @@ def tune_nodes(cluster, rate: str, delay: str, out: str, action: str) -> None:
 def probe_link(cluster, out: str, timeout: float):
     """A quick ``lorasync probe`` on the emulated link -> (Net or None, text)."""
     from lorasync.emulate.launch import launch_on_cluster
-    from lorasync.plan.planner import net_from_probe
+    from lorasync.plan.net import net_from_probe
 
     path = os.path.join(out, "probe.json")
     rc = launch_on_cluster(cluster, ["probe", "--quick", "--no-pairs", "--output", path],

@@ -174,7 +174,7 @@ def _train(cluster, row: dict, common: list[str], out: str, timeout: float) -> d
 def _probe(cluster, out: str, name: str, timeout: float, node_only: bool = False):
     """(alpha_s, bandwidth_Bps) of a quick probe: every rank, or node0's."""
     from lorasync.emulate.launch import launch_on_cluster
-    from lorasync.plan.planner import net_from_probe
+    from lorasync.plan.net import net_from_probe
 
     path = os.path.join(out, f"probe-{name}.json")
     args = ["probe", "--quick", "--no-pairs", "--output", path]

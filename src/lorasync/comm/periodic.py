@@ -53,7 +53,7 @@ applied in launch order.  Only the wait at the apply step counts as
 ``delay`` steps' compute.  The cost model
 (:func:`lorasync.plan.costmodel.predict`) predicts it, and the planner and
 ``auto`` choose ``delay`` (or ``fragments``) so that it is zero where the
-link allows (:func:`lorasync.plan.planner.hide_sync`).
+link allows (:func:`lorasync.plan.periodic.hide_sync`).
 
 ``finish()`` applies every pending sync and, if replicas differ (steps since
 the last sync, streaming corrections, fragments), averages the adapter in

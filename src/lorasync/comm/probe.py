@@ -3,8 +3,9 @@
 Two measurements, both run by every rank of an initialised process group,
 both fitted by :mod:`lorasync.plan.linkfit`:
 
-* :func:`run_probe`, what ``lorasync probe`` runs in each worker and what
-  ``--comm auto`` runs at attach (``quick=True``):
+* :func:`probe_group`, what ``lorasync probe`` runs in each worker and what
+  ``--comm auto`` runs at attach (``quick=True``), a
+  :class:`~lorasync.plan.net.ProbeResult` (:func:`run_probe`: its JSON):
 
   - a collective sweep: all-reduce (optionally all-gather, broadcast) from a
     few KiB up to ``max_bytes``, with warm-up and repeats; each size is a
@@ -20,7 +21,7 @@ both fitted by :mod:`lorasync.plan.linkfit`:
   - an alpha/beta model of the all-reduce
     (:func:`lorasync.plan.linkfit.allreduce_model`).
 
-  Every rank returns the same dict (the probe JSON of docs/contracts.md).
+  Every rank returns the same result (the probe JSON of docs/contracts.md).
   The sweep decides when to stop from timings all-reduced across ranks, and
   pairs from a control message the sender sends, so all ranks always agree
   on what comes next: a probe is bounded by its time budget and, should a
@@ -41,6 +42,7 @@ both fitted by :mod:`lorasync.plan.linkfit`:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import statistics
@@ -55,10 +57,11 @@ from lorasync.plan.costmodel import allreduce_choice
 from lorasync.plan.linkfit import (MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES,
                                    allreduce_model, busbw_factor, credited_bandwidth,
                                    fit_alpha_beta, latency_bound, sweep_step)
+from lorasync.plan.net import ProbeModel, ProbeResult
 from lorasync.units import fmt_bytes
 
 __all__ = [
-    "DEFAULT_MAX_BYTES", "sweep_sizes", "run_probe",
+    "DEFAULT_MAX_BYTES", "sweep_sizes", "probe_group", "run_probe",
     "time_link", "link_model", "algo_chooser",
 ]
 
@@ -316,15 +319,22 @@ def _rank_info(ctx: _Ctx, describe: Callable[[], dict] | None) -> dict:
     return info
 
 
-def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
-              repeats: int | None = None, warmup: int | None = None, pairs: bool | None = None,
-              pair_max_bytes: int | None = None, time_budget_s: float | None = None,
-              collectives: Sequence[str] = ("all_reduce",),
-              describe_rank: Callable[[], dict] | None = None) -> dict:
-    """Probe the links of ``group`` (default: the world) and return the probe JSON.
+def run_probe(group=None, **options) -> dict:
+    """The probe JSON (docs/contracts.md) of :func:`probe_group`'s probe:
+    the same keyword options, the same dict on every rank."""
+    return probe_group(group, **options).to_json()
+
+
+def probe_group(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
+                repeats: int | None = None, warmup: int | None = None,
+                pairs: bool | None = None, pair_max_bytes: int | None = None,
+                time_budget_s: float | None = None,
+                collectives: Sequence[str] = ("all_reduce",),
+                describe_rank: Callable[[], dict] | None = None) -> ProbeResult:
+    """Probe the links of ``group`` (default: the world).
 
     Call on every rank of an initialised process group; every rank gets the
-    same dict. ``quick`` (for ``--comm auto``) measures sizes 4x apart up to
+    same result. ``quick`` (for ``--comm auto``) measures sizes 4x apart up to
     4 MiB, and beyond (up to ``max_bytes``) while the largest is still mostly
     latency, with few repeats in a few seconds (3 s sweep + 3 s pairs at most,
     less on fast links; a latency-bound size is timed once); the full probe
@@ -339,7 +349,8 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     it they are None.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("run_probe needs an initialised process group (dist.init_process_group)")
+        raise RuntimeError("probe_group needs an initialised process group "
+                           "(dist.init_process_group)")
     if max_bytes < SWEEP_MIN_BYTES:
         raise ConfigError("max_bytes", max_bytes, f"must be at least {SWEEP_MIN_BYTES} bytes")
     for c in collectives:
@@ -386,34 +397,30 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
     ar = [r for r in sweep if r["collective"] == "all_reduce"]
     if ctx.n > 1 and len(ar) >= 2 and len({r["bytes"] for r in ar}) >= 2:
         m = allreduce_model([r["bytes"] for r in ar], [r["time_s"] for r in ar], ctx.n)
-        model = {
-            "alpha_s": m.alpha_s, "beta_s_per_byte": 1.0 / m.bandwidth_Bps,
-            "bandwidth_Bps": m.bandwidth_Bps, "latency_s": m.alpha_s,
-            "allreduce_alpha_s": m.allreduce_alpha_s, "r2": m.r2,
-            "formula": "all_reduce(B) = 2(n-1)*alpha_s + 2(n-1)/n*B*beta_s_per_byte",
-            "bandwidth_from": m.bandwidth_from,
-        }
+        bw, source = m.bandwidth_Bps, m.bandwidth_from
         # never more than 2x the largest message's plain rate (linkfit.credited_bandwidth):
         # a sweep whose messages were all latency cannot read a fast link
         big_rec = max(ar, key=lambda r: r["bytes"])
         small_rec = min(ar, key=lambda r: r["bytes"])
-        bw, capped = credited_bandwidth(
+        credited, capped = credited_bandwidth(
             m.bandwidth_Bps, big_rec["bytes"] * busbw_factor("all_reduce", ctx.n),
             big_rec["time_s"], small_rec["time_s"])
         if capped:
             big_text = fmt_bytes(big_rec["bytes"], binary=True)
-            model.update(bandwidth_Bps=bw, beta_s_per_byte=1.0 / bw,
-                         bandwidth_from=f"the largest all-reduce's rate ({big_text}; the fit "
-                                        "was faster than its messages)")
+            bw, source = credited, (f"the largest all-reduce's rate ({big_text}; the fit "
+                                    "was faster than its messages)")
         # A sweep cut short by the budget (a slow link, quick mode) fits its
         # slope on sizes a shaper's burst still flatters; the pairs went to
         # bigger messages, and a ring is never faster than its slowest link.
         big = max(r["bytes"] for r in ar)
         if pair_list and big < max(p["max_bytes"] for p in pair_list):
             slow_bw = min(p["bandwidth_Bps"] for p in pair_list)
-            if slow_bw < model["bandwidth_Bps"]:
-                model.update(bandwidth_Bps=slow_bw, beta_s_per_byte=1.0 / slow_bw,
-                             bandwidth_from=f"slowest pair (the sweep stopped at {fmt_bytes(big, binary=True)})")
+            if slow_bw < bw:
+                bw, source = slow_bw, (f"slowest pair (the sweep stopped at "
+                                       f"{fmt_bytes(big, binary=True)})")
+        model = ProbeModel(alpha_s=m.alpha_s, beta_s_per_byte=1.0 / bw, bandwidth_Bps=bw,
+                           allreduce_alpha_s=m.allreduce_alpha_s, r2=m.r2,
+                           bandwidth_from=source)
     slowest = None
     if pair_list:
         p = min(pair_list, key=lambda q: q["bandwidth_Bps"])
@@ -421,18 +428,16 @@ def run_probe(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX_B
                    "latency_s": p["latency_s"]}
     warnings = [f"{r['collective']} {fmt_bytes(r['bytes'], binary=True)}: spread {r['spread']:.0%} of the median (noisy)"
                 for r in sweep if r["spread"] > _NOISY_SPREAD]
-    result = {
-        "world_size": ctx.n, "backend": ctx.backend, "quick": quick, "time": time.time(),
-        "ranks": info, "sweep": sweep, "pairs": pair_list,
-        "pairs_complete": len(pair_list) == (ctx.n * (ctx.n - 1) if pairs else 0), "model": model,
-        "slowest_pair": slowest, "warnings": warnings,
-    }
+    result = ProbeResult(
+        world_size=ctx.n, backend=ctx.backend, quick=quick, time=time.time(),
+        ranks=tuple(info), sweep=tuple(sweep), pairs=tuple(pair_list),
+        pairs_complete=len(pair_list) == (ctx.n * (ctx.n - 1) if pairs else 0), model=model,
+        slowest_pair=slowest, warnings=tuple(warnings))
     # identical on every rank (the wall clock and elapsed time come from rank 0)
     box = [result]
     dist.broadcast_object_list(box, src=ctx.global_rank(0), group=group)
-    result = box[0]
-    result["elapsed_s"] = ctx.shared_max([time.perf_counter() - t_start])[0]
-    return result
+    return dataclasses.replace(box[0],
+                               elapsed_s=ctx.shared_max([time.perf_counter() - t_start])[0])
 
 
 # -- short timed all-reduces on one Wire ---------------------------------------------

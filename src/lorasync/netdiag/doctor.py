@@ -26,7 +26,7 @@ from lorasync.errors import LorasyncError
 from lorasync.hostops import TUNNELS_DIR
 from lorasync.netdiag.hostinfo import HostInfo, is_loopback_address, is_public_address
 from lorasync.netdiag.tune import default_link, recommend
-from lorasync.plan.planner import Link
+from lorasync.plan.net import Link
 from lorasync.units import fmt_rate, parse_hostport
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 NCCL picks its all-reduce algorithm (ring, tree) and protocol by its own
 tuning model; lorasync can only advise.  The advice is the planner's
-(:func:`lorasync.plan.planner.nccl_advice`): for the job's sync (fp32
+(:func:`lorasync.plan.advice.nccl_advice`): for the job's sync (fp32
 all-reduce of the embedded default adapter, 1 MB buckets, unless told
 otherwise) on the described link, Tree is advised only where the alpha-beta
 model predicts it at least 1% faster than the ring, and the finding says
@@ -22,7 +22,8 @@ def nccl_findings(*, nnodes: int, ranks_per_node: int, rate_bps: float, rtt_s: f
     """One finding on NCCL_ALGO for ``nnodes`` x ``ranks_per_node`` GPUs on a
     link of ``rate_bps`` bits/s and ``rtt_s`` round trip."""
     from lorasync.plan.costmodel import MODELS, MiB, Workload, head_share, lora_matrices
-    from lorasync.plan.planner import RDMA_ALPHA_S, nccl_advice, what_if_net
+    from lorasync.plan.advice import nccl_advice
+    from lorasync.plan.net import RDMA_ALPHA_S, what_if_net
 
     n = max(1, nnodes) * max(1, ranks_per_node)
     if n < 2:

@@ -28,7 +28,7 @@ from typing import Callable
 from lorasync.errors import ConfigError, EnvironmentProblem
 from lorasync.hostops import as_root, require_root
 from lorasync.netdiag.hostinfo import HostInfo
-from lorasync.plan.planner import Link, probe_field, probe_number
+from lorasync.plan.net import Link, probe_field, probe_number
 from lorasync.units import fmt_bytes, parse_duration, parse_rate_bps
 
 __all__ = [
@@ -92,7 +92,7 @@ class SysctlAdvice:
 # -- which link --------------------------------------------------------------
 def link_from_probe(path: str) -> Link:
     """Rate and RTT from ``lorasync probe --output FILE``, every field checked
-    and held to what a link can be (:func:`lorasync.plan.planner.check_link`)."""
+    and held to what a link can be (:func:`lorasync.plan.net.check_link`)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)

@@ -13,10 +13,9 @@ imports torch or does I/O (the CLI reads files).
 """
 
 from lorasync.plan.costmodel import MODELS, Net, Prediction, Workload, lora_matrices, predict
-from lorasync.plan.planner import (
-    Link, Measurements, Plan, Recommendation, Step, choose, net_from_probe, plan, rank,
-    what_if_net,
-)
+from lorasync.plan.advice import Plan, Step, plan
+from lorasync.plan.net import Link, net_from_probe, what_if_net
+from lorasync.plan.ranking import Measurements, Recommendation, choose, rank
 
 __all__ = [
     "MODELS", "Net", "Workload", "Prediction", "predict", "lora_matrices",

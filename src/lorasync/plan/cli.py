@@ -32,9 +32,10 @@ from lorasync.plan.costmodel import (
     ALLREDUCE_ALGOS, MODELS, MiB, ModelShape, Workload, head_share, lanes_of, lora_matrices,
     ring_link_load,
 )
-from lorasync.plan.planner import (
-    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, MAX_WORLD_SIZE, Link, Plan, check_link,
-    net_from_probe, options_text, plan, what_if_net,
+from lorasync.plan.advice import Plan, options_text, plan
+from lorasync.plan.net import (
+    DEFAULT_TCP_WINDOW, LINK_EFFICIENCY, MAX_WORLD_SIZE, Link, check_link, net_from_probe,
+    what_if_net,
 )
 from lorasync.units import (
     fmt_bytes, fmt_duration, fmt_rate, parse_count, parse_duration, parse_rate_Bps, parse_size,

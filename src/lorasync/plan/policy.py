@@ -4,9 +4,9 @@ The strategy that runs it, :class:`lorasync.comm.auto.Auto`, measures and
 switches; everything it decides with is here, unit-tested without a process
 group: which candidates and options (:func:`parse_candidates`,
 :func:`child_options`, :func:`variant_options`, :func:`start_strategy`),
-when to probe (:func:`passive_link`, :func:`probe_due`, :func:`watch_drift`,
-:func:`sync_drifted`, :func:`probe_now`, :func:`next_probe_step`,
-:func:`probe_size`, :func:`probe_every`, :func:`link_changed`), when to
+when to probe, with what and when next (:func:`probe_plan`, from
+:func:`sync_drifted`, :func:`probe_size`, :func:`next_probe_step` and
+:func:`probe_every`; :func:`link_changed` after a probe), when to
 decide (:func:`defer_decision`, :func:`wait_for_confirmation`), how the cost
 model is corrected by what was measured (:func:`corrections`,
 :func:`inflation`, :func:`split_extra`, :func:`encode_ns_for`,
@@ -37,7 +37,7 @@ probe has that floor); the timed probe runs only when they give no figure.
 DiLoCo comes in variants (:func:`parse_variants`: its outer-sync codec), each
 admitted with the options that passed the quality rule; at every decision
 the variant and its streaming delay / fragment count are chosen from the
-predicted sync time (:func:`lorasync.plan.planner.tune_periodic`).
+predicted sync time (:func:`lorasync.plan.periodic.tune_periodic`).
 
 The cost model is corrected by what it sees (:func:`corrections`,
 :func:`split_extra`): what the strategy in use cost beyond its prediction is
@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from lorasync import catalog
 from lorasync.catalog import PERIODIC, STRATEGIES
@@ -63,7 +63,7 @@ from lorasync.plan.costmodel import (
 )
 from lorasync.plan.linkfit import (MAX_PROBE_BYTES, MIN_PROBE_BYTES, SMALL_PROBE_BYTES,
                                    TRANSFER_OVER_LATENCY, busbw_factor)
-from lorasync.plan.planner import Measurements, choose
+from lorasync.plan.ranking import Measurements, choose
 from lorasync.units import fmt_duration, fmt_rate
 
 __all__ = [
@@ -71,9 +71,8 @@ __all__ = [
     "probe_every", "corrections", "inflation", "hidden_of", "split_extra", "workload_for",
     "encode_ns_for", "decide", "drifted", "link_changed", "suggest_accum", "describe",
     "parse_candidates", "parse_force", "parse_variants", "probe_cost", "prediction_text",
-    "child_options", "variant_options", "start_strategy", "passive_link", "postpone_probe",
-    "probe_due", "watch_drift", "sync_drifted", "probe_now", "next_probe_step",
-    "defer_decision", "wait_for_confirmation",
+    "child_options", "variant_options", "start_strategy", "ProbePlan", "probe_plan",
+    "sync_drifted", "next_probe_step", "defer_decision", "wait_for_confirmation",
 ]
 
 #: the strategies auto chooses among unless ``candidates`` says otherwise
@@ -430,7 +429,7 @@ def decide(net: Net, workload: Workload, current: str | None, candidates: Sequen
            fresh: bool = False) -> Decision:
     """The strategy to use from now on.
 
-    The pick is ``planner.choose``'s on these measurements (best predicted
+    The pick is ``ranking.choose``'s on these measurements (best predicted
     throughput; a lossless strategy within ``lossless_margin`` of the best).
     ``fresh`` (the first choice, or the link changed): that pick, whatever is
     in use.  Otherwise (a routine re-evaluation) the strategy in use stays
@@ -493,37 +492,6 @@ def _window_steps(interval: int) -> int:
     return interval or PROBE_WINDOW
 
 
-def passive_link(net: Net | None, link_Bps: float) -> Net | None:
-    """The link as the window's syncs saw it (``link_Bps``,
-    :attr:`Window.link_Bps`): ``net`` with that bandwidth, or None when they
-    gave no figure or there is no ``net`` yet to take the latency from
-    (transfers big enough to time bandwidth do not time latency)."""
-    if link_Bps > 0 and net is not None:
-        return dataclasses.replace(net, bandwidth_Bps=link_Bps)
-    return None
-
-
-def postpone_probe(next_probe: int, step: int, interval: int) -> int:
-    """The next scheduled probe after the window's syncs measured the link at
-    ``step``: not before the next window (they cost no probe traffic)."""
-    return max(next_probe, step + _window_steps(interval))
-
-
-def probe_due(step: int, next_probe: int, *, have_net: bool, passive: bool) -> bool:
-    """Whether the schedule calls for a probe at ``step``: no figure of the
-    link yet, or the step :func:`next_probe_step` set; never when the
-    window's syncs measured the link (``passive``)."""
-    return not passive and (not have_net or step >= next_probe)
-
-
-def watch_drift(due: bool, *, initial: bool, passive: bool) -> bool:
-    """Whether to compare the time beyond compute with the prediction
-    (:func:`sync_drifted`) to call a probe the schedule does not: when none
-    is due and the window's syncs gave no figure, and not at the first choice
-    (nothing is calibrated yet: the start probe is the figure)."""
-    return not (due or initial or passive)
-
-
 def sync_drifted(predicted: Prediction, overheads: Sequence[float],
                  calibrated: bool) -> bool:
     """Whether any of ``overheads`` (time per step beyond compute: the whole
@@ -534,20 +502,95 @@ def sync_drifted(predicted: Prediction, overheads: Sequence[float],
                        calibrated=calibrated) for o in overheads)
 
 
-def probe_now(due: bool, *, initial: bool, start_probed: bool, in_flight: bool) -> bool:
-    """Whether to run the timed probe at this boundary: when ``due``, except
-    at the first choice after a start probe (its figure is fresh) and while a
-    sync is in flight (the probe would queue behind it, block the step for
-    the rest of the transfer and time a busy link)."""
-    return due and not (initial and start_probed) and not in_flight
-
-
 def next_probe_step(step: int, probe_s: float, step_s: float, interval: int) -> int:
     """The step of the next untriggered probe after one of ``probe_s``
     seconds at ``step``: whole windows later, as many as keep probes at
     ``PROBE_BUDGET`` of the training time (:func:`probe_every`)."""
     k = _window_steps(interval)
     return step + probe_every(probe_s, step_s, k) * k
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """What auto does about the link at a window's boundary (:func:`probe_plan`)."""
+
+    #: the link figure to decide with unless a probe runs: the window's syncs'
+    #: (``passive``), else the last one (None: none yet)
+    net: Net | None
+    #: the window's syncs measured the link
+    passive: bool
+    #: bytes of the bandwidth probe to run now; 0: none
+    probe_bytes: int
+    #: the step of the next untriggered probe when none runs now (after one:
+    #: :meth:`next_after`)
+    next_probe: int
+    #: the boundary's step, step time and decision interval, which
+    #: :meth:`next_after` schedules from
+    step: int
+    step_s: float
+    interval: int
+
+    def next_after(self, spent_s: float) -> int:
+        """The step of the next untriggered probe after this plan's probe
+        took ``spent_s`` (:func:`next_probe_step`)."""
+        return next_probe_step(self.step, spent_s, self.step_s, self.interval)
+
+
+def probe_plan(step: int, net: Net | None, *, link_Bps: float, next_probe: int, interval: int,
+               step_s: float, initial: bool, start_probed: bool, in_flight: bool,
+               overheads: Sequence[float], calibrated: bool,
+               in_use: Callable[[Net], Prediction]) -> ProbePlan:
+    """Whether to probe the link at this boundary, with how many bytes, and
+    when next: auto's whole decision about measuring the link.
+
+    What auto knows: ``net``, the link figure in use (the start probe's
+    until the first decision; None without one); ``link_Bps``, the bandwidth
+    the window's syncs saw (:attr:`Window.link_Bps`; 0.0: they cannot tell);
+    ``next_probe``, the step the schedule set; ``initial``, the first choice;
+    ``start_probed``, whether ``net`` is a start probe's; ``in_flight``, a
+    streamed sync still on the link; ``overheads``, the window's time per
+    step beyond compute (the whole window's and its last third's) and
+    ``calibrated``, whether the corrections were fitted on the strategy in
+    use; ``in_use(net)``, that strategy's prediction on a link (asked only
+    when the drift decides).
+
+    * The window's syncs measured the link (and ``net`` has the latency,
+      which transfers big enough to time bandwidth do not time): ``net``
+      with their bandwidth, no probe traffic, and the scheduled probe not
+      before the next window.
+    * Else a probe is due with no figure of the link yet or once the
+      schedule's step has come; at a routine boundary (not the first
+      choice: nothing is calibrated yet, the start probe is the figure) a
+      drift of the time beyond compute from the prediction
+      (:func:`sync_drifted`) calls one too.
+    * A due probe runs, of :func:`probe_size` bytes for ``net``
+      (``MIN_PROBE_BYTES`` without one), except at the first choice after a
+      start probe (its figure is fresh) and while a sync is in flight (the
+      probe would queue behind it, block the step for the rest of the
+      transfer and time a busy link).
+    * The next untriggered probe: after a probe, whole windows later, as
+      many as keep probes at ``PROBE_BUDGET`` of the training time
+      (:meth:`ProbePlan.next_after`); at a first choice without one, as
+      many as a probe on ``net`` would need (:func:`probe_cost`).
+    """
+    at = dict(step=step, step_s=step_s, interval=interval)
+    if link_Bps > 0 and net is not None:
+        net = dataclasses.replace(net, bandwidth_Bps=link_Bps)
+        if initial:
+            next_probe = next_probe_step(step, probe_cost(net), step_s, interval)
+        else:
+            next_probe = max(next_probe, step + _window_steps(interval))
+        return ProbePlan(net=net, passive=True, probe_bytes=0, next_probe=next_probe, **at)
+    due = net is None or step >= next_probe
+    if not (due or initial):
+        due = sync_drifted(in_use(net), overheads, calibrated)
+    if due and not (initial and start_probed) and not in_flight:
+        size = (probe_size(net.bandwidth_Bps, net.alpha_s, net.world_size) if net is not None
+                else MIN_PROBE_BYTES)
+        return ProbePlan(net=net, passive=False, probe_bytes=size, next_probe=next_probe, **at)
+    if initial:
+        next_probe = next_probe_step(step, probe_cost(net), step_s, interval)
+    return ProbePlan(net=net, passive=False, probe_bytes=0, next_probe=next_probe, **at)
 
 
 def defer_decision(in_flight: bool, deferred: int, period: int) -> bool:

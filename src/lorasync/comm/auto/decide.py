@@ -7,8 +7,8 @@ future callback), :class:`Controller`:
 1. takes the window's measurements (reduced over ranks, so every rank holds
    the same numbers) and a figure of the link: the one the window's syncs
    gave, the last one, or a live probe when the policy calls for one
-   (:mod:`lorasync.plan.policy`: due by its budget, or the time beyond
-   compute drifted from the prediction);
+   (:func:`lorasync.plan.policy.probe_plan`: due by its budget, or the time
+   beyond compute drifted from the prediction);
 2. fits the cost model's corrections on the strategy in use
    (:class:`Calibration`: what it cost beyond its prediction; what running
    collectives inside backward cost, measured against the compute of a
@@ -36,8 +36,8 @@ from lorasync.catalog import PERIODIC
 from lorasync.comm.auto.measure import Links, StepMeter
 from lorasync.comm.auto.switch import Switcher, variant_text
 from lorasync.plan import policy
-from lorasync.plan.costmodel import Net, Workload, predict
-from lorasync.plan.planner import tune_periodic
+from lorasync.plan.costmodel import Net, Prediction, Workload, predict
+from lorasync.plan.periodic import tune_periodic
 from lorasync.plan.policy import EXPOSED_PRIOR, Decision, Window
 
 __all__ = ["Settings", "Calibration", "Controller"]
@@ -258,43 +258,32 @@ class Controller:
     def _link(self, w: Window, initial: bool, step: int, comp: float, over: float,
               step_s: float) -> tuple[Net, bool, bool]:
         """The link this decision uses: ``(net, probed, passive)`` -- the
-        window's syncs measured it (passive), a probe did, or the last figure."""
+        window's syncs measured it (passive), a probe did, or the last figure
+        (:func:`lorasync.plan.policy.probe_plan` decides which)."""
         if self.s.world_size < 2:
             return Net(alpha_s=0.0, bandwidth_Bps=1e12, world_size=1), False, False
-        interval = self.s.interval
-        net = self.net or self.links.start
-        seen = policy.passive_link(net, w.link_Bps)
-        passive = seen is not None
-        if passive:
-            # the syncs of this window measured the link: no probe traffic
-            net = seen
-            self.next_probe = policy.postpone_probe(self.next_probe, step, interval)
-        due = policy.probe_due(step, self.next_probe, have_net=net is not None, passive=passive)
-        if policy.watch_drift(due, initial=initial, passive=passive):
-            due = self._drifted(net, w, comp, over)
-        if policy.probe_now(due, initial=initial, start_probed=self.links.start is not None,
-                            in_flight=self.sw.child.in_flight):
-            # the syncs gave no figure (too small, none in the window): probe
-            size = (policy.probe_size(net.bandwidth_Bps, net.alpha_s, net.world_size)
-                    if net else policy.MIN_PROBE_BYTES)
-            net, spent = self.links.live(size, self.sw.layout)
-            self.next_probe = policy.next_probe_step(step, spent, step_s, interval)
-            return net, True, passive
-        if initial:
-            # the start probe is the figure until the next probe's share of
-            # the training time (PROBE_BUDGET) is due, or the syncs drift
-            self.next_probe = policy.next_probe_step(step, policy.probe_cost(net), step_s,
-                                                     interval)
-        return net, False, passive
+        child = self.sw.child
+        pp = policy.probe_plan(
+            step, self.net or self.links.start, link_Bps=w.link_Bps,
+            next_probe=self.next_probe, interval=self.s.interval, step_s=step_s,
+            initial=initial, start_probed=self.links.start is not None,
+            in_flight=child.in_flight,
+            overheads=(over, max(0.0, w.recent_overhead_s - self.cal.fixed_s)),
+            calibrated=self.cal.fit_for == child.name,
+            in_use=lambda net: self._predict_in_use(net, comp))
+        if not pp.probe_bytes:
+            self.next_probe = pp.next_probe
+            return pp.net, False, pp.passive
+        net, spent = self.links.live(pp.probe_bytes, self.sw.layout)
+        self.next_probe = pp.next_after(spent)
+        return net, True, pp.passive
 
-    def _drifted(self, net: Net, w: Window, comp: float, over: float) -> bool:
-        """Whether the window's time beyond compute drifted from the strategy
-        in use's prediction on ``net``."""
+    def _predict_in_use(self, net: Net, comp: float) -> Prediction:
+        """The strategy in use's prediction on ``net`` (in its layout), with
+        the corrections fitted so far."""
         child = self.sw.child
         cnet = self.links.in_layout(net, child.layout)
-        p = predict(child.name, cnet, self.cal.workload(comp, cnet))
-        recent = max(0.0, w.recent_overhead_s - self.cal.fixed_s)
-        return policy.sync_drifted(p, (over, recent), calibrated=self.cal.fit_for == child.name)
+        return predict(child.name, cnet, self.cal.workload(comp, cnet))
 
     def _confirm_change(self, prev: Net | None, net: Net, probed: bool, passive: bool,
                         step_s: float) -> tuple[Net, bool]:

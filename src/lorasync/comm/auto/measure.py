@@ -5,7 +5,7 @@ measured is all-reduced (:func:`allreduce_max`) before anything is decided
 from it, so the ranks cannot take different branches.
 
 * The links (:class:`Links`): at attach a quick probe of the group
-  (``probe=quick``: :func:`lorasync.comm.probe.run_probe`; ``live``: the
+  (``probe=quick``: :func:`lorasync.comm.probe.probe_group`; ``live``: the
   short timed all-reduces of :func:`lorasync.comm.probe.link_model`;
   ``none``), then the live probe whenever the policy calls for one.  With
   several ranks on each of several nodes both links are timed: the whole
@@ -35,11 +35,10 @@ import torch.distributed as dist
 
 from lorasync.comm.base import Sync
 from lorasync.comm.loopback import time_encode
-from lorasync.comm.probe import link_model, run_probe
+from lorasync.comm.probe import link_model, probe_group
 from lorasync.comm.wire import Wire
 from lorasync.plan.costmodel import Net, lanes_of
 from lorasync.plan.linkfit import MIN_PROBE_BYTES, passive_bandwidth
-from lorasync.plan.planner import net_from_probe
 from lorasync.plan.policy import Window
 
 __all__ = ["module_head_share", "allreduce_max", "encode_costs", "Links", "StepMeter"]
@@ -126,11 +125,11 @@ class Links:
             return None
         if mode == "live":
             return self.live(MIN_PROBE_BYTES, layout, grow=True)[0]
-        res = run_probe(self.wire.group, quick=True)
-        if not res.get("model"):
+        res = probe_group(self.wire.group, quick=True)
+        if res.model is None:
             return self.live(MIN_PROBE_BYTES, layout, grow=True)[0]
         self.probe_intra()
-        return self.with_topology(net_from_probe(res, world_size=self.wire.size)[0], layout)
+        return self.with_topology(res.net(self.wire.size)[0], layout)
 
     def live(self, nbytes: int, layout: str, grow: bool = False) -> tuple[Net, float]:
         """The live probe: three small all-reduces and one of ``nbytes`` on the
