@@ -102,13 +102,13 @@ def worker(a) -> None:
     from lorasync.train.data import demo_rows, encode_rows
     from lorasync.train.evaluate import evaluate
     from lorasync.train.loop import _lr_lambda
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    base, tok = load_base(a.model, log=lambda m: None)
+    base, tok = load_base(ModelSource.resolve(a.model), log=lambda m: None)
     # the rows lorasync train uses: demo_rows(--demo-size, --eval-size)
     train_rows, eval_rows = demo_rows(4000, a.eval_size)
     train = encode_rows(train_rows, tok, a.seq_len)

@@ -199,9 +199,9 @@ def test_label_tokens_count_the_shifted_labels_once():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     return add_lora(base, LoraSettings(), seed=0), tok
 
 
@@ -245,11 +245,11 @@ def test_accumulated_loss_is_the_token_mean_of_the_whole_batch(tiny, loss_kwargs
 
 
 def test_gradient_checkpointing_gives_the_same_adapter_gradients():
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
     grads = []
     for gc in (False, True):
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         if gc:
             loop._enable_checkpointing(base, "tiny")
             assert getattr(base, "is_activation_checkpointing", None) \

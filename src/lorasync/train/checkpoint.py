@@ -8,7 +8,7 @@ and load it)::
         tokenizer.json, tokenizer_config.json, ...       the run's tokenizer
         lorasync/meta.json, rank0.pt, rank0.json, rank1.pt, ...   lorasync's state
 
-``adapter_config.json`` names the base model by ``base_model_ref`` (its Hub
+``adapter_config.json`` names the base model by ``ModelSource.ref`` (its Hub
 id, or the directory the user gave), never a cache path, so
 ``PeftModel.from_pretrained(base, "RUN/checkpoint-40")`` loads it on another
 machine.  The adapter is the finalizing rank's (rank 0's on a shared disk):
@@ -66,12 +66,12 @@ import shutil
 from dataclasses import dataclass, field
 
 from lorasync.errors import CheckpointError
-from lorasync.train.model import EMBEDDED_REF
+from lorasync.train.model import EMBEDDED_REF, base_model_ref
 from lorasync.train.watchdog import Pace
 
 __all__ = ["save", "latest", "load_rank", "read_meta", "verified", "intact", "inventory", "choose",
            "ResumePlan", "Checkpointer", "Progress", "rng_state", "set_rng_state",
-           "export_adapter", "base_model_ref", "check_init_adapter", "load_init_adapter",
+           "export_adapter", "check_init_adapter", "load_init_adapter",
            "STATE_DIR"]
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")   # RUN/checkpoint-N
@@ -584,14 +584,15 @@ class Checkpointer:
 
     def __init__(self, run_dir: str, *, rank: int, local_rank: int, world_size: int, barrier,
                  interval: int, keep: int, pace: Pace | None = None, tokenizer=None,
-                 model_name: str | None = None):
+                 base_ref: str | None = None):
         self.run_dir, self.rank, self.local_rank = run_dir, rank, local_rank
         self.world_size, self.barrier = world_size, barrier
         self.interval, self.keep = interval, keep
         self.pace = pace or Pace()
-        # what a checkpoint's PEFT adapter names as its base, and the tokenizer beside it
+        # what a checkpoint's PEFT adapter names as its base (ModelSource.ref), and the
+        # tokenizer beside it
         self.tokenizer = tokenizer
-        self.base_ref = base_model_ref(model_name) if model_name else None
+        self.base_ref = base_ref
 
     def agree(self, *, resume: bool, history: dict) -> tuple[ResumePlan, dict, list[dict]]:
         """Collective: (plan, meta of the checkpoint, every rank's ``history``).
@@ -755,14 +756,6 @@ class Checkpointer:
 # ---------------------------------------------------------------- what other tools read
 
 
-def base_model_ref(name: str) -> str:
-    """What a saved adapter names as its base model (``train.model.base_model_ref``:
-    the Hub id, the directory the user gave, never lorasync's cache)."""
-    from lorasync.train.model import base_model_ref as ref
-
-    return ref(name)
-
-
 def export_adapter(model, folder: str, *, tokenizer=None, base_ref: str | None = None) -> None:
     """Write ``model``'s adapter with PEFT's ``save_pretrained`` (safetensors)
     into ``folder``, its ``adapter_config.json`` naming ``base_ref`` as the base
@@ -787,7 +780,7 @@ def export_adapter(model, folder: str, *, tokenizer=None, base_ref: str | None =
 
 def _same_base(theirs: str, ours: str) -> bool:
     """Whether an adapter's ``base_model_name_or_path`` names this run's base
-    model (``base_model_ref``), also when it is the local directory lorasync
+    model (``ModelSource.ref``), also when it is the local directory lorasync
     versions before named (the embedded default's cache) or the same directory
     by another path."""
     def norm(x: str) -> str:
@@ -855,7 +848,7 @@ def check_init_adapter(cfg) -> dict | None:
         raise ConfigError("lora.alpha", cfg.lora.alpha, f"{where} lora_alpha={alpha} (the "
                           f"scale of its weights): pass --lora-alpha {alpha}, {other}")
     base = conf.get("base_model_name_or_path")
-    ours = base_model_ref(cfg.model.name)
+    ours = base_model_ref(cfg.model.name)   # ModelSource.ref: checked before the model resolves
     if base and not _same_base(str(base), ours):
         raise ConfigError("model.name", cfg.model.name, f"{where} base model {base}, this run "
                           f"{ours}: pass --model with its base, {other}")

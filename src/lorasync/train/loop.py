@@ -255,9 +255,10 @@ def prepare_run_dir(cfg: Config, resume: bool) -> None:
     write_run_config(cfg, os.path.join(out, "config.yaml"))
 
 
-def train_worker(cfg: Config, resume: bool = False, trainer_cls=None) -> int:
+def train_worker(cfg: Config, resume: bool = False, trainer_cls=None, source=None) -> int:
     """One rank's run; ``trainer_cls``: a :class:`Trainer` subclass in its place
-    (a bench's peer row: lorasync's run with another system's sync)."""
+    (a bench's peer row: lorasync's run with another system's sync); ``source``:
+    the model as the launcher resolved it (``ModelSource``; None: resolved here)."""
     import torch
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
@@ -326,7 +327,7 @@ def train_worker(cfg: Config, resume: bool = False, trainer_cls=None) -> int:
         dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
         guard.done()
         trainer = (trainer_cls or Trainer)(cfg, resume, env, device, backend, log,
-                                           watchdog=watchdog, spawned=spawned)
+                                           watchdog=watchdog, spawned=spawned, source=source)
         trainer.setup()
         return trainer.run()
     except LorasyncError as exc:
@@ -407,11 +408,12 @@ class Trainer:
     state; ``run()`` trains to the end (or ``--stop-after``), then writes the
     adapter, metrics.jsonl and summary.json.  Collectives run in the same
     order on every rank.  ``watchdog`` (train/watchdog.py) is told what the
-    rank does, so that a failing peer is named within its bound.
+    rank does, so that a failing peer is named within its bound.  ``source``: the
+    model as the launcher resolved it (``ModelSource``); None: ``setup`` resolves it.
     """
 
     def __init__(self, cfg: Config, resume: bool, env: dict, device, backend: str, log, *,
-                 watchdog=None, spawned: float | None = None):
+                 watchdog=None, spawned: float | None = None, source=None):
         import torch.distributed as dist
 
         self.cfg, self.tc, self.resume, self.device, self.backend = \
@@ -426,6 +428,7 @@ class Trainer:
         self.pace = watchdog if watchdog is not None else Pace()
         self.spawned = spawned if spawned is not None else time.time()
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.source = source
         self.steplog = None
         self._restart_field: dict | None = None
         self._eval_owed = False   # an evaluation due at an earlier step, deferred
@@ -452,8 +455,8 @@ class Trainer:
         from lorasync.comm import attach
         from lorasync.train.checkpoint import Checkpointer, Progress
         from lorasync.train.data import IGNORE, load_datasets, steps_per_epoch
-        from lorasync.train.model import (adapter_named_params, adapter_param_count, add_lora,
-                                          load_base)
+        from lorasync.train.model import (ModelSource, adapter_named_params,
+                                          adapter_param_count, add_lora, load_base)
         from lorasync.errors import CheckpointError
         from lorasync.train.recovery import Attempt, classify, history
 
@@ -465,7 +468,10 @@ class Trainer:
         t_load = time.time()
         # the one stage without a bound of its own: a first download may take any time
         self.pace.tick("load", allow_s=math.inf)
-        base, self.tok = load_base(cfg.model, log=self.log, device=device)
+        # a worker torchrun started directly (no launcher resolved it) resolves it here
+        self.source = self.source or ModelSource.resolve(cfg.model.name)
+        base, self.tok = load_base(self.source, cfg.model.dtype, self.log, quantize=cfg.model,
+                                   device=device)
         if tc.gradient_checkpointing:
             _enable_checkpointing(base, cfg.model.name)
         self.train_set, self.eval_set = load_datasets(cfg.data, self.tok, warn=self.log)
@@ -487,7 +493,7 @@ class Trainer:
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
                                  interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace,
-                                 tokenizer=self.tok, model_name=cfg.model.name)
+                                 tokenizer=self.tok, base_ref=self.source.ref)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
         self.plan, meta, histories = self.ckpt.agree(
@@ -854,9 +860,9 @@ class Trainer:
         self.steplog.close()   # trackers have the final evaluation; the bar ends before the summary
         if rank == 0:
             self.pace.tick("adapter", allow_s=(self.n_adapter * 4 + (4 << 20)) / SLOW_DISK_BPS)
-            from lorasync.train.checkpoint import base_model_ref, export_adapter
+            from lorasync.train.checkpoint import export_adapter
             export_adapter(self.model, os.path.join(run_dir, "adapter"), tokenizer=self.tok,
-                           base_ref=base_model_ref(cfg.model.name))
+                           base_ref=self.source.ref)
         self.pace.tick("end event")
         self._end_event("done")
         gathered = [None] * world if rank == 0 else None
