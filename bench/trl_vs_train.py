@@ -101,7 +101,7 @@ def worker(a) -> None:
     from lorasync.config import LoraSettings
     from lorasync.train.data import demo_rows, encode_rows
     from lorasync.train.evaluate import evaluate
-    from lorasync.train.loop import _lr_lambda
+    from lorasync.train.schedule import lr_lambda
     from lorasync.train.model import ModelSource, add_lora, load_base
 
     warnings.filterwarnings("ignore")
@@ -127,7 +127,7 @@ def worker(a) -> None:
         dataloader_num_workers=0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda("cosine", a.warmup, a.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("cosine", a.warmup, a.steps))
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
                          optimizers=(opt, sched))
     times: dict = {"records": []}

@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from lorasync.comm import attach
     from lorasync.comm.wire import Wire
     from lorasync.config import LoraSettings
-    from lorasync.train.loop import _enable_checkpointing
+    from lorasync.train.trainer import _enable_checkpointing
     from lorasync.train.model import ModelSource, add_lora, load_base
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

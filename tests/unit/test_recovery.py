@@ -296,7 +296,7 @@ def test_a_user_error_is_said_once_across_restarts(tmp_path, monkeypatch):
     """Workers restarted after a user error stop at once; rank 0 says the error
     only if no earlier try of rank 0 said it, then never again."""
     from lorasync.errors import LorasyncError
-    from lorasync.train.loop import _mark_fatal, _stop_if_fatal_before
+    from lorasync.train.worker import _mark_fatal, _stop_if_fatal_before
 
     monkeypatch.setenv("LORASYNC_FATAL_DIR", str(tmp_path))
     _stop_if_fatal_before(0)                       # nothing marked: goes on

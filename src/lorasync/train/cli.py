@@ -170,7 +170,7 @@ def _preflight(cfg, world: int | None = None):
         raise ConfigError("comm.hierarchy", "node", f"{cfg.comm.strategy} runs flat only "
                           f"({flat}); use --hierarchy flat or auto")
     if cfg.train.bf16 or cfg.train.fp16:   # the strategy, and this host's autocast
-        from lorasync.train.loop import check_precision, precision_device
+        from lorasync.train.precision import check_precision, precision_device
 
         device = precision_device(cfg.run.backend)
         check_precision(cfg, device, probe=device == "cpu")
@@ -283,7 +283,7 @@ def run(args) -> int:
 
     cfg = _resolve(args)
     if in_worker():
-        from lorasync.train.loop import train_worker
+        from lorasync.train.worker import train_worker
 
         if not cfg.run.output_dir:
             raise ConfigError("--output-dir", "", "under torchrun give every node the same "

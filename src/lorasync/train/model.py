@@ -26,7 +26,7 @@ other fields via ``lora.options``), and ``--load-in-4bit`` / ``--load-in-8bit``
 load the base through bitsandbytes for QLoRA.
 
 Every rank loads the same base weights itself; only the adapter has to be
-made identical across ranks (see ``loop.py``), which is why DDP's start-up
+made identical across ranks (see ``trainer.py``), which is why DDP's start-up
 broadcast of the whole model can be skipped.
 """
 
