@@ -2,7 +2,7 @@
 
 ``setup`` builds the model, strategy and optimizer, ``run`` is the train
 loop.  Its parts live in their own modules, each with its state:
-``Checkpointer`` (train/checkpoint.py: what to resume from, when and what to
+``Checkpointer`` (train/checkpoint/: what to resume from, when and what to
 save), ``Evaluator`` (train/evaluate.py: eval loss, exact-match,
 evals.jsonl) and ``StepLog`` (train/steplog.py: the step records, their
 streams, sinks and the progress bar); train/summary.py reduces the records
