@@ -37,7 +37,7 @@ with one line, exit 2.
 4. ``strategies``: the same ``lorasync train`` (fp32) with each strategy
    (``--comm``).  On one GPU that is a 1-rank NCCL group: NCCL refuses two
    ranks on one device, and ``lorasync train --backend gloo`` puts its workers
-   on the CPU (loop.train_worker: gloo -> device cpu), so it would not measure
+   on the CPU (worker.train_worker: gloo -> device cpu), so it would not measure
    the GPU.  A 1-rank group runs each strategy's hooks (encode, the
    collectives, decode, its state) on CUDA tensors through the real trainer,
    but its collectives cross no link: comm_s here is the strategy's own

@@ -145,13 +145,13 @@ def worker(a) -> None:
     import lorasync.hf
     from lorasync.config import parse_options
     from lorasync.train.data import Example, collate
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     world = int(os.environ["WORLD_SIZE"])
-    base, tok = load_base(a.model)
+    base, tok = load_base(ModelSource.resolve(a.model))
     data = _ordered_examples(tok, a.steps, world, a.batch_size, a.seq_len)
     torch.manual_seed(0)   # lorasync train seeds the adapter init the same way
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
@@ -473,9 +473,9 @@ def write_sft_data(a, work: str) -> tuple[str, str]:
     ``input_ids`` as tokenized and uses its ``labels`` as they are.  The model:
     the embedded default's converted directory, a directory as given, or
     another name (``tiny``) saved once into ``work``."""
-    from lorasync.train.model import EMBEDDED, ensure_embedded, load_base
+    from lorasync.train.model import EMBEDDED, ModelSource, ensure_embedded, load_base
 
-    base, tok = load_base(a.model)
+    base, tok = load_base(ModelSource.resolve(a.model))
     if a.model == EMBEDDED:
         model_dir = ensure_embedded(log=lambda m: print(m, file=sys.stderr))
     elif os.path.isdir(a.model):

@@ -101,14 +101,14 @@ def worker(a) -> None:
     from lorasync.config import LoraSettings
     from lorasync.train.data import demo_rows, encode_rows
     from lorasync.train.evaluate import evaluate
-    from lorasync.train.loop import _lr_lambda
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.schedule import lr_lambda
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    base, tok = load_base(a.model, log=lambda m: None)
+    base, tok = load_base(ModelSource.resolve(a.model), log=lambda m: None)
     # the rows lorasync train uses: demo_rows(--demo-size, --eval-size)
     train_rows, eval_rows = demo_rows(4000, a.eval_size)
     train = encode_rows(train_rows, tok, a.seq_len)
@@ -127,7 +127,7 @@ def worker(a) -> None:
         dataloader_num_workers=0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda("cosine", a.warmup, a.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("cosine", a.warmup, a.steps))
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
                          optimizers=(opt, sched))
     times: dict = {"records": []}

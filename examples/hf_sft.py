@@ -43,10 +43,11 @@ def main(demo_args, training_args, model_args):
     import lorasync.hf
     from lorasync.config import parse_options
     from lorasync.train.data import demo_rows
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     # the embedded SmolLM2 (default), "tiny" (tests) or a local model directory
-    model, tokenizer = load_base(model_args.model_name_or_path or "smollm2-135m")
+    source = ModelSource.resolve(model_args.model_name_or_path or "smollm2-135m")
+    model, tokenizer = load_base(source)
     train_rows, eval_rows = demo_rows(demo_args.dataset_size, 32)
 
     trainer = SFTTrainer(

@@ -319,7 +319,7 @@ class TrainConfig:
                "choose one of --bf16 and --fp16")
 
 
-#: auto's candidates under --fp16 when none are given (train.loop._fp16_refused)
+#: auto's candidates under --fp16 when none are given (train.precision._fp16_refused)
 FP16_AUTO_CANDIDATES = "allreduce,fp16"
 
 

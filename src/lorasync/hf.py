@@ -21,7 +21,7 @@ arguments (accelerate's documented way to configure its DDP).  ``attach``
 puts lorasync's own handler, a subclass, into that slot:
 
 * its ``to_kwargs()`` returns the DDP arguments lorasync uses for LoRA
-  (see ``train/loop.py``): ``init_sync=False``, so DDP does not broadcast the
+  (see ``train/trainer.py``): ``init_sync=False``, so DDP does not broadcast the
   module's state from rank 0 when it is built (every parameter and buffer,
   the frozen base included: 540 MB for SmolLM2-135M, 7 minutes at
   10 Mbit/s); no buffer broadcast before every forward; 1 MB buckets so the

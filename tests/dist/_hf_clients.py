@@ -154,7 +154,7 @@ def job_trainer(dump_dir, specs, *, results=True):
 
     import lorasync.hf
     from lorasync.train.data import demo_rows, encode_rows
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     resume = os.environ.get("HF_RESUME", "")
     for s in specs:
@@ -165,7 +165,7 @@ def job_trainer(dump_dir, specs, *, results=True):
         perturb = bool(opts.pop("perturb", False))
         use_lorasync = bool(opts.pop("attach", True))
         keep_avg = bool(opts.pop("keep_token_average", False))
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         frozen = base.model.layers[0].mlp.up_proj.weight
         if perturb and rank() == 1:
             with torch.no_grad():
@@ -222,12 +222,12 @@ def job_accelerate(dump_dir, specs):
     import lorasync
     import lorasync.hf
     from lorasync.train.data import demo_rows, encode_rows
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     rows, _ = demo_rows(200, 0)
     for mode in ("helper", "prepared"):
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)  # CPU: gloo
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         torch.manual_seed(accelerator.process_index)   # different inits: rank 0's must win
         model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj",
                                                                                     "v_proj"],
@@ -275,10 +275,10 @@ def job_bad(dump_dir, specs):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import lorasync.hf
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     def make(peft=True, **kw):
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"],
                                                 task_type="CAUSAL_LM")) if peft else base
         args = TrainingArguments(output_dir=os.path.join(dump_dir, "bad-out"), max_steps=1,

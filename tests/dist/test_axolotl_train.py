@@ -68,10 +68,10 @@ special_tokens:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     tmp = tmp_path_factory.mktemp("axolotl")
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     base.save_pretrained(tmp / "tiny")
     tok.save_pretrained(tmp / "tiny")
     with open(tmp / "data.jsonl", "w") as fh:

@@ -27,9 +27,9 @@ def _worker(rank, world, port, out):
         import lorasync
         from lorasync.config import LoraSettings
         from lorasync.train.data import collate, demo_rows, encode_rows
-        from lorasync.train.model import add_lora, load_base
+        from lorasync.train.model import ModelSource, add_lora, load_base
 
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         model = add_lora(base, LoraSettings(dropout=0.1), seed=0)
         ddp = DDP(model, init_sync=False, bucket_cap_mb=0.01, find_unused_parameters=False)
         lorasync.attach(ddp, "allreduce")

@@ -87,7 +87,7 @@ def test_killed_worker_restarts_and_the_run_completes(tmp_path):
 
 
 @pytest.mark.parametrize("strategy, opts, site", [
-    ("allreduce", [], "train/loop.py"),                     # waiting inside backward's hooks
+    ("allreduce", [], "train/trainer.py"),                  # waiting inside backward's hooks
     ("local", ["--comm-opt", "period=3"], "comm/periodic.py"),   # in a periodic sync
     ("diloco", ["--comm-opt", "period=3", "--comm-opt", "streaming=true"],
      "comm/periodic.py"),                                         # in a streamed DiLoCo sync

@@ -76,7 +76,7 @@ def env(tmp_path_factory):
     reaches this environment's packages; the tiny model and the data on disk."""
     from lorasync.integrations import switch
     from lorasync.train.data import demo_rows
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     tmp = tmp_path_factory.mktemp("switch")
     venv = tmp / "venv"
@@ -90,7 +90,7 @@ def env(tmp_path_factory):
         fh.write("\n".join(shared) + "\n")
     with open(switch.hook_source()) as src, open(os.path.join(site, switch.HOOK_FILE), "w") as dst:
         dst.write(src.read())
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     model_dir = tmp / "tiny"
     base.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

@@ -64,10 +64,10 @@ use_cpu: true
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     tmp = tmp_path_factory.mktemp("llamafactory")
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     base.save_pretrained(tmp / "tiny")
     tok.save_pretrained(tmp / "tiny")
     data = tmp / "data"

@@ -69,8 +69,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from lorasync.comm import attach
     from lorasync.comm.wire import Wire
     from lorasync.config import LoraSettings
-    from lorasync.train.loop import _enable_checkpointing
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.trainer import _enable_checkpointing
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     results = {}
     try:
         for label, name, opts, dtype in SCENARIOS:
-            base, _tok = load_base("tiny")
+            base, _tok = load_base(ModelSource.resolve("tiny"))
             _enable_checkpointing(base, "tiny")   # the trainer's: non-reentrant
             model = add_lora(base, LoraSettings(), seed=0)
             model.train()
@@ -203,7 +203,7 @@ def test_token_weighted_loss_and_grad_norm_of_the_synced_gradient(tmp_path):
 
     from lorasync.config import load_config
     from lorasync.train.data import IGNORE, batches_at, collate, load_datasets
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
     out = tmp_path / "run"
     p = run_cli("train", *TINY, "--max-steps", "1", "--batch-size", "2", "--grad-accum", "2",
@@ -215,7 +215,7 @@ def test_token_weighted_loss_and_grad_norm_of_the_synced_gradient(tmp_path):
 
     cfg = load_config(None, {"model": {"name": "tiny"}, "data": {"demo_size": 64,
                                                                  "eval_size": 0}})
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     model = add_lora(base, cfg.lora, seed=cfg.train.seed)
     train, _ = load_datasets(cfg.data, tok)
     total, sums, counts = 0.0, {}, {}

@@ -22,16 +22,17 @@ TINY = ["--model", "tiny", "--nproc", "2", "--batch-size", "2", "--eval-size", "
 def _init_adapter(folder):
     """A tiny adapter as training would leave it (lora_B not zero), in PEFT's format."""
     from lorasync.config import LoraSettings
-    from lorasync.train.checkpoint import base_model_ref, export_adapter
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.checkpoint import export_adapter
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
-    base, tok = load_base("tiny")
+    source = ModelSource.resolve("tiny")
+    base, tok = load_base(source)
     model = add_lora(base, LoraSettings(), seed=5)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)
-    export_adapter(model, folder, tokenizer=tok, base_ref=base_model_ref("tiny"))
+    export_adapter(model, folder, tokenizer=tok, base_ref=source.ref)
 
 
 def _weights(folder):
@@ -46,7 +47,7 @@ def test_init_adapter_trackers_and_resume_from_the_older_layout(tmp_path, monkey
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lorasync.train.checkpoint import base_model_ref
+    from lorasync.train.model import base_model_ref
 
     init = str(tmp_path / "init")
     _init_adapter(init)

@@ -74,13 +74,13 @@ def test_replicas_stay_identical(finished_run):
 def test_adapter_loads_in_peft(finished_run):
     from peft import PeftModel
 
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     run, _ = finished_run
     saved = torch.load(os.path.join(run, "checkpoint-6/lorasync/rank0.pt"),
                        weights_only=False)["adapter"]
     for folder in ("adapter", "checkpoint-6"):   # the final adapter, and the last checkpoint's
-        base, _ = load_base("tiny")
+        base, _ = load_base(ModelSource.resolve("tiny"))
         model = PeftModel.from_pretrained(base, os.path.join(run, folder))
         params = dict(model.named_parameters())
         for k, v in saved.items():

@@ -33,9 +33,9 @@ def main() -> int:
     from transformers import Trainer, TrainingArguments
 
     from lorasync.train.data import Example, collate, demo_rows, encode_rows
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     torch.manual_seed(0)   # the same adapter on every rank
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                             target_modules=["q_proj", "k_proj", "v_proj",

@@ -13,7 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lorasync.errors import CheckpointError
 from lorasync.train import checkpoint as ckpt
+from lorasync.train.checkpoint import format as fmt
 
 
 def _ck(run, step):
@@ -67,7 +69,7 @@ def test_no_checkpoint(tmp_path):
 def _damage(folder, rank, how):
     """``flip``: same size, other bytes; ``cut``: cut short and its record gone;
     ``norecord``: the record gone."""
-    folder = ckpt._state(str(folder))
+    folder = fmt._state(str(folder))
     path = os.path.join(folder, f"rank{rank}.pt")
     data = open(path, "rb").read()
     if how == "flip":
@@ -99,11 +101,11 @@ def test_pruning_keeps_the_newest_verified_when_the_new_one_is_damaged(tmp_path,
     for s in (1, 2, 3):
         _save(tmp_path, s, keep=1)
     assert _names(tmp_path) == ["checkpoint-3"]
-    real = ckpt._write_atomic
+    real = fmt._write_atomic
 
     def bad_disk(path, data):  # the state file lands with a bit flipped
         real(path, data[:-1] + bytes([data[-1] ^ 1]) if path.endswith(".pt") else data)
-    monkeypatch.setattr(ckpt, "_write_atomic", bad_disk)
+    monkeypatch.setattr(fmt, "_write_atomic", bad_disk)
     _save(tmp_path, 4, keep=1)
     assert not ckpt.intact(_ck(tmp_path, 4))
     # the one just written stays, and so does the newest that verifies
@@ -148,7 +150,7 @@ def test_a_corrupt_state_file_is_one_checkpoint_error(tmp_path, content):
     (folder / "rank0.json").write_text(json.dumps(
         {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
     assert ckpt.verified(ck, 0)
-    with pytest.raises(ckpt.CheckpointError) as err:
+    with pytest.raises(CheckpointError) as err:
         ckpt.load_rank(ck, 0)
     msg = str(err.value)
     assert "\n" not in msg and str(path) in msg and "move" in msg and "Traceback" not in msg
@@ -210,7 +212,7 @@ def test_restore_loads_the_newest_restorable_and_refuses_what_does_not_fit(tmp_p
     assert prog.step == 2 and prog.sample_offset == 16
     assert torch.equal(fresh["model"].lora_A, saved["model"].lora_A)
     # lora.r changed since the checkpoint was written: one line, naming what differs
-    with pytest.raises(ckpt.CheckpointError, match=r"does not fit .*lora_A is \(4, 8\) there, "
+    with pytest.raises(CheckpointError, match=r"does not fit .*lora_A is \(4, 8\) there, "
                                                    r"\(2, 8\) here"):
         c.restore(plan, ckpt.Progress(), 8, seed=0, **_parts(r=2))
     # a state file that verifies but does not load: every rank raises the same error
@@ -219,7 +221,7 @@ def test_restore_loads_the_newest_restorable_and_refuses_what_does_not_fit(tmp_p
     open(path, "wb").write(data)
     with open(os.path.join(c.folder(2), "lorasync", "rank0.json"), "w") as fh:
         json.dump({"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, fh)
-    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded"):
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
         c.restore(plan, ckpt.Progress(), 8, seed=0, **_parts())
 
 
@@ -231,11 +233,11 @@ class _Crash(Exception):
 
 
 def _ops(monkeypatch, crash_at: dict, partial: bool, ranks_of: dict, counts: dict):
-    """Count every file operation of checkpoint.py per rank (thread) and raise
+    """Count every file operation of train/checkpoint/ per rank (thread) and raise
     ``_Crash`` at ``crash_at[rank]``; ``partial``: a crashing rmtree has already
     deleted a state file of its folder (a kill in the middle of a delete)."""
     real = {"replace": os.replace, "rmtree": shutil.rmtree, "makedirs": os.makedirs,
-            "write": ckpt._write_atomic, "fsync": ckpt._fsync_dir}
+            "write": fmt._write_atomic, "fsync": fmt._fsync_dir}
 
     def wrap(name):
         def op(*a, **kw):
@@ -256,8 +258,8 @@ def _ops(monkeypatch, crash_at: dict, partial: bool, ranks_of: dict, counts: dic
     monkeypatch.setattr(os, "replace", wrap("replace"))
     monkeypatch.setattr(shutil, "rmtree", wrap("rmtree"))
     monkeypatch.setattr(os, "makedirs", wrap("makedirs"))
-    monkeypatch.setattr(ckpt, "_write_atomic", wrap("write"))
-    monkeypatch.setattr(ckpt, "_fsync_dir", wrap("fsync"))
+    monkeypatch.setattr(fmt, "_write_atomic", wrap("write"))
+    monkeypatch.setattr(fmt, "_fsync_dir", wrap("fsync"))
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not what is tested here
 
 
@@ -320,8 +322,8 @@ def _snapshot(dirs):
     """{(disk, folder): sorted file names} of every complete step folder."""
     out = {}
     for i, d in enumerate(sorted(set(dirs))):
-        for s, path in ckpt._steps(d):
-            out[(i, s)] = sorted(os.listdir(ckpt._state(path)))
+        for s, path in fmt._steps(d):
+            out[(i, s)] = sorted(os.listdir(fmt._state(path)))
     return out
 
 
@@ -361,7 +363,7 @@ def test_a_kill_at_any_step_of_save_and_prune_loses_no_checkpoint(tmp_path, monk
         assert plan.step in (4, 5), (case, plan.note)
         _restorable(dirs, plan)
         for d in set(dirs):
-            steps = [s for s, _ in ckpt._folders(d)]
+            steps = [s for s, _ in fmt._folders(d)]
             if 5 in steps:
                 assert max(steps) == 5, (case, d, steps)
         for key, files in _snapshot(dirs).items():
@@ -435,7 +437,7 @@ def _plant(run, step, kind, world, old=False):
     """A checkpoint folder of ``step`` in the layout of now, or (``old``) of the
     versions before (``RUN/checkpoints/step-N``)."""
     folder = os.path.join(run, "checkpoints", f"step-{step:06d}") if old else _ck(run, step)
-    state = ckpt._state(folder)
+    state = fmt._state(folder)
     os.makedirs(state)
     for r in range(world):
         data = f"state of rank {r} at step {step}".encode() * 20
@@ -464,8 +466,8 @@ def test_pruning_never_removes_the_new_or_the_newest_verified(disk, data, keep, 
                    for s, kind in disk.items()}
         verified = sorted((s for s, k in disk.items() if k == "intact" and s <= step),
                           reverse=True)
-        ckpt._prune(tmp, step, keep)
-        left = [s for s, _ in ckpt._folders(tmp)]
+        fmt._prune(tmp, step, keep)
+        left = [s for s, _ in fmt._folders(tmp)]
         assert step in left                                  # the one just written
         assert max(left) == step                             # no abandoned timeline
         kept = set(verified[:keep]) | {step}                 # keep newest that verify

@@ -5,12 +5,12 @@ import pytest
 from lorasync.errors import DataError
 from lorasync.train.data import (IGNORE, batches_at, collate, demo_rows, encode_rows,
                                  read_jsonl)
-from lorasync.train.model import load_base
+from lorasync.train.model import ModelSource, load_base
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_base("tiny")[1]
+    return load_base(ModelSource.resolve("tiny"))[1]
 
 
 def test_demo_is_deterministic_and_eval_is_held_out():

@@ -15,7 +15,7 @@ from lorasync.config import DataConfig, load_config
 from lorasync.errors import ConfigError, DataError
 from lorasync.train.data import (IGNORE, Example, collate, encode_rows, load_datasets, pack,
                                  read_rows)
-from lorasync.train.model import _tiny_tokenizer, load_base
+from lorasync.train.model import ModelSource, _tiny_tokenizer, load_base
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -208,7 +208,7 @@ def test_bad_data_is_refused_before_any_worker(monkeypatch, tmp_path, capsys, fi
 # ---------------------------------------------------------------- chat templates, lengths
 
 def test_chat_template_puts_the_loss_on_assistant_tokens_only():
-    tok = load_base("tiny")[1]
+    tok = load_base(ModelSource.resolve("tiny"))[1]
     tok.chat_template = CHATML
     (chat, pc) = encode_rows([
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
@@ -226,7 +226,7 @@ def test_chat_template_puts_the_loss_on_assistant_tokens_only():
 
 
 def test_a_template_that_refuses_a_conversation_names_the_row():
-    tok = load_base("tiny")[1]
+    tok = load_base(ModelSource.resolve("tiny"))[1]
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ "
                          "raise_exception('System role not supported') }}{% endif %}{% endfor %}"
                          + CHATML)
@@ -285,7 +285,7 @@ def test_a_packed_batch_computes_what_each_example_alone_does():
     summed loss equal those of the examples one by one."""
     import torch
 
-    model, tok = load_base("tiny")
+    model, tok = load_base(ModelSource.resolve("tiny"))
     model.eval()
     exs = _examples(tok, 9)
     packed = pack(exs, 64)

@@ -38,11 +38,10 @@ def test_the_qwen_shape_has_the_real_models_parameter_count(gpu_check):
 
 
 def test_the_dry_run_model_loads_as_lorasync_train_loads_it(gpu_check, tmp_path):
-    from lorasync.config import ModelConfig
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     info = gpu_check.build_model("qwen2.5-0.5b", str(tmp_path), tiny=True)
-    model, tok = load_base(ModelConfig(name=str(tmp_path)), log=lambda *_: None)
+    model, tok = load_base(ModelSource.resolve(str(tmp_path)), log=lambda *_: None)
     cfg = model.config
     assert type(model).__name__ == "Qwen2ForCausalLM" and cfg.num_hidden_layers == 2
     attn = model.model.layers[0].self_attn

@@ -55,7 +55,7 @@ def cache_tiny(cache, repo_id: str, with_config: bool = True) -> str:
 def test_a_hub_id_resolves_to_its_cached_snapshot_and_loads(hub):
     snap = cache_tiny(hub, "acme/tiny-llama")
     assert m.resolve_model("acme/tiny-llama") == snap
-    model, tok = m.load_base("acme/tiny-llama")
+    model, tok = m.load_base(m.ModelSource.resolve("acme/tiny-llama"))
     assert type(model).__name__ == "LlamaForCausalLM" and tok.pad_token == "<pad>"
 
 
@@ -91,6 +91,35 @@ def test_an_uncached_hub_id_is_refused_before_launch(hub, guard, tmp_path, capsy
     assert guard.launches == 0, line
 
 
+def test_the_launcher_resolves_the_model_once_and_hands_it_to_its_workers(
+        hub, tmp_path, monkeypatch, capsys):
+    """The launcher's tokenizer and meta model (a target outside the defaults
+    builds it) and its workers take one resolution, handed on in the workers'
+    environment; a worker torchrun started directly resolves the model itself."""
+    import os
+
+    import lorasync.launch.torchrun as torchrun
+    from _bad_input import run
+    from lorasync.train import cli
+
+    snap = cache_tiny(hub, "acme/tiny-llama")
+    monkeypatch.chdir(tmp_path)
+    Guard(monkeypatch, launch_ok=True)
+    calls, seen = [], {}
+    real = m.resolve_model
+    monkeypatch.setattr(m, "resolve_model", lambda name: calls.append(name) or real(name))
+    monkeypatch.setattr(torchrun, "run_agent", lambda args: seen.update(os.environ))
+    rc, _, err = run(capsys, TRAIN + ["--model", "acme/tiny-llama", "--lora-targets", "q_proj"])
+    assert rc == 0, err
+    assert calls == ["acme/tiny-llama"]
+    source = m.ModelSource("acme/tiny-llama", snap, "acme/tiny-llama")
+    monkeypatch.setenv(cli._SOURCE_ENV, seen[cli._SOURCE_ENV])
+    assert cli._handed("acme/tiny-llama") == source
+    assert cli._handed("tiny") is None   # a variable left over from a run of another model
+    monkeypatch.delenv(cli._SOURCE_ENV)
+    assert cli._handed("acme/tiny-llama") is None
+
+
 def test_base_model_ref_never_names_lorasyncs_cache(hub, tmp_path, monkeypatch):
     snap = cache_tiny(hub, "acme/tiny-llama")
     assert m.base_model_ref("acme/tiny-llama") == "acme/tiny-llama"
@@ -116,7 +145,7 @@ def test_all_linear_stands_alone():
 
 
 def test_dora_rslora_and_modules_to_save_on_the_tiny_model():
-    base, _ = m.load_base("tiny")
+    base, _ = m.load_base(m.ModelSource.resolve("tiny"))
     lora = LoraSettings(targets="all-linear", use_dora=True, use_rslora=True,
                         modules_to_save="norm", alpha=16.0, r=4)
     model = m.add_lora(base, lora, seed=0)
@@ -173,12 +202,12 @@ def test_modules_to_save_must_name_modules_of_the_model(guard, tmp_path, capsys)
 def test_names_are_matched_as_peft_matches_them():
     """A target is a module name or a dotted suffix of one; a module to save,
     any suffix of a module's full name (so "norm" takes every *norm)."""
-    cfg = ModelConfig(name="tiny")
-    m.check_lora_targets(cfg, LoraSettings(targets="self_attn.q_proj,v_proj",
-                                           modules_to_save="model.norm"))
+    source = m.ModelSource.resolve("tiny")
+    m.check_lora_targets(source, LoraSettings(targets="self_attn.q_proj,v_proj",
+                                              modules_to_save="model.norm"))
     with pytest.raises(ConfigError, match="'attn.q_proj'"):
-        m.check_lora_targets(cfg, LoraSettings(targets="attn.q_proj"))
-    base, _ = m.load_base("tiny")
+        m.check_lora_targets(source, LoraSettings(targets="attn.q_proj"))
+    base, _ = m.load_base(source)
     model = m.add_lora(base, LoraSettings(targets="self_attn.q_proj", modules_to_save="norm"),
                        seed=0)
     saved = {n.split(".modules_to_save")[0] for n, p in model.named_parameters()
@@ -246,7 +275,7 @@ def test_quantization_settings_that_cannot_be(kw, field):
 def test_the_dtype_field_still_sets_the_parameter_dtype():
     import torch
 
-    model, _ = m.load_base(ModelConfig(name="tiny", dtype="bfloat16"))
+    model, _ = m.load_base(m.ModelSource.resolve("tiny"), "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -272,7 +301,8 @@ def test_a_quantized_load_asks_transformers_for_bitsandbytes_on_the_device(
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
     cfg = ModelConfig(name="acme/tiny-llama", load_in_4bit=True, dtype="bfloat16")
-    base, _ = m.load_base(cfg, device=torch.device("cpu"))
+    base, _ = m.load_base(m.ModelSource.resolve(cfg.name), cfg.dtype, quantize=cfg,
+                       device=torch.device("cpu"))
     q = seen["quantization_config"]
     assert q.load_in_4bit and q.bnb_4bit_compute_dtype == torch.bfloat16
     assert seen["device_map"] == {"": "cpu"} and seen["dtype"] == torch.bfloat16

@@ -21,7 +21,7 @@ from lorasync.errors import ConfigError, ModelError
 from lorasync.monitor import sinks as sinks_mod
 from lorasync.monitor.sinks import check_report_to, open_sinks, scalars
 from lorasync.train import checkpoint as ckpt
-from lorasync.train.model import add_lora, load_base
+from lorasync.train.model import ModelSource, add_lora, base_model_ref, load_base
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _trained(r=4, seed=0, targets=("q_proj", "v_proj")):
     """The tiny model with a LoRA adapter whose B is not zero (as after training)."""
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     model = add_lora(base, LoraSettings(r=r, targets=list(targets)), seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -69,11 +69,12 @@ def test_a_checkpoint_loads_in_a_fresh_process_from_its_path_alone(tmp_path):
     names it, the tokenizer is beside the adapter, and a fresh process that knows
     only the run directory finds the newest checkpoint, loads base + adapter with
     PEFT and computes the same logits."""
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     base_dir = tmp_path / "base"
     base.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
-    base, tok = load_base(str(base_dir))
+    source = ModelSource.resolve(str(base_dir))
+    base, tok = load_base(source)
     model = add_lora(base, LoraSettings(r=4, targets=["q_proj", "v_proj"]), 0)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -83,7 +84,7 @@ def test_a_checkpoint_loads_in_a_fresh_process_from_its_path_alone(tmp_path):
     for step in (2, 4):
         c = ckpt.Checkpointer(str(run), rank=0, local_rank=0, world_size=1,
                               barrier=lambda: None, interval=2, keep=2, tokenizer=tok,
-                              model_name=str(base_dir))
+                              base_ref=source.ref)
         c.save(ckpt.Progress(step=step), model=model, opt=torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad], lr=0.1),
             sched=torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1),
@@ -122,8 +123,8 @@ def test_a_checkpoint_loads_in_a_fresh_process_from_its_path_alone(tmp_path):
 
 
 def test_the_adapter_names_the_hub_id_or_the_directory(tmp_path):
-    assert ckpt.base_model_ref("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert ckpt.base_model_ref(str(tmp_path)) == str(tmp_path)
+    assert base_model_ref("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert base_model_ref(str(tmp_path)) == str(tmp_path)
     model, tok = _trained()
     ckpt.export_adapter(model, str(tmp_path / "a"), tokenizer=tok,
                         base_ref="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -146,7 +147,7 @@ def exported(tmp_path_factory):
     """A trained tiny adapter (r=4, q/v, alpha 16) saved as lorasync saves it."""
     folder = tmp_path_factory.mktemp("init") / "adapter"
     model, tok = _trained()
-    ckpt.export_adapter(model, str(folder), tokenizer=tok, base_ref=ckpt.base_model_ref("tiny"))
+    ckpt.export_adapter(model, str(folder), tokenizer=tok, base_ref=ModelSource.resolve("tiny").ref)
     return folder, _adapter(model)
 
 

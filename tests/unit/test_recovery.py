@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from lorasync.errors import CheckpointError
 from lorasync.monitor.metrics import RankStream, effective_records, read_jsonl_records
 from lorasync.train import checkpoint as ckpt
 from lorasync.train.recovery import fault_summary, history, resume_point_time
@@ -108,7 +109,7 @@ def test_a_pickled_object_is_refused(tmp_path):
     folder = tmp_path / "checkpoints" / "step-000001"
     folder.mkdir(parents=True)
     torch.save({"evil": threading.Lock}, folder / "rank0.pt")
-    with pytest.raises(ckpt.CheckpointError, match="loads safely"):
+    with pytest.raises(CheckpointError, match="loads safely"):
         ckpt.load_rank(str(folder), 0)
 
 
@@ -296,7 +297,7 @@ def test_a_user_error_is_said_once_across_restarts(tmp_path, monkeypatch):
     """Workers restarted after a user error stop at once; rank 0 says the error
     only if no earlier try of rank 0 said it, then never again."""
     from lorasync.errors import LorasyncError
-    from lorasync.train.loop import _mark_fatal, _stop_if_fatal_before
+    from lorasync.train.worker import _mark_fatal, _stop_if_fatal_before
 
     monkeypatch.setenv("LORASYNC_FATAL_DIR", str(tmp_path))
     _stop_if_fatal_before(0)                       # nothing marked: goes on

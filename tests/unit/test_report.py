@@ -58,7 +58,7 @@ def make_evals(steps=30, loss0=3.2, correct=(0, 22, 37), n=60, t0=1_700_000_000.
 
 def trainer_summary(records, evals, strategy="auto"):
     """summary.json exactly as the trainer computes it (the reference path)."""
-    from lorasync.train.loop import _summarize
+    from lorasync.train.summary import summarize as _summarize
 
     world = max(r["world_size"] for r in records)
     per_rank = [[r for r in records if r["rank"] == k] for k in range(world)]

@@ -12,8 +12,10 @@ import torch
 from _bad_input import Guard, refused
 from lorasync.config import LoraSettings, TrainConfig, load_config
 from lorasync.errors import ConfigError
-from lorasync.train import loop
-from lorasync.train.loop import Trainer, check_precision, schedule_note
+from lorasync.train import precision, trainer
+from lorasync.train.precision import check_precision
+from lorasync.train.schedule import schedule_note
+from lorasync.train.trainer import Trainer
 
 
 # ------------------------------------------------------------------------- options
@@ -77,15 +79,15 @@ def test_fp16_with_auto_runs_among_per_step_strategies():
 
 
 def test_autocast_a_device_lacks_is_named():
-    assert loop._autocast_fails("cpu", torch.bfloat16) is None
-    why = loop._autocast_fails("cpu", torch.float64)   # torch warns, turns autocast off
+    assert precision._autocast_fails("cpu", torch.bfloat16) is None
+    why = precision._autocast_fails("cpu", torch.float64)   # torch warns, turns autocast off
     assert why and "\n" not in why
 
 
 def test_unrunnable_precision_is_one_line_before_launch(monkeypatch, tmp_path, capsys):
     Guard(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(loop, "_autocast_fails", lambda device, dtype: "not on this CPU")
+    monkeypatch.setattr(precision, "_autocast_fails", lambda device, dtype: "not on this CPU")
     refused(capsys, tmp_path, ["train", "--model", "tiny", "--no-progress", "--bf16",
                                "--output-dir", "r"], "train.bf16", "not on this CPU",
             "drop --bf16")
@@ -107,7 +109,7 @@ def test_schedule_note():
 def test_peak_memory_and_its_summary_row():
     from lorasync.train.summary import format_summary
 
-    peak = loop.peak_memory_bytes(torch.device("cpu"))
+    peak = trainer.peak_memory_bytes(torch.device("cpu"))
     assert peak > 10 << 20   # this process holds torch: tens of MiB at least
     s = {"world_size": 2, "strategy": "allreduce", "adapter_params": 1, "eval_before": None,
          "eval_after": None, "final_loss": 1.0, "samples_per_s": 1.0, "step_s_median": 1.0,
@@ -191,7 +193,7 @@ def test_replicas_of_their_own_divide_by_their_own_tokens(strategy):
 
 def test_label_tokens_count_the_shifted_labels_once():
     ex = [types.SimpleNamespace(labels=[5, -100, 7, 8]), types.SimpleNamespace(labels=[-100, 9])]
-    n = loop._LabelTokens(ex, -100)
+    n = trainer._LabelTokens(ex, -100)
     assert (n[0], n[1]) == (2, 1)   # the first label predicts nothing
     ex[0].labels = []
     assert n[0] == 2 and n.known == {0: 2, 1: 1}
@@ -199,9 +201,9 @@ def test_label_tokens_count_the_shifted_labels_once():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
-    base, tok = load_base("tiny")
+    base, tok = load_base(ModelSource.resolve("tiny"))
     return add_lora(base, LoraSettings(), seed=0), tok
 
 
@@ -239,19 +241,19 @@ def test_accumulated_loss_is_the_token_mean_of_the_whole_batch(tiny, loss_kwargs
                  for k in mbs[0]}
         want = float(model(**whole).loss)
         means = sum(float(model(**b).loss) for b in mbs) / len(mbs)
-    assert loop._accepts_loss_kwargs(model)
+    assert trainer._accepts_loss_kwargs(model)
     assert got == pytest.approx(want, rel=1e-5)
     assert abs(means - want) > 1e-3   # what the old plain mean of means gave
 
 
 def test_gradient_checkpointing_gives_the_same_adapter_gradients():
-    from lorasync.train.model import add_lora, load_base
+    from lorasync.train.model import ModelSource, add_lora, load_base
 
     grads = []
     for gc in (False, True):
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         if gc:
-            loop._enable_checkpointing(base, "tiny")
+            trainer._enable_checkpointing(base, "tiny")
             assert getattr(base, "is_activation_checkpointing", None) \
                 or base.is_gradient_checkpointing
         model = add_lora(base, LoraSettings(), seed=0)
@@ -266,6 +268,6 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients():
 
 def test_checkpointing_a_model_without_it_is_a_config_error():
     with pytest.raises(ConfigError) as e:
-        loop._enable_checkpointing(types.SimpleNamespace(supports_gradient_checkpointing=False),
+        trainer._enable_checkpointing(types.SimpleNamespace(supports_gradient_checkpointing=False),
                                    "my-model")
     assert "train.gradient_checkpointing" in str(e.value) and "my-model" in str(e.value)

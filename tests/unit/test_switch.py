@@ -155,7 +155,7 @@ def tiny_trainer(monkeypatch, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
-    from lorasync.train.model import load_base
+    from lorasync.train.model import ModelSource, load_base
 
     monkeypatch.setattr(Trainer, "train", Trainer.train)   # restored after the test
     switch._patch(Trainer)
@@ -168,7 +168,7 @@ def tiny_trainer(monkeypatch, tmp_path):
     monkeypatch.setattr(switch, "_fail", fail)
 
     def make(peft=True):
-        base, tok = load_base("tiny")
+        base, tok = load_base(ModelSource.resolve("tiny"))
         torch.manual_seed(0)
         model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"],
                                                 task_type="CAUSAL_LM")) if peft else base

@@ -5,7 +5,7 @@ lorasync must differ from lorasync's rows in the sync alone: the same model
 and adapter, the same data in the same order, the same inner optimizer
 (AdamW, the same learning-rate schedule), the same evaluation and the same
 per-step records (so bench/time_to_quality.py reads it like any other row).
-This module is that worker.  It is lorasync's trainer (train/loop.py) with
+This module is that worker.  It is lorasync's trainer (train/trainer.py) with
 ``--comm none`` (no gradient sync at all) and the peer's own object doing the
 parameter averaging after each optimizer step::
 
@@ -481,7 +481,7 @@ class TorchftDiLoCo(_PeerStrategy):
 
 
 def _trainer_cls(peer: str, opts: dict):
-    from lorasync.train.loop import Trainer
+    from lorasync.train.trainer import Trainer
 
     class PeerTrainer(Trainer):
         def setup(self) -> None:
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, LorasyncError) as exc:
         print(f"lorasync.bench.peers: {exc}", file=sys.stderr)
         return 2
-    from lorasync.train.loop import train_worker
+    from lorasync.train.worker import train_worker
 
     return train_worker(cfg, trainer_cls=_trainer_cls(own.peer, opts))
 

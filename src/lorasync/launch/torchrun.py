@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 __all__ = ["in_worker", "run_torchrun", "run_agent", "worker_env", "restart_env", "shared_secret",
            "EXIT_FAULT"]
@@ -56,7 +56,8 @@ def restart_env(max_restarts: int, nnodes: str | int = 1) -> dict[str, str]:
 
 
 def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node_rank: int = 0,
-                 rdzv_endpoint: str | None = None, max_restarts: int = 0) -> int:
+                 rdzv_endpoint: str | None = None, max_restarts: int = 0,
+                 env: Mapping[str, str] | None = None) -> int:
     """Run ``python -m lorasync ARGV`` in ``nproc`` local workers via torchrun.
 
     Single node: ``--standalone`` (a free local port, rendezvous on loopback).
@@ -67,8 +68,10 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     store connection is guarded by the job's secret (:mod:`lorasync.launch.guard`):
     a fresh one on one node, across nodes the one every node was given
     (``LORASYNC_SECRET_FILE``), which also names the rendezvous.
-    ``max_restarts``: worker-group restarts after a failure.  Returns the exit
-    code of the first failed worker (2 for a user error), 0 on success.
+    ``max_restarts``: worker-group restarts after a failure.  ``env``: set for
+    the agent and its workers while the launch runs (what a launcher hands its
+    workers).  Returns the exit code of the first failed worker (2 for a user
+    error), 0 on success.
     """
     from lorasync.config import parse_endpoint
 
@@ -78,6 +81,7 @@ def run_torchrun(argv: Sequence[str], nproc: int, *, nnodes: int | str = 1, node
     # undone when it returns: the caller's process may go on (tests, benches)
     env_before = dict(os.environ)
     try:
+        os.environ.update(env or {})
         return _launch(list(argv), nproc, str(nnodes), node_rank, rdzv_endpoint, max_restarts)
     finally:
         os.environ.clear()

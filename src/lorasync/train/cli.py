@@ -143,11 +143,13 @@ def _resolve(args):
     return load_config(args.config, overrides)
 
 
-def _preflight(cfg, world: int | None = None) -> None:
-    """Check everything a user can get wrong before any worker starts or any file is written."""
+def _preflight(cfg, world: int | None = None):
+    """Check everything a user can get wrong before any worker starts or any file is
+    written; returns the model's :class:`~lorasync.train.model.ModelSource`, resolved
+    here once for the launcher and its workers."""
     from lorasync import catalog   # torch-free: this process never trains
     from lorasync.train.data import load_datasets
-    from lorasync.train.model import EMBEDDED, check_model_options, ensure_embedded, load_base
+    from lorasync.train.model import EMBEDDED, ModelSource, check_model_options, ensure_embedded
 
     if cfg.run.metrics_port:
         import socket
@@ -168,15 +170,16 @@ def _preflight(cfg, world: int | None = None) -> None:
         raise ConfigError("comm.hierarchy", "node", f"{cfg.comm.strategy} runs flat only "
                           f"({flat}); use --hierarchy flat or auto")
     if cfg.train.bf16 or cfg.train.fp16:   # the strategy, and this host's autocast
-        from lorasync.train.loop import check_precision, precision_device
+        from lorasync.train.precision import check_precision, precision_device
 
         device = precision_device(cfg.run.backend)
         check_precision(cfg, device, probe=device == "cpu")
     check_model_options(cfg.model, cfg.lora)   # bitsandbytes' backend, PEFT's LoraConfig
     if cfg.model.name == EMBEDDED:
         ensure_embedded(log=lambda m: print(m, file=sys.stderr))
-    _, tok = _load_tokenizer(cfg.model.name, load_base)
-    _check_targets(cfg)
+    source = ModelSource.resolve(cfg.model.name)   # a ModelError with the fix when there is none
+    tok = _load_tokenizer(source)
+    _check_targets(cfg, source)
     world = world or cfg.run.nproc
     g = world * cfg.train.batch_size * cfg.train.grad_accum
     train, _ = load_datasets(cfg.data, tok, need=g)   # every row checked, g encoded
@@ -185,24 +188,24 @@ def _preflight(cfg, world: int | None = None) -> None:
             f"data.path: {len(train)} training examples is fewer than one global batch "
             f"({world} ranks x batch_size {cfg.train.batch_size} x grad_accum "
             f"{cfg.train.grad_accum} = {g}); add data or lower --batch-size")
+    return source
 
 
-def _check_targets(cfg) -> None:
+def _check_targets(cfg, source) -> None:
     """``lora.targets`` and ``lora.modules_to_save`` against the model's modules,
     once here instead of in every worker after the model loaded."""
     from lorasync.train.model import check_lora_targets
 
-    check_lora_targets(cfg.model, cfg.lora)
+    check_lora_targets(source, cfg.lora)
 
 
-def _load_tokenizer(name, load_base):
-    if name == "tiny":   # the tokenizer alone: building the model imports the modeling stack
+def _load_tokenizer(source):
+    """The tokenizer of ``source`` (what the data check encodes with)."""
+    if source.name == "tiny":   # the tokenizer alone: building the model imports the modeling stack
         from lorasync.train.model import _tiny_tokenizer
 
-        return None, _tiny_tokenizer(bare=True)
-    from lorasync.train.model import resolve_model
-
-    path = resolve_model(name)   # a ModelError with the fix when there is none
+        return _tiny_tokenizer(bare=True)
+    path = source.path
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path)
@@ -211,7 +214,7 @@ def _load_tokenizer(name, load_base):
                             f"{str(exc).splitlines()[0]}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return None, tok
+    return tok
 
 
 def _check_output_dir(given: str, out: str) -> None:
@@ -246,18 +249,47 @@ def _worker_argv(argv: list[str], output_dir: str) -> list[str]:
     return ["train", *out, "--output-dir", output_dir]
 
 
+#: the environment variable that hands the launcher's resolved model to its workers
+_SOURCE_ENV = "LORASYNC_MODEL_SOURCE"
+
+
+def _hand_on(source) -> dict[str, str]:
+    """What the launcher's workers get in their environment: ``source`` as JSON."""
+    import dataclasses
+    import json
+
+    return {_SOURCE_ENV: json.dumps(dataclasses.asdict(source))}
+
+
+def _handed(name: str):
+    """The ``ModelSource`` this worker's launcher resolved for the model ``name``, or
+    None: a worker torchrun started directly resolves the model itself."""
+    import json
+
+    from lorasync.train.model import ModelSource
+
+    given = os.environ.get(_SOURCE_ENV)
+    if not given:
+        return None
+    try:
+        source = ModelSource(**json.loads(given))
+    except (TypeError, ValueError):
+        return None
+    return source if source.name == name else None   # a stale variable names another
+
+
 def run(args) -> int:
     from lorasync.launch import in_worker, run_torchrun
 
     cfg = _resolve(args)
     if in_worker():
-        from lorasync.train.loop import train_worker
+        from lorasync.train.worker import train_worker
 
         if not cfg.run.output_dir:
             raise ConfigError("--output-dir", "", "under torchrun give every node the same "
                               "--output-dir")
         try:
-            return train_worker(cfg, resume=args.resume)
+            return train_worker(cfg, resume=args.resume, source=_handed(cfg.model.name))
         except LorasyncError:
             if int(os.environ.get("RANK", "0")) != 0:
                 # only rank 0 reports a user error; the others exit with the same code
@@ -280,7 +312,8 @@ def run(args) -> int:
         from lorasync.emulate.spec import parse_emulate
 
         spec = parse_emulate(args.emulate)
-    _preflight(cfg, spec.nodes * spec.nproc_per_node if spec else None)
+    source = _preflight(cfg, spec.nodes * spec.nproc_per_node if spec else None)
+    handoff = _hand_on(source)   # the workers load what this launcher checked
     raw = args._argv
     argv = _worker_argv(raw[raw.index("train") + 1:] if "train" in raw else [], out)
     restarts = cfg.run.max_restarts
@@ -297,7 +330,8 @@ def run(args) -> int:
               + f", up to {restarts} restart(s), run directory {out}", file=sys.stderr)
         with emulated(spec) as cluster:
             code = launch_on_cluster(cluster, argv, nproc_per_node=spec.nproc_per_node,
-                                     max_restarts=restarts, min_nodes=lo if lo < hi else None)
+                                     max_restarts=restarts, min_nodes=lo if lo < hi else None,
+                                     env={**os.environ, **handoff})
         return _after(code, out, restarts)
     if cfg.run.nnodes and cfg.run.nnodes != "1" and not cfg.run.rdzv_endpoint:
         raise ConfigError("--nnodes", cfg.run.nnodes, "several nodes need --rdzv-endpoint "
@@ -312,7 +346,8 @@ def run(args) -> int:
              if cfg.run.rdzv_endpoint else " via torchrun")
           + f", up to {restarts} restart(s), run directory {out}", file=sys.stderr)
     code = run_torchrun(argv, cfg.run.nproc, nnodes=nodes,
-                        rdzv_endpoint=cfg.run.rdzv_endpoint or None, max_restarts=restarts)
+                        rdzv_endpoint=cfg.run.rdzv_endpoint or None, max_restarts=restarts,
+                        env=handoff)
     return _after(code, out, restarts)
 
 

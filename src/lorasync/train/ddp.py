@@ -1,6 +1,6 @@
 """How lorasync sets up DDP for a LoRA model: what travels at start-up and per forward.
 
-Shared by lorasync's own trainer (``train/loop.py``) and the Hugging Face
+Shared by lorasync's own trainer (``train/trainer.py``) and the Hugging Face
 integration (``lorasync.hf``):
 
 * :func:`same_on_every_rank`: a 16-byte check that every rank holds the same

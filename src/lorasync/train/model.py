@@ -14,13 +14,19 @@ Four sources of a base model:
   Hub cache through huggingface_hub's own lookup; nothing downloads at run
   time (``resolve_model`` says which ``hf download`` fetches a missing one).
 
+A name is resolved once into a :class:`ModelSource` (the name, the local
+directory it loads from, the base an adapter records); the launcher resolves
+it before any worker starts and hands it to them, and everything that reads
+the model (tokenizer, meta model, ``load_base``, checkpoints, the exported
+adapter) takes that source.
+
 Any architecture ``AutoModelForCausalLM`` loads is accepted; the adapter is
 PEFT's ``LoraConfig`` (all-linear, DoRA, rsLoRA, modules_to_save and its
 other fields via ``lora.options``), and ``--load-in-4bit`` / ``--load-in-8bit``
 load the base through bitsandbytes for QLoRA.
 
 Every rank loads the same base weights itself; only the adapter has to be
-made identical across ranks (see ``loop.py``), which is why DDP's start-up
+made identical across ranks (see ``trainer.py``), which is why DDP's start-up
 broadcast of the whole model can be skipped.
 """
 
@@ -33,13 +39,14 @@ import os
 import shutil
 import string
 import time
+from dataclasses import dataclass
 
 from lorasync.errors import ConfigError, ModelError
 
-__all__ = ["load_base", "add_lora", "cache_dir", "ensure_embedded", "adapter_param_count",
-           "resolve_model", "base_model_ref", "lora_config", "quantization_config",
-           "check_quantization", "check_model_options", "check_lora_targets",
-           "adapter_named_params"]
+__all__ = ["ModelSource", "load_base", "add_lora", "cache_dir", "ensure_embedded",
+           "adapter_param_count", "resolve_model", "base_model_ref", "lora_config",
+           "quantization_config", "check_quantization", "check_model_options",
+           "check_lora_targets", "adapter_named_params"]
 
 EMBEDDED = "smollm2-135m"
 # The Hub repository the embedded GGUF was converted from: the package ships
@@ -261,6 +268,26 @@ def base_model_ref(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A base model, resolved: what every part of a run that reads the model takes."""
+
+    name: str
+    """As the user gave it (``model.name``): what messages and ``config.yaml`` show."""
+    path: str | None
+    """The local directory it loads from (``resolve_model``); None for ``tiny``,
+    which is built in memory."""
+    ref: str
+    """What an adapter records as ``base_model_name_or_path`` (``base_model_ref``)."""
+
+    @classmethod
+    def resolve(cls, name: str) -> ModelSource:
+        """The source of the model ``name``; a ModelError with the fix when there
+        is none.  Never downloads; the embedded default's directory is where
+        ``ensure_embedded`` converts it to."""
+        return cls(name, None if name == "tiny" else resolve_model(name), base_model_ref(name))
+
+
 # -- quantized bases (QLoRA) -----------------------------------------------------------
 
 def _bnb_devices() -> tuple[bool, set, set]:
@@ -322,30 +349,32 @@ def quantization_config(model_cfg):
 
 # -- loading ---------------------------------------------------------------------------
 
-def load_base(name, dtype: str = "float32", log=print, *, device=None):
-    """(model, tokenizer) for a model name, directory or Hub id; raises ModelError.
+def load_base(source: ModelSource, dtype: str = "float32", log=print, *, quantize=None,
+              device=None):
+    """(model, tokenizer) of ``source``; raises ModelError.
 
-    ``name`` may be a ``ModelConfig`` (its name, dtype and quantization); a
-    quantized base is placed whole on ``device`` (default: this process's
-    CUDA device) by transformers, as bitsandbytes needs.
+    ``quantize``: the ``model`` settings (``ModelConfig``) whose --load-in-4bit
+    or --load-in-8bit load the base through bitsandbytes; a quantized base is
+    placed whole on ``device`` (default: this process's CUDA device) by
+    transformers, as bitsandbytes needs.
     """
+    if not isinstance(source, ModelSource):
+        raise TypeError(f"load_base takes a ModelSource, not a {type(source).__name__}: "
+                        "load_base(ModelSource.resolve(name))")
     import torch
 
-    model_cfg = None
-    if not isinstance(name, str):
-        model_cfg, name, dtype = name, name.name, name.dtype
     torch_dtype = getattr(torch, dtype)
-    if name == "tiny":
+    if source.name == "tiny":
         tok = _tiny_tokenizer()
         model = _tiny_model(len(tok), tok.pad_token_id, tok.eos_token_id).to(torch_dtype)
         return model, tok
-    if name == EMBEDDED:
+    if source.name == EMBEDDED:
         ensure_embedded(log=log)
-    path = resolve_model(name)
+    path = source.path
     kwargs = {}
-    quant = quantization_config(model_cfg) if model_cfg is not None else None
+    quant = quantization_config(quantize) if quantize is not None else None
     if quant is not None:
-        check_quantization(model_cfg)   # a worker started by hand gets the same message
+        check_quantization(quantize)   # a worker started by hand gets the same message
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -402,25 +431,24 @@ def check_model_options(model_cfg, lora) -> None:
         lora_config(lora)   # else nothing PEFT could refuse: the launcher skips its import
 
 
-def _meta_model(name: str):
-    """``name`` built on the meta device (no weights, but the modeling code's
+def _meta_model(source: ModelSource):
+    """``source`` built on the meta device (no weights, but the modeling code's
     import: seconds), or None when it cannot be built without its weights."""
     import torch
 
     try:
         with torch.device("meta"):
-            if name == "tiny":
+            if source.name == "tiny":
                 tok = _tiny_tokenizer()
                 return _tiny_model(len(tok), tok.pad_token_id, tok.eos_token_id)
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
-                resolve_model(name)))
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source.path))
     except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError, RuntimeError):
         return None   # e.g. remote code, an architecture this transformers lacks
 
 
-def check_lora_targets(model_cfg, lora) -> None:
+def check_lora_targets(source: ModelSource, lora) -> None:
     """``lora.targets`` and ``lora.modules_to_save`` against the model's module
     names, as PEFT matches them (a name or a dotted suffix), from the model built on
     the meta device, so that a wrong name fails once before launch instead of
@@ -430,11 +458,11 @@ def check_lora_targets(model_cfg, lora) -> None:
     targets = [] if list(lora.targets) == [ALL_LINEAR] else list(lora.targets)
     if not targets and not lora.modules_to_save:
         return   # all-linear names no module
-    if model_cfg.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets) \
+    if source.name in ("tiny", EMBEDDED) and set(targets) <= set(LoraSettings().targets) \
             and not lora.modules_to_save:
         return   # both are Llamas: the default projections are theirs (the common
         # case pays no import)
-    model = _meta_model(model_cfg.name)
+    model = _meta_model(source)
     if model is None:
         return   # the worker's PEFT checks
     import torch
@@ -448,14 +476,14 @@ def check_lora_targets(model_cfg, lora) -> None:
     missing = [t for t in targets if not any(k == t or k.endswith("." + t) for k in linear)]
     if missing:
         raise ConfigError("lora.targets", missing[0],
-                          f"not a linear or embedding layer of {model_cfg.name}; choose from "
+                          f"not a linear or embedding layer of {source.name}; choose from "
                           + ", ".join(sorted({k.rsplit(".", 1)[-1] for k in linear}))
                           + f", or {ALL_LINEAR}")
     missing = [t for t in lora.modules_to_save if not any(k.endswith(t) for k in keys)]
     if missing:
         top = sorted({k.rsplit(".", 1)[-1] for k in linear if "proj" not in k})
         raise ConfigError("lora.modules_to_save", missing[0],
-                          f"no module of {model_cfg.name} is named so; name whole modules to "
+                          f"no module of {source.name} is named so; name whole modules to "
                           f"train and save, e.g. {', '.join(top[:6])}")
 
 

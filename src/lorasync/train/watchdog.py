@@ -38,7 +38,7 @@ Python.  So every rank runs a ``Watchdog`` thread that
   the worker with exit code 75 from the thread, wherever the main thread
   waits.  The line and the record are written from helper threads with a
   deadline: a hung disk under the rank stream (or a full stderr pipe)
-  cannot hold the exit.  torchrun then restarts the group (train/loop.py
+  cannot hold the exit.  torchrun then restarts the group (train/trainer.py
   resumes it).
 
 A peer that dies outright usually shows first as a broken connection in the

@@ -1,13 +1,13 @@
-"""The training worker: one process per rank, started by torchrun.
+"""One rank's training run: the ``Trainer``.
 
-``train_worker`` owns the process group (set up, and torn down in
-``finally``); ``Trainer`` is one rank's run: ``setup`` builds the model,
-strategy and optimizer, ``run`` is the train loop.  Its parts live in their
-own modules, each with its state: ``Checkpointer`` (train/checkpoint.py:
-what to resume from, when and what to save), ``Evaluator``
-(train/evaluate.py: eval loss, exact-match, evals.jsonl) and ``StepLog``
-(train/steplog.py: the step records, their streams, sinks and the progress
-bar); train/summary.py reduces the records to summary.json.
+``setup`` builds the model, strategy and optimizer, ``run`` is the train
+loop.  Its parts live in their own modules, each with its state:
+``Checkpointer`` (train/checkpoint/: what to resume from, when and what to
+save), ``Evaluator`` (train/evaluate.py: eval loss, exact-match,
+evals.jsonl) and ``StepLog`` (train/steplog.py: the step records, their
+streams, sinks and the progress bar); train/summary.py reduces the records
+to summary.json.  The process around it (group, watchdog, exit) is
+train/worker.py's.
 
 DDP settings chosen for LoRA (and why):
 
@@ -40,139 +40,22 @@ schemes: the growth of ``sync.stats()["comm_s"]``), is sync the step waited on.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
-import sys
 import time
-import uuid
-import warnings
 
 from lorasync.config import Config
 from lorasync.errors import DataError, LorasyncError
-from lorasync.launch import worker_env
-from lorasync.launch.stores import init_process_group, master_endpoint
 from lorasync.train.ddp import buffer_sync_kwarg as _buffer_sync_kwarg
 from lorasync.train.ddp import make_identical
+from lorasync.train.precision import check_precision
+from lorasync.train.schedule import lr_lambda, schedule_note
 from lorasync.train.summary import format_summary
 from lorasync.train.summary import summarize as _summarize
 from lorasync.train.watchdog import Pace
 
-__all__ = ["train_worker", "resolve_backend", "Trainer"]
-
-
-def resolve_backend(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if name == "nccl" and not torch.cuda.is_available():
-        raise LorasyncError("run.backend: 'nccl' needs CUDA GPUs, none found; use "
-                            "--backend gloo (or auto)")
-    return name
-
-
-def _lr_lambda(schedule: str, warmup: int, total: int):
-    def f(step: int) -> float:  # step counts optimizer steps done, from 0
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant" or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return f
-
-
-def schedule_note(schedule: str, lr: float, warmup: int, total: int) -> str | None:
-    """The one-line note for a schedule that never reaches its peak learning
-    rate (more warm-up steps than steps), else None."""
-    if warmup <= total:
-        return None
-    top = lr * _lr_lambda(schedule, warmup, total)(total - 1)
-    return (f"note: the learning rate never reaches its peak {lr:g}: {warmup} warm-up steps "
-            f"(--warmup-steps) for {total} steps, it ends at {top:.3g}; lower --warmup-steps "
-            f"to at most {total} to reach it")
-
-
-def _fp16_refused(strategy: str, options: dict | None = None) -> bool:
-    """Whether ``strategy`` keeps gradients across steps (error feedback; auto
-    may switch to such a strategy), where loss scaling would leave scaled, at
-    times infinite, values.  auto passes when its ``candidates`` are per-step
-    strategies without error feedback (what --fp16 gives the default auto)."""
-    from lorasync import catalog
-
-    if strategy == "auto":
-        given = (options or {}).get("candidates")
-        names = [c.strip() for c in str(given).split(",") if c.strip()] if given else []
-        return not names or any(c not in ("allreduce", "fp16", "bf16") for c in names)
-    if strategy == "torch_powersgd":
-        return True
-    return strategy in catalog.SPECS and catalog.SPECS[strategy].error_feedback
-
-
-def precision_device(backend: str) -> str:
-    """The device type the workers will compute on (``--backend``)."""
-    import torch
-
-    return "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) \
-        else "cpu"
-
-
-def check_precision(cfg: Config, device_type: str, probe: bool = True) -> None:
-    """``--bf16`` / ``--fp16`` against the strategy and (``probe``) this host's
-    autocast: a ConfigError naming the flag and the fix.  The launcher calls
-    it before any worker starts (probing only a CPU: a probe on a GPU would
-    keep a CUDA context in the launcher for the whole run, and every CUDA GPU
-    autocasts in both dtypes), each worker again on its own device."""
-    from lorasync.errors import ConfigError
-
-    tc = cfg.train
-    if not (tc.bf16 or tc.fp16):
-        return
-    flag, name = ("train.fp16", "float16") if tc.fp16 else ("train.bf16", "bfloat16")
-    if tc.fp16 and _fp16_refused(cfg.comm.strategy, cfg.comm.options):
-        raise ConfigError(flag, True, f"--comm {cfg.comm.strategy} keeps gradients across "
-                          "steps (error feedback), which loss scaling fills with scaled and at "
-                          "times infinite values; use --bf16 (no loss scaling), or --fp16 with "
-                          "allreduce, fp16, bf16, local or diloco"
-                          + (" (or auto among allreduce, fp16 and bf16 only: --comm-opt "
-                             "candidates=allreduce,fp16)" if cfg.comm.strategy == "auto" else ""))
-    if not probe:
-        return
-    import torch
-
-    why = _autocast_fails(device_type, getattr(torch, name))
-    if why is None and tc.fp16:
-        try:
-            torch.amp.GradScaler(device_type)
-        except (RuntimeError, ValueError) as exc:
-            why = f"no loss scaler: {str(exc).splitlines()[0]}"
-    if why:
-        raise ConfigError(flag, True, f"torch {torch.__version__} cannot run {name} autocast "
-                          f"on {device_type} here ({why}); drop --{flag[6:]}"
-                          + (" or use --bf16" if tc.fp16 else ""))
-
-
-def _autocast_fails(device_type: str, dtype) -> str | None:
-    """Why a matmul under ``torch.autocast(device_type, dtype)`` does not run in
-    ``dtype`` (torch warns and turns autocast off for a dtype a device lacks)."""
-    import torch
-
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with torch.autocast(device_type, dtype=dtype):
-                x = torch.ones(4, 4, device=device_type)
-                y = x @ x
-    except (RuntimeError, ValueError, TypeError) as exc:
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if y.dtype != dtype:
-        said = [str(w.message).splitlines()[0] for w in caught]
-        return said[0] if said else f"the result came out {y.dtype}"
-    return None
+__all__ = ["Trainer", "peak_memory_bytes", "prepare_run_dir"]
 
 
 def peak_memory_bytes(device) -> int:
@@ -236,15 +119,6 @@ class _LabelTokens:
         return n
 
 
-class _Log:
-    def __init__(self, rank: int):
-        self.rank = rank
-
-    def __call__(self, msg: str) -> None:
-        if self.rank == 0:
-            print(msg, file=sys.stderr, flush=True)
-
-
 def prepare_run_dir(cfg: Config, resume: bool) -> None:
     """Rank 0: create the run directory (after validation and any restore) and
     write config.yaml, with the checksum ``--resume`` checks."""
@@ -253,149 +127,6 @@ def prepare_run_dir(cfg: Config, resume: bool) -> None:
     out = cfg.run.output_dir
     os.makedirs(out, exist_ok=True)
     write_run_config(cfg, os.path.join(out, "config.yaml"))
-
-
-def train_worker(cfg: Config, resume: bool = False, trainer_cls=None) -> int:
-    """One rank's run; ``trainer_cls``: a :class:`Trainer` subclass in its place
-    (a bench's peer row: lorasync's run with another system's sync)."""
-    import torch
-    import torch.distributed as dist
-    from transformers.utils import logging as hf_logging
-
-    from lorasync.train.recovery import next_action
-    from lorasync.train.watchdog import (StartGuard, Watchdog, bounded_call, describe_self,
-                                         stall_here)
-
-    spawned = time.time()
-    env = worker_env()
-    rank, local_rank = env["rank"], env["local_rank"]
-    log = _Log(rank)
-    _stop_if_fatal_before(rank)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    # --threads, else OMP_NUM_THREADS (an emulated cluster runs every node's worker on
-    # this one machine and sets it to 1), else the cores shared by this node's workers
-    threads = (cfg.run.threads or int(os.environ.get("OMP_NUM_THREADS") or 0)
-               or max(1, (os.cpu_count() or 1) // env["local_world_size"]))
-    torch.set_num_threads(threads)
-    backend = resolve_backend(cfg.run.backend)
-    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    # Until the watchdog runs (it needs the store and every rank's description) the
-    # start has a bound of its own: a rank that does not arrive is named.
-    store_addr, store_port = master_endpoint()
-    guard = StartGuard(rank=rank, world=env["world_size"], store_addr=store_addr,
-                       store_port=store_port, bound_s=start_bound(cfg.run.fault_timeout),
-                       bound_text=f"max({START_BOUND_MIN_S:g} s, 2 x --fault-timeout "
-                       f"{cfg.run.fault_timeout:g} s)",
-                       next_action=lambda: next_action(cfg.run.output_dir)).start()
-    try:
-        stall_here("init")  # test hook (off unless LORASYNC_TEST_STALL names this rank)
-        guard.connecting()
-        # the group's store on this node's address only, never every interface
-        store = init_process_group(backend, _dt.timedelta(minutes=10),
-                                   device_id=device if backend == "nccl" else None,
-                                   on_store=lambda st: guard.reached("store", st))
-        guard.reached("group", store)
-    except BaseException:
-        guard.done()
-        raise
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
-            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-        log("note: torchrun shares one c10d store between restarts here; set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (lorasync's launchers do): a "
-            "restarted group can otherwise read the previous one's keys and fail to connect")
-    watchdog = trainer = None
-    try:
-        # who is who (to name a peer that fails), and a key prefix of this attempt
-        members: list = [None] * env["world_size"]
-        me = describe_self(rank)
-        me["token"] = uuid.uuid4().hex if rank == 0 else None
-        dist.all_gather_object(members, me)
-        guard.reached("members", store)
-        watchdog = Watchdog(rank=rank, members=members, store_addr=store_addr,
-                            store_port=store_port,
-                            prefix=f"lorasync/watchdog/{members[0]['token']}/",
-                            min_timeout_s=cfg.run.fault_timeout, steps=cfg.run.fault_steps,
-                            on_fault=lambda e: trainer.record_event(e) if trainer else None,
-                            next_action=lambda: next_action(cfg.run.output_dir))
-        watchdog.start()
-        # every rank's first beat is in the store before anyone watches
-        dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
-        guard.done()
-        trainer = (trainer_cls or Trainer)(cfg, resume, env, device, backend, log,
-                                           watchdog=watchdog, spawned=spawned)
-        trainer.setup()
-        return trainer.run()
-    except LorasyncError as exc:
-        _mark_fatal(rank, str(exc))
-        raise
-    except Exception as exc:
-        if watchdog is not None and _is_comm_failure(exc):
-            watchdog.connection_lost(exc)  # names the peer, records it, exits
-        raise
-    finally:
-        guard.done()
-        if watchdog is not None:
-            watchdog.stop()
-        # a peer stuck in its own teardown must not keep this worker: it ends anyway
-        if not bounded_call(lambda: (stall_here("destroy"), dist.destroy_process_group()),
-                            cfg.run.fault_timeout, "lorasync-destroy"):
-            print(f"lorasync: rank {rank}: destroy_process_group did not return within "
-                  f"{cfg.run.fault_timeout:g} s (--fault-timeout); this worker ends without it",
-                  file=sys.stderr, flush=True)
-
-
-#: the least time the start of a group (store, process group, first gather) gets
-START_BOUND_MIN_S = 20.0
-
-
-def start_bound(fault_timeout: float) -> float:
-    """Seconds the start of a group may take before the ranks that did not
-    arrive are named: max(20 s, 2 x --fault-timeout)."""
-    return max(START_BOUND_MIN_S, 2 * float(fault_timeout))
-
-
-def _is_comm_failure(exc: BaseException) -> bool:
-    """A collective failed because a peer went away (not a bug of ours)."""
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(k in text for k in (
-        "Connection reset", "Connection closed", "Broken pipe", "Connection refused",
-        "gloo/transport", "pair.cc", "Socket Timeout", "NCCL communicator was aborted"))
-
-
-def _fatal_dir() -> str | None:
-    return os.environ.get("LORASYNC_FATAL_DIR") or None
-
-
-def _mark_fatal(rank: int, msg: str) -> None:
-    """A user error is the same on every try: tell restarted workers to stop at once."""
-    folder = _fatal_dir()
-    if folder and os.path.isdir(folder):
-        with open(os.path.join(folder, f"rank{rank}"), "w") as fh:
-            fh.write(msg)
-
-
-def _stop_if_fatal_before(rank: int) -> None:
-    """Stop a restarted worker at once (exit 2, nothing loaded or written) when an
-    earlier try of this group ended with a user error.  Rank 0 says it once: when
-    it reported the error itself (its mark is there) the restarts stop silently."""
-    folder = _fatal_dir()
-    if not folder or not os.path.isdir(folder) or not os.listdir(folder):
-        return
-    if os.path.exists(os.path.join(folder, "rank0")):
-        raise SystemExit(2)
-    with open(os.path.join(folder, sorted(os.listdir(folder))[0])) as fh:
-        msg = fh.read() or "an earlier try of this run failed with a user error"
-    if rank == 0:  # rank 0 says it now (another rank's error): later restarts stay silent
-        _mark_fatal(rank, msg)
-    raise LorasyncError(msg)
 
 
 class Trainer:
@@ -407,11 +138,12 @@ class Trainer:
     state; ``run()`` trains to the end (or ``--stop-after``), then writes the
     adapter, metrics.jsonl and summary.json.  Collectives run in the same
     order on every rank.  ``watchdog`` (train/watchdog.py) is told what the
-    rank does, so that a failing peer is named within its bound.
+    rank does, so that a failing peer is named within its bound.  ``source``: the
+    model as the launcher resolved it (``ModelSource``); None: ``setup`` resolves it.
     """
 
     def __init__(self, cfg: Config, resume: bool, env: dict, device, backend: str, log, *,
-                 watchdog=None, spawned: float | None = None):
+                 watchdog=None, spawned: float | None = None, source=None):
         import torch.distributed as dist
 
         self.cfg, self.tc, self.resume, self.device, self.backend = \
@@ -426,6 +158,7 @@ class Trainer:
         self.pace = watchdog if watchdog is not None else Pace()
         self.spawned = spawned if spawned is not None else time.time()
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.source = source
         self.steplog = None
         self._restart_field: dict | None = None
         self._eval_owed = False   # an evaluation due at an earlier step, deferred
@@ -452,8 +185,8 @@ class Trainer:
         from lorasync.comm import attach
         from lorasync.train.checkpoint import Checkpointer, Progress
         from lorasync.train.data import IGNORE, load_datasets, steps_per_epoch
-        from lorasync.train.model import (adapter_named_params, adapter_param_count, add_lora,
-                                          load_base)
+        from lorasync.train.model import (ModelSource, adapter_named_params,
+                                          adapter_param_count, add_lora, load_base)
         from lorasync.errors import CheckpointError
         from lorasync.train.recovery import Attempt, classify, history
 
@@ -465,7 +198,10 @@ class Trainer:
         t_load = time.time()
         # the one stage without a bound of its own: a first download may take any time
         self.pace.tick("load", allow_s=math.inf)
-        base, self.tok = load_base(cfg.model, log=self.log, device=device)
+        # a worker torchrun started directly (no launcher resolved it) resolves it here
+        self.source = self.source or ModelSource.resolve(cfg.model.name)
+        base, self.tok = load_base(self.source, cfg.model.dtype, self.log, quantize=cfg.model,
+                                   device=device)
         if tc.gradient_checkpointing:
             _enable_checkpointing(base, cfg.model.name)
         self.train_set, self.eval_set = load_datasets(cfg.data, self.tok, warn=self.log)
@@ -487,7 +223,7 @@ class Trainer:
         self.ckpt = Checkpointer(self.run_dir, rank=rank, local_rank=self.local_rank,
                                  world_size=world, barrier=self.barrier,
                                  interval=tc.ckpt_interval, keep=tc.keep_ckpts, pace=self.pace,
-                                 tokenizer=self.tok, model_name=cfg.model.name)
+                                 tokenizer=self.tok, base_ref=self.source.ref)
         # A restarted group resumes by itself; the ranks agree on the checkpoint.
         self.history = history(self.run_dir, rank)
         self.plan, meta, histories = self.ckpt.agree(
@@ -546,7 +282,7 @@ class Trainer:
         # total needs no collective
         self.label_tokens = _LabelTokens(self.train_set, IGNORE)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, _lr_lambda(tc.schedule, tc.warmup_steps, self.total_steps))
+            self.opt, lr_lambda(tc.schedule, tc.warmup_steps, self.total_steps))
         if hasattr(self.sync, "set_optimizer"):
             # auto: lets it average rank-local optimizer moments when it leaves local/diloco
             self.sync.set_optimizer(self.opt)
@@ -854,9 +590,9 @@ class Trainer:
         self.steplog.close()   # trackers have the final evaluation; the bar ends before the summary
         if rank == 0:
             self.pace.tick("adapter", allow_s=(self.n_adapter * 4 + (4 << 20)) / SLOW_DISK_BPS)
-            from lorasync.train.checkpoint import base_model_ref, export_adapter
+            from lorasync.train.checkpoint import export_adapter
             export_adapter(self.model, os.path.join(run_dir, "adapter"), tokenizer=self.tok,
-                           base_ref=base_model_ref(cfg.model.name))
+                           base_ref=self.source.ref)
         self.pace.tick("end event")
         self._end_event("done")
         gathered = [None] * world if rank == 0 else None
@@ -880,4 +616,3 @@ class Trainer:
             print(format_summary(summary, run_dir))
         self._barrier("the final barrier")
         return 0
-
