@@ -239,9 +239,16 @@ def _ops(monkeypatch, crash_at: dict, partial: bool, ranks_of: dict, counts: dic
     real = {"replace": os.replace, "rmtree": shutil.rmtree, "makedirs": os.makedirs,
             "write": fmt._write_atomic, "fsync": fmt._fsync_dir}
 
+    inside = threading.local()   # os.makedirs calls itself for missing parents
+
     def wrap(name):
         def op(*a, **kw):
             rank = ranks_of.get(threading.get_ident())
+            if name == "makedirs" and getattr(inside, "makedirs", False):
+                # a parent folder made inside one call: on a shared disk whether it is
+                # still missing depends on which rank got there first, so the count of
+                # operations (and where a kill lands) would depend on the interleaving
+                return real[name](*a, **kw)
             if rank is not None:
                 counts[rank] = counts.get(rank, 0) + 1
                 if counts[rank] == crash_at.get(rank):
@@ -252,7 +259,13 @@ def _ops(monkeypatch, crash_at: dict, partial: bool, ranks_of: dict, counts: dic
                                 os.remove(os.path.join(dirpath, sorted(files)[-1]))
                                 break
                     raise _Crash(name)
-            return real[name](*a, **kw)
+            if name != "makedirs":
+                return real[name](*a, **kw)
+            inside.makedirs = True
+            try:
+                return real[name](*a, **kw)
+            finally:
+                inside.makedirs = False
         return op
 
     monkeypatch.setattr(os, "replace", wrap("replace"))
