@@ -5,6 +5,7 @@ base, PEFT's LoraConfig as the flags build it, and the QLoRA preflight
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -200,20 +201,28 @@ def test_modules_to_save_must_name_modules_of_the_model(guard, tmp_path, capsys)
 
 
 def test_names_are_matched_as_peft_matches_them():
-    """A target is a module name or a dotted suffix of one; a module to save,
-    any suffix of a module's full name (so "norm" takes every *norm)."""
+    """A target is a module name or a dotted suffix of one; a module to save is
+    accepted exactly when the installed PEFT wraps a module for it (PEFT 0.22 made
+    the rule a dotted suffix: "layernorm" no longer takes input_layernorm)."""
     source = m.ModelSource.resolve("tiny")
     m.check_lora_targets(source, LoraSettings(targets="self_attn.q_proj,v_proj",
                                               modules_to_save="model.norm"))
     with pytest.raises(ConfigError, match="'attn.q_proj'"):
         m.check_lora_targets(source, LoraSettings(targets="attn.q_proj"))
     base, _ = m.load_base(source)
-    model = m.add_lora(base, LoraSettings(targets="self_attn.q_proj", modules_to_save="norm"),
-                       seed=0)
-    saved = {n.split(".modules_to_save")[0] for n, p in model.named_parameters()
-             if "modules_to_save" in n and p.requires_grad}
-    assert "base_model.model.model.norm" in saved
-    assert "base_model.model.model.layers.0.input_layernorm" in saved
+    for name in ("norm", "model.norm", "input_layernorm", "layernorm", "orm"):
+        lora = LoraSettings(targets="self_attn.q_proj", modules_to_save=name)
+        try:
+            m.check_lora_targets(source, lora)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        model = m.add_lora(copy.deepcopy(base), lora, seed=0)
+        wrapped = any("modules_to_save" in n and p.requires_grad
+                      for n, p in model.named_parameters())
+        assert accepted == wrapped, (name, accepted, wrapped)
+        if name == "norm":
+            assert wrapped
 
 
 # ---------------------------------------------------------------- quantized bases

@@ -448,6 +448,19 @@ def _meta_model(source: ModelSource):
         return None   # e.g. remote code, an architecture this transformers lacks
 
 
+def _saved_name_matches():
+    """PEFT's rule for a name in ``modules_to_save``: up to 0.21 any suffix of a
+    module's full name ("norm" took every ``*norm``); from 0.22 the name itself or
+    a dotted suffix ("norm" takes ``model.norm``, not ``input_layernorm``)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("peft")) >= Version("0.22"):
+        return lambda key, name: key == name or key.endswith("." + name)
+    return lambda key, name: key.endswith(name)
+
+
 def check_lora_targets(source: ModelSource, lora) -> None:
     """``lora.targets`` and ``lora.modules_to_save`` against the model's module
     names, as PEFT matches them (a name or a dotted suffix), from the model built on
@@ -472,14 +485,15 @@ def check_lora_targets(source: ModelSource, lora) -> None:
     keys = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
     linear = [n for n, mod in model.named_modules() if isinstance(mod, kinds)]
     # PEFT's matching: a target is a module's name or a dotted suffix of it;
-    # a module to save, any suffix of a module's full name
+    # a module to save, as the installed PEFT matches it (_saved_name_matches)
     missing = [t for t in targets if not any(k == t or k.endswith("." + t) for k in linear)]
     if missing:
         raise ConfigError("lora.targets", missing[0],
                           f"not a linear or embedding layer of {source.name}; choose from "
                           + ", ".join(sorted({k.rsplit(".", 1)[-1] for k in linear}))
                           + f", or {ALL_LINEAR}")
-    missing = [t for t in lora.modules_to_save if not any(k.endswith(t) for k in keys)]
+    matches = _saved_name_matches()
+    missing = [t for t in lora.modules_to_save if not any(matches(k, t) for k in keys)]
     if missing:
         top = sorted({k.rsplit(".", 1)[-1] for k in linear if "proj" not in k})
         raise ConfigError("lora.modules_to_save", missing[0],
