@@ -360,8 +360,8 @@ def probe_group(group=None, *, quick: bool = False, max_bytes: int = DEFAULT_MAX
     if quick:
         repeats = repeats or 3
         warmup = 1 if warmup is None else warmup
-        # x4 steps (x16 before): on a long, thin link each step costs about
-        # the latency, and one 16x step projected past the budget
+        # x4 steps: on a long, thin link each step costs about the latency,
+        # and a coarser step would project past the budget
         sizes = sweep_sizes(max_bytes)
         grow_past = MAX_PROBE_BYTES
         pair_sizes = sweep_sizes(min(pair_max_bytes or (1 << 20), max_bytes), factor=16)

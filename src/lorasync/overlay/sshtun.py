@@ -87,8 +87,9 @@ BACKOFF = (0.5, 8.0)
 GATE_S = 10.0
 #: keepalives: an unanswered connection is given up after interval x count seconds (30 s):
 #: an outage shorter than that is ridden out by TCP under the tunnel, as on a direct link
-#: (a 20 s outage with 3 s x 3 made ssh reconnect, and data flowed again 16.6 s after it
-#: instead of 7 s); a killed ssh is seen at once (its process exits, the hub gets a FIN)
+#: (shorter keepalives make ssh reconnect after a brief outage, and a reconnect takes longer
+#: than TCP's own retransmission); a killed ssh is seen at once (its process exits, the hub
+#: gets a FIN)
 ALIVE_INTERVAL_S = 10
 ALIVE_COUNT = 3
 #: what ssh says when the hub still holds this node's tun device for an older connection

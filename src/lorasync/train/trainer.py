@@ -24,8 +24,8 @@ DDP settings chosen for LoRA (and why):
   unless ``--broadcast-buffers``): the model's buffers (rotary tables) never
   change, so re-broadcasting them is a wasted round trip per step.
 * ``bucket_cap_mb`` from the config (default 1 MB): DDP hands a bucket to the
-  sync strategy as soon as all its gradients are ready; the 3.7 MB adapter in
-  1 MB buckets lets the sync of the last layers' gradients run while the
+  sync strategy as soon as all its gradients are ready; an adapter of a few
+  MB in 1 MB buckets lets the sync of the last layers' gradients run while the
   backward pass is still computing the first layers' (overlap), at the cost
   of one collective per bucket.  One big bucket would expose the whole sync.
 * ``find_unused_parameters=False``: every adapter parameter is used in every
